@@ -65,7 +65,9 @@ class YalmConfig:
     def from_dict(cls, data: dict[str, Any]) -> YalmConfig:
         """Build from a dict; keys that are not fields (fixture extras) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
+        missing = [
+            f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING
+        ]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -241,8 +241,7 @@ def prepare_step(
     positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
     if int(positions.max()) >= cfg.max_position_embeddings:
         raise ValueError(
-            f"position {int(positions.max())} exceeds max_position_embeddings "
-            f"{cfg.max_position_embeddings}"
+            f"position {int(positions.max())} exceeds max_position_embeddings {cfg.max_position_embeddings}"
         )
     keys = torch.arange(end)
     future = keys[None, :] > slots[:, None]  # [T, S]
@@ -273,9 +272,7 @@ def embed(ids: Tensor, emb_params: Params, proj_params: Params, cfg: YalmConfig)
     return F.pad(p, (0, cfg.hidden_size - cfg.embedding_size))
 
 
-def attention(
-    a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv: LayerKV | None
-) -> Tensor:
+def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv: LayerKV | None) -> Tensor:
     """Self-attention (§3.4) without the output bias: returns ``A`` of ``h = x + (A + b_o)``."""
     B, T, H = a_in.shape
     n, hn = cfg.num_attention_heads, cfg.head_dim
@@ -361,7 +358,7 @@ class ForwardModel(Protocol):
         *,
         last_only: bool = False,
     ) -> Tensor:
-        """Run ``ids [B, T]`` (CPU long) and return fp32 CPU logits ``[B, T, V]`` (``[B, 1, V]`` if last_only).
+        """Run ``ids [B, T]`` (CPU long); return fp32 CPU logits ``[B, T, V]`` (``[B, 1, V]`` if last_only).
 
         With ``cache`` the tokens continue the cached rows and the cache is
         advanced by ``T``; without it ``pad`` gives the left padding of each row.
@@ -454,7 +451,9 @@ class Yalm:
     __call__ = forward
 
 
-def random_weights(cfg: YalmConfig, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> YalmWeights:
+def random_weights(
+    cfg: YalmConfig, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32
+) -> YalmWeights:
     """Random weights with the release shapes (for tests, demos and benchmarks).
 
     LayerNorm gains are drawn around 1 and biases around 0 so that every
