@@ -1,0 +1,496 @@
+"""Weight store: one safetensors file per module, laid out for large sequential reads.
+
+A store folder holds ``embedding.safetensors``, ``projector.safetensors``,
+``layer_000.safetensors`` .. and ``output.safetensors`` (release key names, see
+:mod:`robot_llm.llm.yalm`) plus ``manifest.json``: the model config, the stored
+dtype, the quantization scheme and every file's size and sha256.
+
+:func:`convert` builds a store from a release checkpoint one module at a time
+(the model is never held in RAM), refuses to start when the disk is too small,
+and resumes after an interruption: each finished file is renamed into place
+and recorded in ``progress.json`` before the next one starts.
+
+``int8`` is weight-only: the 2-D matrices of the transformer layers are stored
+as symmetric int8 with float32 scales, one per ``group_size`` input columns of
+each output row (per-channel when ``group_size`` is 0 or does not divide the
+row), and dequantized on the fly by :func:`dequantize_into`. The embedding
+(also the tied LM head), the output layer, norms and biases stay fp16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
+from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.yalm import Params
+
+log = logging.getLogger(__name__)
+
+FORMAT = "robot-llm-store/1"
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+#: Suffix of the scale tensor that accompanies an int8 matrix.
+SCALE_SUFFIX = ".qscale"
+#: Stored element type per ``--dtype``; int8 keeps its non-matrix tensors in fp16.
+STORE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.float16,
+}
+DEFAULT_GROUP_SIZE = 64
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+}
+
+
+class StoreError(Exception):
+    """A store cannot be written or used as it is; the message says why."""
+
+
+def file_name(kind: ModuleKind, index: int) -> str:
+    """Store file of a module: ``layer_007.safetensors`` for layer 7, ``<kind>.safetensors`` otherwise."""
+    return f"layer_{index:03d}.safetensors" if kind == "layer" else f"{kind}.safetensors"
+
+
+def is_quantized_key(kind: ModuleKind, key: str, shape: tuple[int, ...]) -> bool:
+    """True for the tensors int8 stores quantize: the matrices of transformer layers."""
+    return kind == "layer" and len(shape) == 2 and key.endswith(".weight")
+
+
+# --------------------------------------------------------------------------- int8
+
+
+def group_count(in_features: int, group_size: int) -> int:
+    """Number of scale groups per row (1 = per-channel)."""
+    if group_size <= 0 or in_features % group_size:
+        return 1
+    return in_features // group_size
+
+
+def quantize_int8(weight: Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 of a ``[out, in]`` matrix: returns ``(q int8 [out, in], scale float32 [out, G])``."""
+    out_f, in_f = weight.shape
+    groups = group_count(in_f, group_size)
+    w = weight.float().reshape(out_f, groups, in_f // groups)
+    scale = (w.abs().amax(dim=-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(out_f, in_f), scale
+
+
+def dequantize_into(q: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+    """Write ``q * scale`` into the preallocated ``out`` (any float dtype/device) without temporaries."""
+    out_f, in_f = q.shape
+    groups = scale.shape[1]
+    view = out.view(out_f, groups, in_f // groups)
+    view.copy_(q.view(out_f, groups, in_f // groups))
+    view.mul_(scale[..., None])
+    return out
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class StoreFile:
+    """One file of a store as recorded in the manifest."""
+
+    name: str
+    kind: ModuleKind
+    index: int
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Contents of ``manifest.json``."""
+
+    config: YalmConfig
+    dtype: str
+    group_size: int
+    files: list[StoreFile] = field(default_factory=list)
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        """The quantization scheme, or None for a plain float store."""
+        if self.dtype != "int8":
+            return None
+        return {
+            "scheme": "int8 weight-only, symmetric, float32 scales",
+            "group_size": self.group_size,
+            "applies_to": "2-D weights of transformer layers (per-channel where group_size does not divide)",
+            "scale_suffix": SCALE_SUFFIX,
+        }
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of all file sizes."""
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document written to ``manifest.json``."""
+        return {
+            "format": FORMAT,
+            "config": self.config.to_dict(),
+            "dtype": self.dtype,
+            "group_size": self.group_size,
+            "quantization": self.quantization,
+            "total_bytes": self.total_bytes,
+            "files": [vars(f) for f in self.files],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        """Parse a ``manifest.json`` document."""
+        if data.get("format") != FORMAT:
+            raise StoreError(f"not a {FORMAT} manifest (format={data.get('format')!r})")
+        return cls(
+            config=YalmConfig.from_dict(data["config"]),
+            dtype=data["dtype"],
+            group_size=int(data["group_size"]),
+            files=[StoreFile(**f) for f in data["files"]],
+        )
+
+
+def read_manifest(store_dir: str | Path) -> Manifest:
+    """Load ``STORE_DIR/manifest.json`` (raises :class:`StoreError` when absent or invalid)."""
+    path = Path(store_dir) / MANIFEST
+    if not path.is_file():
+        extra = " (conversion unfinished: run convert again to resume)" if (path.parent / PROGRESS).exists() else ""
+        raise StoreError(f"{path} does not exist{extra}")
+    try:
+        return Manifest.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"{path}: invalid manifest ({exc})") from exc
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256_file(path: str | Path, chunk: int = 16 << 20) -> str:
+    """Hex sha256 of a file, read in large chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def expected_file_bytes(cfg: YalmConfig, dtype: str, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, int]:
+    """Payload bytes of each store file for ``cfg`` (headers add a few KiB)."""
+    elem = STORE_DTYPES[dtype].itemsize
+    sizes = {}
+    for kind, index, _, shapes in module_plan(cfg):
+        total = 0
+        for key, shape in shapes.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            if dtype == "int8" and is_quantized_key(kind, key, shape):
+                total += numel + 4 * shape[0] * group_count(shape[1], group_size)
+            else:
+                total += numel * elem
+        sizes[file_name(kind, index)] = total
+    return sizes
+
+
+def _store_tensors(kind: ModuleKind, params: Params, dtype: str, group_size: int) -> Params:
+    out: Params = {}
+    for key, tensor in params.items():
+        if dtype == "int8" and is_quantized_key(kind, key, tuple(tensor.shape)):
+            out[key], out[key + SCALE_SUFFIX] = quantize_int8(tensor, group_size)
+        else:
+            out[key] = tensor.to(STORE_DTYPES[dtype]).contiguous()
+    return out
+
+
+def _release_config(release_dir: Path) -> YalmConfig:
+    path = release_dir / "config.json"
+    if not path.is_file():
+        raise StoreError(f"{release_dir} has no config.json; name the model with a preset (--preset yalm-100b)")
+    return YalmConfig.from_json(path)
+
+
+def convert(
+    release_dir: str | Path,
+    store_dir: str | Path,
+    *,
+    dtype: str = "fp16",
+    config: YalmConfig | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    reserve_bytes: int = 1 << 30,
+    trust_pickle: bool = False,
+    on_file: Callable[[StoreFile, int, int], None] | None = None,
+) -> Manifest:
+    """Convert a release checkpoint into a store, one module at a time; resumes unfinished work.
+
+    ``config`` defaults to ``RELEASE_DIR/config.json``. The conversion is refused
+    before any file is written when the free space of ``store_dir`` minus
+    ``reserve_bytes`` cannot hold the files still to write. ``on_file(file,
+    done, total)`` is called after each file is in place (and for files an
+    earlier run already finished).
+    """
+    if dtype not in STORE_DTYPES:
+        raise StoreError(f"unknown store dtype {dtype!r}; use one of {', '.join(STORE_DTYPES)}")
+    release = Path(release_dir)
+    cfg = config or _release_config(release)
+    store = Path(store_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    if (store / MANIFEST).exists():
+        manifest = read_manifest(store)
+        if manifest.config != cfg or manifest.dtype != dtype or manifest.group_size != group_size:
+            raise StoreError(f"{store} already holds a different store ({manifest.dtype}); use an empty folder")
+        log.info("store %s is already complete", store)
+        return manifest
+
+    header = {"config": cfg.to_dict(), "dtype": dtype, "group_size": group_size}
+    done = _resume_state(store, header)
+    sizes = expected_file_bytes(cfg, dtype, group_size)
+    needed = sum(size for name, size in sizes.items() if name not in done)
+    free = shutil.disk_usage(store).free
+    if needed + reserve_bytes > free:
+        raise StoreError(
+            f"not enough disk space in {store}: the store needs {needed / 2**30:.2f} GiB more "
+            f"(+{reserve_bytes / 2**30:.2f} GiB reserve), {free / 2**30:.2f} GiB is free"
+        )
+
+    total = len(sizes)
+    started, written = time.monotonic(), 0
+    for kind, index, _, _ in module_plan(cfg):
+        name = file_name(kind, index)
+        if name in done and on_file is not None:
+            on_file(done[name], len(done), total)
+    modules = iter_release_modules(release, cfg, trust_pickle=trust_pickle)
+    for kind, index, params in modules:
+        name = file_name(kind, index)
+        if name in done:
+            continue
+        entry = _write_module(store / name, kind, index, params, dtype, group_size)
+        del params
+        done[name] = entry
+        written += entry.size
+        _write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
+        rate = written / max(time.monotonic() - started, 1e-9)
+        log.info(
+            "wrote %s (%d/%d files, %.1f MiB, %.1f MiB/s)", name, len(done), total, entry.size / 2**20, rate / 2**20
+        )
+        if on_file is not None:
+            on_file(entry, len(done), total)
+
+    order = [file_name(kind, index) for kind, index, _, _ in module_plan(cfg)]
+    manifest = Manifest(config=cfg, dtype=dtype, group_size=group_size, files=[done[n] for n in order])
+    _write_json_atomic(store / MANIFEST, manifest.to_json())
+    (store / PROGRESS).unlink()
+    return manifest
+
+
+def _resume_state(store: Path, header: dict[str, Any]) -> dict[str, StoreFile]:
+    """Files a previous, interrupted conversion finished (checked by size; verify checks hashes)."""
+    path = store / PROGRESS
+    for stale in store.glob("*.partial"):
+        stale.unlink()
+    if not path.exists():
+        return {}
+    state = json.loads(path.read_text(encoding="utf-8"))
+    if {k: state.get(k) for k in header} != header:
+        raise StoreError(f"{store} holds an unfinished conversion with other settings; use an empty folder")
+    done = {}
+    for f in state["files"]:
+        entry = StoreFile(**f)
+        target = store / entry.name
+        if target.is_file() and target.stat().st_size == entry.size:
+            done[entry.name] = entry
+    log.info("resuming conversion in %s: %d files already done", store, len(done))
+    return done
+
+
+def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtype: str, group_size: int) -> StoreFile:
+    tensors = _store_tensors(kind, params, dtype, group_size)
+    tmp = path.with_name(path.name + ".partial")
+    save_file(tensors, str(tmp), metadata={"kind": kind, "index": str(index), "dtype": dtype})
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    digest = sha256_file(tmp)
+    os.replace(tmp, path)
+    return StoreFile(name=path.name, kind=kind, index=index, size=path.stat().st_size, sha256=digest)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify(store_dir: str | Path, *, on_file: Callable[[StoreFile, int, int], None] | None = None) -> list[str]:
+    """Check every file against the manifest (presence, size, sha256, tensor shapes).
+
+    Returns the list of problems found (empty when the store is intact).
+    """
+    store = Path(store_dir)
+    manifest = read_manifest(store)
+    problems: list[str] = []
+    plan = {file_name(k, i): (k, shapes) for k, i, _, shapes in module_plan(manifest.config)}
+    for n, entry in enumerate(manifest.files, 1):
+        path = store / entry.name
+        if not path.is_file():
+            problems.append(f"{entry.name}: missing")
+        elif path.stat().st_size != entry.size:
+            problems.append(f"{entry.name}: size {path.stat().st_size} != manifest {entry.size}")
+        elif sha256_file(path) != entry.sha256:
+            problems.append(f"{entry.name}: sha256 mismatch (file corrupted)")
+        else:
+            problems.extend(_check_layout(path, manifest, *plan[entry.name]))
+        if on_file is not None:
+            on_file(entry, n, len(manifest.files))
+    return problems
+
+
+def _check_layout(path: Path, manifest: Manifest, kind: ModuleKind, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    layout = FileLayout.read(path)
+    want: dict[str, tuple[int, ...]] = {}
+    for key, shape in shapes.items():
+        want[key] = shape
+        if manifest.dtype == "int8" and is_quantized_key(kind, key, shape):
+            want[key + SCALE_SUFFIX] = (shape[0], group_count(shape[1], manifest.group_size))
+    have = {k: t.shape for k, t in layout.tensors.items()}
+    if have != want:
+        return [f"{path.name}: tensors {sorted(have)} do not match the model config"]
+    return []
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor sits inside a file's data section."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Parsed safetensors header: data section offset/size and tensor slots."""
+
+    path: Path
+    data_offset: int
+    data_size: int
+    tensors: dict[str, TensorSlot]
+
+    @classmethod
+    def read(cls, path: str | Path) -> FileLayout:
+        """Parse the header of a safetensors file without reading its data."""
+        path = Path(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        tensors = {}
+        for key, info in header.items():
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise StoreError(f"{path}: unsupported tensor dtype {info['dtype']} for {key!r}")
+            start, end = info["data_offsets"]
+            tensors[key] = TensorSlot(_SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+        data_size = max((t.end for t in tensors.values()), default=0)
+        return cls(path=path, data_offset=8 + n, data_size=data_size, tensors=tensors)
+
+    def views(self, buffer: Tensor) -> Params:
+        """Tensors viewing a uint8 ``buffer`` that holds this file's data section (no copies)."""
+        return {key: buffer[s.start : s.end].view(s.dtype).view(s.shape) for key, s in self.tensors.items()}
+
+
+def read_into(path: str | Path, layout: FileLayout, buffer: Tensor, *, drop_cache: bool = False) -> int:
+    """Read a file's data section into the front of the uint8 CPU ``buffer``; returns bytes read.
+
+    One large sequential read straight into the (preallocated, possibly pinned)
+    buffer. ``drop_cache`` tells the kernel to forget the file's pages afterwards,
+    so weights homed on disk do not silently occupy RAM as page cache.
+    """
+    size = layout.data_size
+    view = memoryview(buffer.numpy()).cast("B")[:size]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, layout.data_offset, size, os.POSIX_FADV_SEQUENTIAL)
+        pos = 0
+        while pos < size:
+            n = os.preadv(fd, [view[pos:]], layout.data_offset + pos)
+            if n <= 0:
+                raise StoreError(f"{path}: file is shorter than its header says")
+            pos += n
+        if drop_cache:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return size
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Ask the kernel to evict these files from the page cache (honest disk-read measurements)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Store:
+    """A converted store opened for reading: manifest plus parsed file headers."""
+
+    def __init__(self, store_dir: str | Path) -> None:
+        self.path = Path(store_dir)
+        self.manifest = read_manifest(self.path)
+        self.config = self.manifest.config
+        self.layouts = {f.name: FileLayout.read(self.path / f.name) for f in self.manifest.files}
+
+    def file(self, kind: ModuleKind, index: int = 0) -> Path:
+        """Path of a module's file."""
+        return self.path / file_name(kind, index)
+
+    def layout(self, kind: ModuleKind, index: int = 0) -> FileLayout:
+        """Parsed header of a module's file."""
+        return self.layouts[file_name(kind, index)]
+
+    def layer_files(self) -> list[Path]:
+        """Files of the transformer layers, in order."""
+        return [self.file("layer", i) for i in range(self.config.num_layers)]
+
+    def max_layer_bytes(self) -> int:
+        """Largest data section among the transformer layers (the size of one streaming buffer)."""
+        return max(self.layout("layer", i).data_size for i in range(self.config.num_layers))
+
+    def load(self, kind: ModuleKind, index: int = 0) -> Params:
+        """Read one module into freshly allocated CPU tensors (used for the small resident modules)."""
+        layout = self.layout(kind, index)
+        buffer = torch.empty(layout.data_size, dtype=torch.uint8)
+        read_into(self.file(kind, index), layout, buffer)
+        return layout.views(buffer)
