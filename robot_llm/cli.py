@@ -1,0 +1,109 @@
+"""The ``robot-llm`` command line.
+
+Each pipeline stage registers its own subcommands (``register(subparsers, common)`` in
+its module), so a change to one stage's CLI is made next to that stage. This file only
+wires them together and turns errors into one clear line and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from robot_llm import __version__
+from robot_llm.errors import RobotLLMError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
+    from robot_llm.config import AppConfig
+
+log = logging.getLogger("robot_llm")
+
+Handler = Callable[[argparse.Namespace], int]
+
+# Modules that contribute subcommands; each has ``register(subparsers, common)``.
+# Imported lazily (only when the parser is built) and kept free of torch at import time.
+COMMAND_MODULES: tuple[str, ...] = (
+    "robot_llm.config_cli",
+)
+
+
+def common_parser() -> argparse.ArgumentParser:
+    """Options every subcommand takes: ``-c/--config`` and ``-v``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-c", "--config", default="robot-llm.yaml", help="the YAML config file (default: %(default)s)"
+    )
+    common.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log output; -vv also shows tracebacks"
+    )
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every stage's subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="robot-llm",
+        description="Overnight LLM theses for a trading robot: ingest news and signals, generate, read.",
+    )
+    parser.add_argument("--version", action="version", version=f"robot-llm {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = common_parser()
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub, common)
+    return parser
+
+
+def load_app_config(args: argparse.Namespace) -> AppConfig:
+    """Load and validate the config named by ``-c``."""
+    from robot_llm.config import load_config
+
+    return load_config(args.config)
+
+
+def open_database(config: AppConfig) -> Engine:
+    """An engine for the configured database, checked to be reachable."""
+    from robot_llm.db import check_connection, make_engine
+
+    engine = make_engine(config.database.url, echo=config.database.echo)
+    check_connection(engine)
+    return engine
+
+
+def _configure_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``robot-llm`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    verbosity = getattr(args, "verbose", 0) or 0
+    if not logging.getLogger().handlers:
+        _configure_logging(verbosity)
+    try:
+        return int(args.handler(args) or 0)
+    except RobotLLMError as exc:
+        if verbosity >= 2:
+            log.exception("failed")
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: say so in one line unless asked for the traceback
+        if verbosity >= 2:
+            raise
+        print(f"error: {type(exc).__name__}: {exc} (run with -vv for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,606 @@
+"""The YAML configuration: loaded once at the edge, validated, handed on as frozen objects.
+
+Every error names the file, the line and the key path, e.g.
+``config/robot-llm.yaml:14: feeds[2].interval: expected a duration like '15m', got 'often'``.
+
+PyYAML implements YAML 1.1, whose implicit typing bites trading configs: an unquoted
+``22:30`` becomes the integer 1350 and a ticker ``ON`` or ``NO`` becomes a boolean. Our
+loader is ``yaml.SafeLoader`` with those two resolvers narrowed to YAML 1.2 rules, so such
+scalars stay the strings the user wrote and the validators below judge them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from datetime import date, time, timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from robot_llm.errors import RobotLLMError
+
+__all__ = [
+    "AppConfig",
+    "ConfigError",
+    "load_config",
+    "parse_duration",
+    "parse_size",
+]
+
+
+class ConfigError(RobotLLMError):
+    """A configuration problem, already phrased as ``file:line: key.path: message``."""
+
+
+# --------------------------------------------------------------------------- YAML loading
+
+
+class _Yaml12SafeLoader(yaml.SafeLoader):
+    """SafeLoader whose booleans and integers follow YAML 1.2 (see module docstring)."""
+
+
+_Yaml12SafeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Yaml12SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+# YAML 1.1 floats include sexagesimal forms such as 190:20:30.15; drop them too.
+_Yaml12SafeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if not (tag == "tag:yaml.org,2002:float" and ":" in rx.pattern)]
+    for first, resolvers in _Yaml12SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], int]]:
+    """Yield (key path, 1-based line) for every node of a composed YAML document."""
+    yield path, node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = key_node.value
+            yield (*path, key), key_node.start_mark.line + 1
+            for sub_path, line in _line_index(value_node, (*path, key)):
+                if sub_path != (*path, key):
+                    yield sub_path, line
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _line_index(item, (*path, i))
+
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _interpolate(value: Any, path: tuple[Any, ...], missing: list[tuple[tuple[Any, ...], str]]) -> Any:
+    """Replace ``${VAR}`` / ``${VAR:-default}`` in every string; collect unset variables."""
+    if isinstance(value, str):
+
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            missing.append((path, name))
+            return m.group(0)
+
+        return _ENV_RE.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _interpolate(v, (*path, k), missing) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, (*path, i), missing) for i, v in enumerate(value)]
+    return value
+
+
+def format_path(path: tuple[Any, ...]) -> str:
+    """Render a key path the way a user reads it: ``feeds[2].interval``."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+# --------------------------------------------------------------------------- value parsers
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)\s*$")
+_DURATION_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(value: Any) -> timedelta:
+    """Parse '90s', '15m', '2h', '1d', '1w' (or a number of seconds) into a timedelta."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like '15m', got {value!r}")
+    if isinstance(value, int | float) and value >= 0:
+        return timedelta(seconds=value)
+    if isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        if m:
+            return timedelta(seconds=float(m.group(1)) * _DURATION_UNITS[m.group(2)])
+    raise ValueError(f"expected a duration like '15m', got {value!r}")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
+_SIZE_UNITS = {
+    None: 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
+
+
+def parse_size(value: Any) -> int:
+    """Parse '64GiB', '500MB' or a plain byte count into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like '64GiB', got {value!r}")
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    raise ValueError(f"expected a size like '64GiB', got {value!r}")
+
+
+def _parse_clock(value: Any) -> time:
+    if isinstance(value, time):
+        return value
+    if isinstance(value, str):
+        m = re.match(r"^\s*([01]?\d|2[0-3]):([0-5]\d)\s*$", value)
+        if m:
+            return time(int(m.group(1)), int(m.group(2)))
+    raise ValueError(f"expected a local time like '08:30', got {value!r}")
+
+
+def _validate_cron(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a cron expression like '0 23 * * 0-4' (quote it), got {value!r}")
+    from apscheduler.triggers.cron import CronTrigger  # light: no scheduler is started
+
+    try:
+        CronTrigger.from_crontab(value, timezone="UTC")
+    except ValueError as exc:
+        raise ValueError(f"invalid cron expression {value!r}: {exc}") from None
+    return value
+
+
+def _validate_zone(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected an IANA time zone like 'Europe/Moscow', got {value!r}")
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {value!r} (use an IANA name like 'Europe/Moscow')") from None
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+Size = Annotated[int, BeforeValidator(parse_size)]
+Clock = Annotated[time, BeforeValidator(_parse_clock)]
+Cron = Annotated[str, BeforeValidator(_validate_cron)]
+TimeZone = Annotated[str, BeforeValidator(_validate_zone)]
+
+
+def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
+    """Relative paths are relative to the config file's folder, not the working directory."""
+    if value is None:
+        return None
+    base = (info.context or {}).get("base_dir")
+    path = Path(os.path.expanduser(str(value)))
+    if not path.is_absolute() and base is not None:
+        path = Path(base) / path
+    return path
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class DatabaseConfig(_Section):
+    """Where the theses live; SQLite file paths are resolved against the config folder."""
+
+    url: str = "sqlite:///robot-llm.sqlite"
+    echo: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _resolve_sqlite(cls, v: str, info: ValidationInfo) -> str:
+        if not isinstance(v, str) or "://" not in v:
+            raise ValueError(f"expected a database URL like 'sqlite:///robot-llm.sqlite', got {v!r}")
+        prefix = "sqlite:///"
+        if v.startswith(prefix) and v != "sqlite:///:memory:":
+            raw = v[len(prefix) :]
+            path = _resolve(Path(raw), info)
+            assert path is not None
+            folder = path.parent
+            if not folder.is_dir():
+                raise ValueError(f"the database folder {folder} does not exist")
+            if not os.access(folder, os.W_OK):
+                raise ValueError(f"the database folder {folder} is not writable")
+            return prefix + str(path)
+        return v
+
+
+class InstrumentConfig(_Section):
+    """An instrument the robot trades, and the words that find it in news."""
+
+    ticker: str = Field(min_length=1, max_length=32)
+    name: str
+    aliases: tuple[str, ...] = ()
+    exchange: str | None = None
+
+    @field_validator("ticker", "name", mode="before")
+    @classmethod
+    def _must_be_text(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            raise ValueError(f"expected text (quote it in YAML), got {v!r}")
+        return v
+
+
+class FeedConfig(_Section):
+    """One RSS/Atom feed: an http(s) URL, a ``file://`` URL or a local path."""
+
+    name: str = Field(min_length=1)
+    url: str
+    interval: Duration = timedelta(minutes=15)
+    language: str | None = None
+    tickers: tuple[str, ...] | None = None
+    enabled: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _resolve_local(cls, v: str, info: ValidationInfo) -> str:
+        if re.match(r"^https?://", v) or v.startswith("file://"):
+            return v
+        path = _resolve(Path(v), info)
+        return str(path)
+
+    @field_validator("interval")
+    @classmethod
+    def _positive(cls, v: timedelta) -> timedelta:
+        if v < timedelta(seconds=10):
+            raise ValueError(f"a poll interval under 10s hammers the publisher, got {v}")
+        return v
+
+
+class HttpConfig(_Section):
+    """How feeds are fetched."""
+
+    connect_timeout: Duration = timedelta(seconds=10)
+    read_timeout: Duration = timedelta(seconds=30)
+    retries: int = Field(default=3, ge=0, le=10)
+    backoff: Duration = timedelta(seconds=1)
+    max_bytes: Size = 10 * 2**20
+    user_agent: str = "robot-llm/0.1 (+https://github.com/robot-llm/robot-llm)"
+
+
+class SignalSourceConfig(_Section):
+    """A drop folder the robot writes its forecasts into (JSONL or CSV files)."""
+
+    name: str = Field(min_length=1)
+    drop_dir: Path
+
+    _abs = field_validator("drop_dir")(_resolve)
+
+
+class SignalsConfig(_Section):
+    """The robot's own forecasts."""
+
+    sources: tuple[SignalSourceConfig, ...] = ()
+    lookback: Duration = timedelta(days=3)
+
+
+class GenerationConfig(_Section):
+    """Sampling parameters; a template's front matter may override them."""
+
+    max_new_tokens: int = Field(default=96, ge=1, le=1023)
+    greedy: bool = False
+    temperature: float = Field(default=0.7, gt=0)
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=0.9, ge=0, le=1)
+    seed: int = 1234
+
+
+class PromptsConfig(_Section):
+    """Which templates run every night, and what they may see."""
+
+    dir: Path = Path("prompts")
+    templates: tuple[str, ...] = ("thesis_ru",)
+    generation: GenerationConfig = GenerationConfig()
+    news_lookback: Duration = timedelta(days=2)
+    max_news: int = Field(default=20, ge=0)
+    valid_for: Duration = timedelta(days=1)
+
+    _abs = field_validator("dir")(_resolve)
+
+
+class ModelConfig(_Section):
+    """The model: where its weights are and how they are run."""
+
+    id: str = "yalm-100b"
+    backend: Literal["stream", "memory", "deepspeed"] = "stream"
+    checkpoint: Path | None = None
+    store: Path | None = None
+    vocab: Path | None = None
+    home: Literal["disk", "ram"] = "disk"
+    offload: Literal["cpu", "nvme"] = "cpu"
+    offload_dir: Path | None = None
+    dtype: Literal["fp32", "bf16", "fp16", "int8"] = "fp16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    memory_budget: Size | None = None
+    gpu_memory_budget: Size | None = None
+    max_positions: int = Field(default=1024, ge=16, le=1024)
+
+    _abs = field_validator("checkpoint", "store", "vocab", "offload_dir")(_resolve)
+
+    @model_validator(mode="after")
+    def _weights_somewhere(self) -> ModelConfig:
+        if self.checkpoint is None and self.store is None:
+            raise ValueError("set model.store (a converted weight store) or model.checkpoint (the release folder)")
+        if self.vocab is None:
+            raise ValueError("set model.vocab (the SentencePiece file, e.g. voc_100b.sp)")
+        if self.backend == "stream" and self.store is None:
+            raise ValueError("backend 'stream' reads a weight store: set model.store (see `robot-llm model convert`)")
+        return self
+
+
+_WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+class ScheduleConfig(_Section):
+    """When each job runs, in the config's ``timezone``."""
+
+    nightly: Cron = "0 23 * * 0-4"
+    signals: Cron = "*/10 * * * *"
+    morning_report: Cron = "45 8 * * 1-5"
+    cutoff: Clock = time(9, 30)
+    trading_days: tuple[str, ...] = ("mon", "tue", "wed", "thu", "fri")
+    holidays: tuple[date, ...] = ()
+    skip_non_trading_days: bool = True
+
+    @field_validator("trading_days")
+    @classmethod
+    def _days(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [d for d in v if d.lower() not in _WEEKDAYS]
+        if bad:
+            raise ValueError(f"unknown weekday(s) {bad}; use {', '.join(_WEEKDAYS)}")
+        return tuple(d.lower() for d in v)
+
+
+class BatchConfig(_Section):
+    """How the nightly queue is worked."""
+
+    max_attempts: int = Field(default=3, ge=1)
+    lease: Duration = timedelta(minutes=30)
+    stall_timeout: Duration = timedelta(minutes=20)
+    child_timeout: Duration = timedelta(hours=8)
+
+
+class DaemonConfig(_Section):
+    """The long-running scheduler process."""
+
+    heartbeat: Duration = timedelta(seconds=60)
+    lease_ttl: Duration = timedelta(minutes=3)
+    shutdown_timeout: Duration = timedelta(seconds=60)
+
+
+class LoggingConfig(_Section):
+    """Log level, format and optional file."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"
+    file: Path | None = None
+
+    _abs = field_validator("file")(_resolve)
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+
+class AppConfig(_Section):
+    """The whole validated configuration."""
+
+    database: DatabaseConfig = DatabaseConfig()
+    timezone: TimeZone = "UTC"
+    instruments: tuple[InstrumentConfig, ...] = Field(min_length=1)
+    feeds: tuple[FeedConfig, ...] = ()
+    http: HttpConfig = HttpConfig()
+    signals: SignalsConfig = SignalsConfig()
+    prompts: PromptsConfig = PromptsConfig()
+    model: ModelConfig
+    schedule: ScheduleConfig = ScheduleConfig()
+    batch: BatchConfig = BatchConfig()
+    daemon: DaemonConfig = DaemonConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    source: Path | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _unique_and_known(self) -> AppConfig:
+        seen: set[str] = set()
+        for i, inst in enumerate(self.instruments):
+            if inst.ticker in seen:
+                raise _PathError(("instruments", i, "ticker"), f"duplicate ticker {inst.ticker!r}")
+            seen.add(inst.ticker)
+        names: set[str] = set()
+        for i, feed in enumerate(self.feeds):
+            if feed.name in names:
+                raise _PathError(("feeds", i, "name"), f"duplicate feed name {feed.name!r}")
+            names.add(feed.name)
+            for ticker in feed.tickers or ():
+                if ticker not in seen:
+                    raise _PathError(("feeds", i, "tickers"), f"unknown ticker {ticker!r} (not in instruments)")
+        return self
+
+    @property
+    def tz(self) -> ZoneInfo:
+        """The configured zone as a ZoneInfo."""
+        return ZoneInfo(self.timezone)
+
+    def instrument(self, ticker: str) -> InstrumentConfig:
+        """The instrument with this ticker; KeyError if unknown."""
+        for inst in self.instruments:
+            if inst.ticker == ticker:
+                return inst
+        raise KeyError(ticker)
+
+    def feed(self, name: str) -> FeedConfig:
+        """The feed with this name; KeyError if unknown."""
+        for feed in self.feeds:
+            if feed.name == name:
+                return feed
+        raise KeyError(name)
+
+
+class _PathError(ValueError):
+    """A cross-field error that knows the exact key path it belongs to."""
+
+    def __init__(self, path: tuple[Any, ...], message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _located(source: str, lines: dict[tuple[Any, ...], int], path: tuple[Any, ...], message: str) -> str:
+    probe = path
+    while probe and probe not in lines:
+        probe = probe[:-1]
+    line = lines.get(probe, 1)
+    return f"{source}:{line}: {format_path(path)}: {message}"
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind, msg, value = err["type"], err["msg"], err.get("input")
+    if kind == "extra_forbidden":
+        return "unknown key (check the spelling; see config/robot-llm.example.yaml)"
+    if kind == "missing":
+        return "required key is missing"
+    msg = re.sub(r"^(Value|Assertion) error, ", "", msg)
+    if kind in (
+        "string_type",
+        "int_type",
+        "float_type",
+        "bool_type",
+        "int_parsing",
+        "float_parsing",
+        "bool_parsing",
+        "literal_error",
+        "dict_type",
+        "list_type",
+        "tuple_type",
+        "model_type",
+    ):
+        return f"{msg[0].lower()}{msg[1:]}, got {value!r}"
+    return msg
+
+
+def load_config(path: str | os.PathLike[str]) -> AppConfig:
+    """Read, interpolate and validate a YAML config file.
+
+    Raises ConfigError with ``file:line: key.path: message`` for every problem found.
+    """
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot read config file: {exc}") from None
+    try:
+        node = yaml.compose(text, Loader=_Yaml12SafeLoader)
+        data = yaml.load(text, Loader=_Yaml12SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise ConfigError(f"{source}:{line}: YAML syntax error: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: YAML error: {exc}") from None
+    if data is None:
+        raise ConfigError(f"{source}:1: the config file is empty")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}:1: expected a mapping of sections at the top level")
+    lines = dict(_line_index(node)) if node is not None else {}
+
+    missing: list[tuple[tuple[Any, ...], str]] = []
+    data = _interpolate(data, (), missing)
+    if missing:
+        raise ConfigError(
+            "\n".join(_located(source, lines, p, f"environment variable ${{{name}}} is not set") for p, name in missing)
+        )
+    try:
+        config = AppConfig.model_validate(data, context={"base_dir": path.resolve().parent})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            ctx_err = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_err, _PathError):
+                problems.append(_located(source, lines, ctx_err.path, ctx_err.message))
+                continue
+            loc = tuple(err["loc"])
+            problems.append(_located(source, lines, loc, _message(err)))
+        raise ConfigError("\n".join(problems)) from None
+    return config.model_copy(update={"source": path.resolve()})
+
+
+_SECRET_RE = re.compile(r"(password|secret|token|api_key|apikey)", re.I)
+
+
+def effective_config(config: AppConfig) -> dict[str, Any]:
+    """The effective configuration as plain data, with secrets masked (for `config check`)."""
+    data = config.model_dump(mode="json", exclude={"source"})
+
+    def mask(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: mask(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mask(v, key) for v in value]
+        if isinstance(value, str):
+            value = re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", value)
+            if _SECRET_RE.search(key):
+                return "***"
+        return value
+
+    return mask(data)

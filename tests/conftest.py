@@ -1,0 +1,76 @@
+"""Shared fixtures: real databases (SQLite and PostgreSQL), each test in its own.
+
+PostgreSQL is the server at ``ROBOT_LLM_TEST_PG`` (default ``postgresql://postgres@127.0.0.1:5432/test``);
+every test gets a fresh schema on it, so runs cannot collide. When ``CI=true`` an
+unreachable server fails the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from robot_llm.db import make_engine
+
+PG_URL = os.environ.get("ROBOT_LLM_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def _pg_admin() -> Engine:
+    engine = make_engine(PG_URL)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        engine.dispose()
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL at {PG_URL} is required in CI and unreachable: {exc}")
+        pytest.skip(f"PostgreSQL at {PG_URL} unreachable: {exc}")
+    return engine
+
+
+def new_database_url(kind: str, tmp_path: Path) -> Iterator[str]:
+    """Yield the URL of an empty database of ``kind`` ('sqlite' or 'postgresql'), then drop it."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_path / 'robot-llm.sqlite'}"
+        return
+    admin = _pg_admin()
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty (unmigrated) database, once on SQLite and once on PostgreSQL."""
+    yield from new_database_url(request.param, tmp_path)
+
+
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
+    """A database migrated to head, once on SQLite and once on PostgreSQL."""
+    from robot_llm.migrate import upgrade
+
+    upgrade(empty_db_url)
+    return empty_db_url
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    """An engine on the migrated database of ``db_url``."""
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()
