@@ -87,9 +87,7 @@ def _torch_load(path: Path, trust_pickle: bool) -> object:
         raise CheckpointError(f"{path}: cannot read checkpoint file, truncated or corrupt ({exc})") from exc
 
 
-def read_module(
-    path: str | Path, shapes: dict[str, tuple[int, ...]], *, trust_pickle: bool = False
-) -> Params:
+def read_module(path: str | Path, shapes: dict[str, tuple[int, ...]], *, trust_pickle: bool = False) -> Params:
     """Read one release file and check it holds exactly the tensors in ``shapes``.
 
     Returns the tensors as stored (memory-mapped, release dtype). Raises

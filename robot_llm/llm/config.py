@@ -41,8 +41,7 @@ class YalmConfig:
                 raise ValueError(f"YalmConfig.{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
         if self.head_dim % 2:
             raise ValueError(f"rotary needs an even head dim, got {self.head_dim}")
@@ -65,9 +64,7 @@ class YalmConfig:
     def from_dict(cls, data: dict[str, Any]) -> YalmConfig:
         """Build from a dict; keys that are not fields (fixture extras) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = [
-            f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING
-        ]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})

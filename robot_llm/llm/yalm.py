@@ -97,9 +97,7 @@ class Rope:
     def build(cls, cfg: YalmConfig, device: torch.device | str = "cpu") -> Rope:
         """Tables exactly as the original computes them (§3.4.3): ``float32(1e-4) ** (2i / hn)``."""
         hn = cfg.head_dim
-        inv_freq = torch.tensor(1e-4, dtype=torch.float32) ** (
-            torch.arange(0, hn, 2, dtype=torch.float32) / hn
-        )
+        inv_freq = torch.tensor(1e-4, dtype=torch.float32) ** (torch.arange(0, hn, 2, dtype=torch.float32) / hn)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -1,0 +1,335 @@
+"""Batched generation with a KV cache, scoring, and the original single-prompt loop.
+
+:func:`generate` gives every prompt batch-1 semantics: its own token budget,
+its own random generator (so a sampled result does not depend on batch-mates),
+its own stop conditions. Prompts of different lengths share a batch by left
+padding (see :mod:`robot_llm.llm.yalm`); finished rows leave the batch.
+
+:func:`generate_original` reproduces ``sample_sequence_batch`` of the original
+code for one prompt (docs/yalm-model.md §7), including its token-count rules.
+
+The token filter (:func:`filter_logits`) follows §7.4 exactly: temperature,
+then top-k keeping ties at the threshold, then top-p on the already filtered
+logits keeping every token whose preceding cumulative probability is <= p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from robot_llm.llm.tokenizer import YalmTokenizer
+from robot_llm.llm.yalm import ForwardModel
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to continue one prompt.
+
+    ``greedy`` takes the argmax (first index on ties) and ignores the other
+    sampling fields; otherwise logits are divided by ``temperature``, filtered
+    by ``top_k`` (0 = off) and ``top_p`` (0.0 = off) and one token is drawn with
+    a generator seeded by ``seed``. Generation stops at EOS, when the decoded
+    continuation contains one of ``stop``, after ``max_new_tokens`` tokens, or
+    when the sequence fills the model's ``max_position_embeddings``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    greedy: bool = False
+    seed: int = 1234
+    stop: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated continuation.
+
+    ``token_ids`` are the new tokens (an EOS that ended the generation is
+    included, like the original); ``text`` is the continuation's text without
+    the prompt, cut before the stop string when ``finish_reason == "stop"``.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_count: int
+    new_token_count: int
+    finish_reason: FinishReason
+
+
+def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0) -> Tensor:
+    """Temperature, top-k and top-p exactly as the original (§7.4); returns new fp32 logits ``[..., V]``.
+
+    Removed tokens get ``-inf``; ``softmax`` of the result is the sampling distribution.
+    """
+    out = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(out, min(top_k, out.shape[-1]), dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p > 0.0:
+        sorted_logits, sorted_idx = torch.sort(out, descending=True, dim=-1)
+        cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+        # Remove rank r iff the probability mass ranked before it already exceeds p.
+        remove_sorted = torch.zeros_like(cumulative, dtype=torch.bool)
+        remove_sorted[..., 1:] = cumulative[..., :-1] > top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
+        out = out.masked_fill(remove, float("-inf"))
+    return out
+
+
+def choose_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from one row of fp32 logits ``[V]``."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def continuation_text(tokenizer: YalmTokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """Text that ``new_ids`` add after the prompt.
+
+    Decodes prompt + continuation together (so a piece's leading space is
+    kept) and removes the decoded prompt. The original instead cuts the
+    *raw* prompt's character length, which is off when SentencePiece
+    normalisation changed the prompt (§9.12).
+    """
+    full = tokenizer.decode(prompt_ids + new_ids)
+    head = tokenizer.decode(prompt_ids)
+    if full.startswith(head):
+        return full[len(head) :]
+    return tokenizer.decode(new_ids)
+
+
+@dataclass
+class _Row:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    budget: int
+    generator: torch.Generator | None
+    new_ids: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    text: str = ""
+
+    def push(self, token: int, tokenizer: YalmTokenizer) -> None:
+        self.new_ids.append(token)
+        if token == tokenizer.eos_id:
+            self.finish = "eos"
+            return
+        if self.params.stop:
+            text = continuation_text(tokenizer, self.prompt_ids, self.new_ids)
+            cuts = [text.find(s) for s in self.params.stop if s in text]
+            if cuts:
+                self.text = text[: min(cuts)]
+                self.finish = "stop"
+                return
+        if len(self.new_ids) >= self.budget:
+            self.finish = "length"
+
+    def completion(self, tokenizer: YalmTokenizer) -> Completion:
+        text = self.text if self.finish == "stop" else continuation_text(tokenizer, self.prompt_ids, self.new_ids)
+        return Completion(
+            text=text,
+            token_ids=tuple(self.new_ids),
+            prompt_token_count=len(self.prompt_ids),
+            new_token_count=len(self.new_ids),
+            finish_reason=self.finish or "length",
+        )
+
+
+def _run_batch(model: ForwardModel, tokenizer: YalmTokenizer, rows: list[_Row]) -> None:
+    """Generate for ``rows`` (all with budget >= 1) in one left-padded batch."""
+    width = max(len(r.prompt_ids) for r in rows)
+    pad = torch.tensor([width - len(r.prompt_ids) for r in rows], dtype=torch.long)
+    ids = torch.full((len(rows), width), tokenizer.eos_id, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+    # The last token of a row is never fed back, hence width + budget - 1 slots.
+    cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1, pad)
+    logits = model.forward(ids, cache, last_only=True)[:, -1]
+    active = list(rows)
+    while True:
+        for b, r in enumerate(active):
+            r.push(choose_token(logits[b], r.params, r.generator), tokenizer)
+        still = [b for b, r in enumerate(active) if r.finish is None]
+        if not still:
+            return
+        if len(still) < len(active):
+            cache.keep_rows(still)
+            active = [active[b] for b in still]
+        step = torch.tensor([[r.new_ids[-1]] for r in active], dtype=torch.long)
+        logits = model.forward(step, cache, last_only=True)[:, -1]
+
+
+def generate(
+    model: ForwardModel,
+    tokenizer: YalmTokenizer,
+    prompts: Sequence[str],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    *,
+    batch_size: int = 8,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> list[Completion]:
+    """Continue every prompt; returns one :class:`Completion` per prompt, in order.
+
+    ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+    Prompts are grouped by token length into batches of ``batch_size``; every
+    prompt's result is what it would get alone. ``on_progress(done, total)`` is
+    called after each batch. A prompt longer than ``max_position_embeddings``
+    tokens (BOS included) raises ``ValueError``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+    max_pos = model.config.max_position_embeddings
+    rows: list[_Row] = []
+    for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+        ids = tokenizer.encode(prompt)
+        if len(ids) > max_pos:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, the model takes at most {max_pos}")
+        generator = None if p.greedy else torch.Generator().manual_seed(p.seed)
+        rows.append(_Row(i, ids, p, min(p.max_new_tokens, max_pos - len(ids)), generator))
+    for r in rows:
+        if r.budget == 0:
+            r.finish = "length"
+    todo = sorted((r for r in rows if r.finish is None), key=lambda r: len(r.prompt_ids))
+    done = len(rows) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        _run_batch(model, tokenizer, chunk)
+        done += len(chunk)
+        if on_progress is not None:
+            on_progress(done, len(rows))
+    return [r.completion(tokenizer) for r in rows]
+
+
+def continuation_ids(tokenizer: YalmTokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
+    """Token ids of ``continuation`` after ``prompt`` as the model would see them.
+
+    Uses the joint tokenization of ``prompt + continuation`` when it starts
+    with the prompt's own tokens; otherwise (a piece straddles the boundary)
+    the continuation's pieces tokenized on their own.
+    """
+    joint = tokenizer.encode(prompt + continuation)
+    if joint[: len(prompt_ids)] == prompt_ids:
+        return joint[len(prompt_ids) :]
+    return tokenizer.encode_pieces_ids(continuation)
+
+
+def score(
+    model: ForwardModel,
+    tokenizer: YalmTokenizer,
+    prompt: str,
+    continuations: Sequence[str],
+    *,
+    batch_size: int = 8,
+) -> list[float]:
+    """Sum of log-probabilities of each continuation's tokens after ``prompt`` (0.0 for no tokens)."""
+    prompt_ids = tokenizer.encode(prompt)
+    seqs = [(prompt_ids, continuation_ids(tokenizer, prompt_ids, prompt, c)) for c in continuations]
+    max_pos = model.config.max_position_embeddings
+    for i, (p, c) in enumerate(seqs):
+        if len(p) + len(c) > max_pos:
+            raise ValueError(f"prompt + continuation {i} has {len(p) + len(c)} tokens, the model takes {max_pos}")
+    scores: list[float] = []
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start : start + batch_size]
+        width = max(len(p) + len(c) for p, c in chunk)
+        pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
+        ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
+        for b, (p, c) in enumerate(chunk):
+            ids[b, int(pad[b]) :] = torch.tensor(p + c)
+        logprobs = torch.log_softmax(model.forward(ids, None, pad), dim=-1)
+        for b, (p, c) in enumerate(chunk):
+            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
+            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
+            scores.append(float(logprobs[b, slots, torch.tensor(c, dtype=torch.long)].sum()))
+    return scores
+
+
+@dataclass(frozen=True)
+class OriginalSample:
+    """Result of :func:`generate_original`: all tokens (BOS + prompt + new) and the text after the prompt."""
+
+    token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
+    suffix: str
+    stopped_on_eos: bool
+
+
+def generate_original(
+    model: ForwardModel,
+    tokenizer: YalmTokenizer,
+    prompt: str,
+    *,
+    seq_length: int = 256,
+    out_seq_length: int = 128,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seed: int = 1234,
+    recompute: bool = False,
+) -> OriginalSample | None:
+    """The original batch-1 loop (§7): same token counts, same stop rule, same output cut.
+
+    Returns None for a prompt the original skips (``len(tokens) >= seq_length // 2``).
+    ``recompute`` re-runs the whole sequence every step instead of using the cache.
+    """
+    if seq_length > model.config.max_position_embeddings:
+        raise ValueError(f"seq_length {seq_length} exceeds {model.config.max_position_embeddings}")
+    tokens = tokenizer.encode(prompt)
+    ctx_len = len(tokens)
+    if ctx_len >= seq_length // 2:
+        return None
+    maxlen = seq_length - 1
+    if maxlen > ctx_len + out_seq_length:
+        maxlen = ctx_len + out_seq_length - 1
+    params = SamplingParams(
+        max_new_tokens=out_seq_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, seed=seed
+    )
+    generator = None if greedy else torch.Generator().manual_seed(seed)
+    cache = None if recompute else model.new_cache(1, seq_length)
+    stopped = False
+    cur = ctx_len
+    while cur <= maxlen:
+        if recompute:
+            logits = model.forward(torch.tensor([tokens]))[0, cur - 1]
+        else:
+            feed = tokens if cur == ctx_len else tokens[-1:]
+            logits = model.forward(torch.tensor([feed]), cache, last_only=True)[0, -1]
+        token = choose_token(logits, params, generator)
+        tokens.append(token)
+        cur += 1
+        if token == tokenizer.eos_id:
+            stopped = True
+            break
+    return OriginalSample(
+        token_ids=tuple(tokens),
+        new_token_ids=tuple(tokens[ctx_len:]),
+        suffix=tokenizer.decode(tokens)[len(prompt) :],
+        stopped_on_eos=stopped,
+    )
