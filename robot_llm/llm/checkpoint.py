@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.yalm import Params, YalmWeights, layer_shapes, release_shapes
 
@@ -32,7 +33,7 @@ ModuleKind = Literal["embedding", "projector", "layer", "output"]
 FILE_PATTERN = re.compile(r"^layer_(\d\d)-model_00-model_states\.pt$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(RobotLLMError):
     """A release checkpoint cannot be used as it is; the message names the file and key."""
 
 
