@@ -1,0 +1,329 @@
+"""Streaming engine: run YaLM layer by layer from a weight store, for a whole batch at a time.
+
+Only the embedding, projector and output layer stay resident on the compute
+device. Transformer layers live in their *home* (the store on disk, or RAM)
+and pass through two preallocated slots: while layer ``l`` computes for every
+row of the batch, a background thread reads layer ``l+1`` into the other slot
+(pinned host memory, then a copy stream into a device slot when computing on
+CUDA). The slots, and the compute-dtype buffers that int8 or mixed-dtype
+layers are converted into, are allocated once and reused for every layer and
+every step, so memory does not grow with the number of steps. The last layer
+of a step prefetches layer 0 of the next step, so decode steps overlap too.
+
+:class:`StreamingModel` implements :class:`robot_llm.llm.yalm.ForwardModel`,
+so :mod:`robot_llm.llm.generate` runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from robot_llm.llm.store import SCALE_SUFFIX, FileLayout, Store, dequantize_into, read_into
+from robot_llm.llm.yalm import (
+    KVCache,
+    LayerKV,
+    Params,
+    Rope,
+    StepInfo,
+    embed,
+    output_head,
+    prepare_step,
+    resolve_dtype,
+    transformer_layer,
+)
+
+log = logging.getLogger(__name__)
+
+WeightHome = Literal["disk", "ram"]
+KVHome = Literal["device", "cpu"]
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` means CUDA when available, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass
+class StreamStats:
+    """Counters of the weight stream, for progress logs and the benchmark.
+
+    ``read_seconds`` is time spent inside reads (background thread);
+    ``wait_seconds`` is time the compute thread sat waiting for a layer that
+    was not there yet, i.e. I/O that compute did not hide.
+    """
+
+    bytes_read: int = 0
+    layers_read: int = 0
+    read_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    forwards: int = 0
+
+    @property
+    def read_bandwidth(self) -> float:
+        """Bytes per second while reading."""
+        return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
+
+    @property
+    def io_hidden_fraction(self) -> float:
+        """Share of read time overlapped with compute (1 = the stream never stalled compute)."""
+        if not self.read_seconds:
+            return 1.0
+        return max(0.0, 1.0 - self.wait_seconds / self.read_seconds)
+
+
+@dataclass
+class _Slot:
+    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse."""
+
+    host: Tensor | None
+    device: Tensor | None
+    free: torch.cuda.Event | None = None
+    ready: Future[int] | None = field(default=None, repr=False)
+    layer: int = -1
+
+
+class StreamingModel:
+    """YaLM streamed from a :class:`~robot_llm.llm.store.Store`; implements ``ForwardModel``.
+
+    ``home`` is where layers live between uses (``"disk"``: read from the store
+    files every step; ``"ram"``: loaded once into CPU memory). ``kv_home`` puts
+    the KV cache on the compute device or in CPU RAM. ``micro_batch`` splits the
+    rows of a multi-token (prefill) step so activations stay bounded while each
+    layer is still read once for the whole batch. ``prefetch=False`` reads
+    synchronously (the naive schedule, for comparison).
+    """
+
+    def __init__(
+        self,
+        store: Store | str | Path,
+        *,
+        home: WeightHome = "disk",
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype | None = None,
+        kv_home: KVHome = "device",
+        micro_batch: int | None = None,
+        prefetch: bool = True,
+        drop_cache: bool = True,
+    ) -> None:
+        self.store = store if isinstance(store, Store) else Store(store)
+        self.config = cfg = self.store.config
+        self.device = resolve_device(device)
+        self.cuda = self.device.type == "cuda"
+        if dtype is None:
+            dtype = "fp16" if self.cuda else "fp32"
+        self.dtype = resolve_dtype(dtype)
+        self.home = home
+        self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
+        self.micro_batch = micro_batch
+        self.prefetch = prefetch
+        self.drop_cache = drop_cache and home == "disk"
+        self.stats = StreamStats()
+        self.rope = Rope.build(cfg, self.device)
+
+        def resident(kind: Literal["embedding", "projector", "output"]) -> Params:
+            return {k: t.to(self.device, self.dtype) for k, t in self.store.load(kind).items()}
+
+        self.embedding, self.projector, self.output = resident("embedding"), resident("projector"), resident("output")
+        self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
+        self.paths = self.store.layer_files()
+        slot_bytes = max(layout.data_size for layout in self.layouts)
+        # RAM home: every layer's bytes once in CPU memory (views are used in place on the CPU).
+        self.ram: list[Tensor] | None = None
+        if home == "ram":
+            self.ram = []
+            for path, layout in zip(self.paths, self.layouts, strict=True):
+                buf = torch.empty(layout.data_size, dtype=torch.uint8)
+                read_into(path, layout, buf)
+                self.ram.append(buf)
+        elif home != "disk":
+            raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
+        self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
+        self.compute_buffers = self._compute_buffers()
+        self._next = 0
+        self._prefetched: _Slot | None = None
+        self._current = self.slots[0]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-reader") if prefetch else None
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    # ------------------------------------------------------------------ buffers
+
+    def _new_slot(self, nbytes: int) -> _Slot:
+        host = None
+        if self.home == "disk":
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if self.cuda else None
+        return _Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
+
+    def _compute_buffers(self) -> Params:
+        """One compute-dtype tensor per key whose stored dtype differs from the compute dtype."""
+        buffers: Params = {}
+        for layout in self.layouts:
+            for key, slot in layout.tensors.items():
+                if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
+                    continue
+                buffers[key] = torch.empty(slot.shape, dtype=self.dtype, device=self.device)
+        return buffers
+
+    def buffer_pointers(self) -> list[int]:
+        """data_ptr of every preallocated buffer (constant for the engine's lifetime)."""
+        tensors = [t for s in self.slots for t in (s.host, s.device) if t is not None]
+        tensors += list(self.compute_buffers.values())
+        return [t.data_ptr() for t in tensors]
+
+    # ------------------------------------------------------------------ streaming
+
+    def _fill(self, slot: _Slot, layer: int) -> int:
+        """Bring ``layer`` into ``slot`` (runs on the reader thread when prefetching)."""
+        if self.ram is not None and not self.cuda:
+            return 0  # RAM-homed layers are used in place by the CPU: nothing moves
+        started = time.perf_counter()
+        layout = self.layouts[layer]
+        size = layout.data_size
+        if self.ram is None:
+            assert slot.host is not None
+            read_into(self.paths[layer], layout, slot.host, drop_cache=self.drop_cache)
+            source = slot.host
+        else:
+            source = self.ram[layer]
+        if self.cuda:
+            assert self._copy_stream is not None and slot.device is not None and slot.free is not None
+            with torch.cuda.stream(self._copy_stream):
+                # The slot may still feed kernels queued for the layer it held before.
+                self._copy_stream.wait_event(slot.free)
+                slot.device[:size].copy_(source[:size], non_blocking=True)
+            self._copy_stream.synchronize()
+        self.stats.read_seconds += time.perf_counter() - started
+        self.stats.bytes_read += size
+        self.stats.layers_read += 1
+        return size
+
+    def _request(self, layer: int) -> _Slot:
+        slot = self.slots[self._next % len(self.slots)]
+        self._next += 1
+        slot.layer = layer
+        if self._pool is None:
+            slot.ready = None
+            self._fill(slot, layer)
+        else:
+            slot.ready = self._pool.submit(self._fill, slot, layer)
+        return slot
+
+    def _acquire(self, layer: int) -> Params:
+        """Wait for ``layer`` and return its weights as compute-dtype tensors on the compute device."""
+        slot = self._current
+        if slot.ready is not None:
+            started = time.perf_counter()
+            slot.ready.result()
+            self.stats.wait_seconds += time.perf_counter() - started
+            slot.ready = None
+        data = slot.device if self.cuda else self.ram[layer] if self.ram is not None else slot.host
+        assert data is not None
+        return self._to_compute(self.layouts[layer], data)
+
+    def _to_compute(self, layout: FileLayout, data: Tensor) -> Params:
+        raw = layout.views(data)
+        params: Params = {}
+        for key, tensor in raw.items():
+            if key.endswith(SCALE_SUFFIX):
+                continue
+            if tensor.dtype == self.dtype:
+                params[key] = tensor
+            elif tensor.dtype == torch.int8:
+                params[key] = dequantize_into(tensor, raw[key + SCALE_SUFFIX], self.compute_buffers[key])
+            else:
+                params[key] = self.compute_buffers[key].copy_(tensor)
+        return params
+
+    # ------------------------------------------------------------------ ForwardModel
+
+    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
+        """An empty cache in the compute dtype on the KV home."""
+        return KVCache.allocate(self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+        *,
+        last_only: bool = False,
+    ) -> Tensor:
+        """Run ``ids [B, T]``; returns fp32 CPU logits (see ``ForwardModel.forward``)."""
+        started = time.perf_counter()
+        cfg = self.config
+        B, T = ids.shape
+        step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
+        x = embed(ids.to(self.device), self.embedding, self.projector, cfg)
+        rows = B if T == 1 or not self.micro_batch else self.micro_batch
+        if self._prefetched is None or self._prefetched.layer != 0:
+            self._drain()  # an earlier step stopped midway (error): restart the stream at layer 0
+            self._prefetched = self._request(0)
+        for i in range(cfg.num_layers):
+            self._current = self._prefetched
+            # Read the next layer (layer 0 of the next step after the last one) while this one computes.
+            self._prefetched = self._request((i + 1) % cfg.num_layers) if self._pool is not None else None
+            params = self._acquire(i)
+            for a in range(0, B, rows):
+                b = min(a + rows, B)
+                kv = None
+                if cache is not None:
+                    kv = LayerKV(k=cache.k[i][a:b], v=cache.v[i][a:b], start=cache.length)
+                x[a:b] = transformer_layer(x[a:b], params, cfg, i, _rows(step, a, b), kv)
+            if self.cuda:
+                assert self._current.free is not None
+                self._current.free.record()
+            if self._pool is None and i + 1 < cfg.num_layers:
+                self._prefetched = self._request(i + 1)
+        if self._pool is None:
+            self._prefetched = None
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:]
+        logits = output_head(x, self.output, self.embedding["word_embeddings.weight"], cfg).float().cpu()
+        self.stats.forwards += 1
+        self.stats.forward_seconds += time.perf_counter() - started
+        log.debug(
+            "forward %d: %dx%d tokens in %.2fs, %.0f MiB/s read, %.0f%% of I/O hidden",
+            self.stats.forwards,
+            B,
+            T,
+            time.perf_counter() - started,
+            self.stats.read_bandwidth / 2**20,
+            100 * self.stats.io_hidden_fraction,
+        )
+        return logits
+
+    __call__ = forward
+
+    def _drain(self) -> None:
+        for slot in self.slots:
+            if slot.ready is not None:
+                slot.ready.result()
+                slot.ready = None
+
+    def close(self) -> None:
+        """Finish the outstanding read and stop the reader thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._prefetched = None
+
+
+def _rows(step: StepInfo, a: int, b: int) -> StepInfo:
+    """The step metadata of rows ``a:b``."""
+    if a == 0 and b == step.positions.shape[0]:
+        return step
+    return StepInfo(positions=step.positions[a:b], mask=step.mask[a:b], cos=step.cos[a:b], sin=step.sin[a:b])
