@@ -30,6 +30,7 @@ Handler = Callable[[argparse.Namespace], int]
 # Imported lazily (only when the parser is built) and kept free of torch at import time.
 COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.config_cli",
+    "robot_llm.migrate",
 )
 
 
