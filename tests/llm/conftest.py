@@ -1,0 +1,53 @@
+"""Fixtures for the YaLM tests: the in-repo copy of the shared yalm-tiny fixture and models built on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.tokenizer import YalmTokenizer
+from robot_llm.llm.yalm import Yalm
+
+TINY = Path(__file__).resolve().parent.parent / "fixtures" / "yalm-tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The yalm-tiny fixture folder (byte-identical copy of shared/fixtures/yalm-tiny)."""
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> YalmConfig:
+    return YalmConfig.from_json(TINY / "config.json")
+
+
+@pytest.fixture(scope="session")
+def expected() -> dict[str, Any]:
+    return json.loads((TINY / "expected.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def reference_logits() -> dict[str, torch.Tensor]:
+    return torch.load(TINY / "logits.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> YalmTokenizer:
+    return YalmTokenizer(TINY / "vocab" / "voc_tiny.sp")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config: YalmConfig) -> Yalm:
+    """The fixture model computing in fp32."""
+    return Yalm.from_release(str(TINY / "weights"), tiny_config, dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def prompts(expected: dict[str, Any]) -> list[str]:
+    return [p["text"] for p in expected["prompts"]]
