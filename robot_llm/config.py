@@ -279,6 +279,8 @@ class FeedConfig(_Section):
     url: str
     interval: Duration = timedelta(minutes=15)
     language: str | None = None
+    # The instruments this feed is about (e.g. a company's own press-release feed): each of its
+    # entries is tagged with them, in addition to the instruments its text names.
     tickers: tuple[str, ...] | None = None
     enabled: bool = True
 
@@ -306,6 +308,9 @@ class HttpConfig(_Section):
     retries: int = Field(default=3, ge=0, le=10)
     backoff: Duration = timedelta(seconds=1)
     max_bytes: Size = 10 * 2**20
+    # A hard ceiling on one attempt (connect + every read): a server that trickles bytes
+    # slowly never trips the read timeout, and must not hold the night hostage.
+    total_timeout: Duration = timedelta(seconds=120)
     user_agent: str = "robot-llm/0.1 (+https://github.com/robot-llm/robot-llm)"
 
 
