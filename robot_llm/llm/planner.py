@@ -1,0 +1,387 @@
+"""Memory planner for the streaming engine: batch size, weight home, KV home and micro-batch.
+
+Given the model config, the work (prompts, their token lengths, max_new_tokens)
+and the machine (GPU memory, RAM, bandwidths), :func:`plan` enumerates the
+placements the engine supports (weights in RAM or on disk; KV cache on the
+compute device or in RAM), finds for each the largest batch whose every tier
+fits, estimates the run time with a per-layer max(I/O, compute) model (the
+engine overlaps the two) and returns the fastest. Nothing fits -> :class:`PlanError`
+with the reason, before any weight is read.
+
+The memory model follows what :class:`robot_llm.llm.engine.StreamingModel`
+allocates: two layer slots (pinned on CUDA, plus two device slots), one set of
+compute-dtype buffers when the stored dtype differs, the resident embedding /
+projector / output layer, the KV cache, and activations of one micro-batch.
+Pure Python: importing it does not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from robot_llm.errors import RobotLLMError
+from robot_llm.llm.config import YalmConfig
+
+GiB = 2**30
+GB = 1e9
+
+#: Bytes per element of a compute dtype.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: Resident set of a Python process with torch loaded (and DeepSpeed-free); measured ~0.45 GiB.
+PROCESS_BASE_BYTES = int(0.6 * GiB)
+#: CUDA context and allocator slack on the GPU.
+CUDA_CONTEXT_BYTES = int(0.8 * GiB)
+
+
+class PlanError(RobotLLMError):
+    """The run cannot fit on this machine; the message says which tier and by how much."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the planner knows about the hardware (bytes, bytes/s, FLOP/s)."""
+
+    ram_bytes: int
+    gpu_bytes: int = 0
+    disk_read_bps: float = 3.0 * GB
+    h2d_bps: float = 12.0 * GB
+    gpu_flops: float = 30e12
+    cpu_flops: float = 0.5e12
+    ram_bps: float = 10.0 * GB
+    label: str = ""
+
+    @property
+    def has_gpu(self) -> bool:
+        """True when a GPU computes."""
+        return self.gpu_bytes > 0
+
+
+@dataclass(frozen=True)
+class Work:
+    """The batch job: ``num_prompts`` prompts of up to ``prompt_tokens`` tokens (BOS included)."""
+
+    num_prompts: int
+    prompt_tokens: int
+    max_new_tokens: int
+
+    @property
+    def seq_slots(self) -> int:
+        """KV slots per sequence (the last generated token is never fed back)."""
+        return self.prompt_tokens + max(self.max_new_tokens, 1) - 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement, its memory per tier and its estimated time."""
+
+    device: Literal["cuda", "cpu"]
+    weight_dtype: str
+    compute_dtype: str
+    batch_size: int
+    weight_home: Literal["ram", "disk"]
+    kv_home: Literal["device", "cpu"]
+    micro_batch: int
+    memory: dict[str, dict[str, int]]
+    capacity: dict[str, int]
+    prefill_seconds: float
+    decode_seconds: float
+    num_batches: int
+    work: Work
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        """Estimated wall time of the whole job."""
+        return self.num_batches * (self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Estimated generated tokens per second."""
+        return self.work.num_prompts * self.work.max_new_tokens / max(self.total_seconds, 1e-9)
+
+    def describe(self) -> str:
+        """Human-readable plan (what ``robot-llm model plan`` prints)."""
+        lines = [
+            f"compute on {self.device} in {self.compute_dtype}, weights stored as {self.weight_dtype}",
+            f"batch size {self.batch_size} ({self.num_batches} batches of the {self.work.num_prompts} prompts), "
+            f"prefill micro-batch {self.micro_batch}",
+            f"weights homed in {self.weight_home}, KV cache in "
+            + ("GPU memory" if self.kv_home == "device" and self.device == "cuda" else "RAM"),
+            "memory per tier:",
+        ]
+        for tier, items in self.memory.items():
+            used = sum(items.values())
+            cap = self.capacity.get(tier)
+            head = f"  {tier}: {_fmt(used)}" + (f" of {_fmt(cap)}" if cap else "")
+            lines.append(head)
+            lines.extend(f"    {name:<22} {_fmt(size)}" for name, size in items.items() if size)
+        lines.append(
+            f"estimated time: prefill {_dur(self.prefill_seconds)}/batch, decode {self.decode_seconds:.2f} s/step, "
+            f"total {_dur(self.total_seconds)} ({self.tokens_per_second:.3g} tok/s)"
+        )
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _fmt(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _dur(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 60:.1f} min" if s >= 120 else f"{s:.1f} s"
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def layer_params(cfg: YalmConfig) -> int:
+    """Parameters of one transformer layer (with its input LayerNorm)."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    return 4 * H * H + 3 * H * inter + 3 * H + 2 * inter + 2 * H + 4 * H
+
+
+def layer_bytes(cfg: YalmConfig, weight_dtype: str, group_size: int = 64) -> int:
+    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales, the rest fp16)."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    matrices = 4 * H * H + 3 * H * inter
+    vectors = layer_params(cfg) - matrices
+    if weight_dtype != "int8":
+        return layer_params(cfg) * DTYPE_BYTES[weight_dtype]
+    rows_h, rows_i = 4 * H + 2 * inter, H  # rows of [.., H]-wide and [.., I]-wide matrices
+    scales = rows_h * _groups(H, group_size) + rows_i * _groups(inter, group_size)
+    return matrices + 4 * scales + 2 * vectors
+
+
+def _groups(width: int, group: int) -> int:
+    return width // group if group > 0 and width % group == 0 else 1
+
+
+def resident_params(cfg: YalmConfig) -> int:
+    """Parameters that stay resident: embedding (also the LM head), projector, output layer."""
+    V, E, H = cfg.vocab_size, cfg.embedding_size, cfg.hidden_size
+    return V * E + 2 * E + 2 * H + E * H + E + 2 * E + V
+
+
+def kv_bytes(cfg: YalmConfig, batch: int, slots: int, dtype_bytes: int) -> int:
+    """K and V of every layer for ``batch`` sequences of ``slots`` positions."""
+    return 2 * cfg.num_layers * batch * slots * cfg.hidden_size * dtype_bytes
+
+
+def activation_bytes(cfg: YalmConfig, batch: int, rows: int, tokens: int, slots: int, dtype_bytes: int) -> int:
+    """Peak activations of one layer: the whole batch's residual stream plus one micro-batch's temporaries."""
+    H, inter, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    stream = 2 * batch * tokens * H
+    temps = rows * tokens * (9 * H + 4 * inter) + 2 * rows * n * tokens * slots + 2 * rows * slots * H
+    return (stream + temps) * dtype_bytes
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan(
+    cfg: YalmConfig,
+    work: Work,
+    machine: Machine,
+    *,
+    weight_dtype: str = "fp16",
+    compute_dtype: str | None = None,
+    max_batch_size: int | None = None,
+    memory_budget_bytes: int | None = None,
+    headroom: float = 0.9,
+    weight_home: Literal["ram", "disk"] | None = None,
+) -> Plan:
+    """The fastest placement that fits; raises :class:`PlanError` when none does.
+
+    ``memory_budget_bytes`` caps the host RAM the run may use (default: the
+    machine's RAM); ``headroom`` is the usable share of each tier.
+    ``weight_home`` forces a home instead of trying both.
+    """
+    if work.num_prompts < 1 or work.prompt_tokens < 1 or work.max_new_tokens < 0:
+        raise PlanError(f"nothing to plan for {work}")
+    total_tokens = work.prompt_tokens + work.max_new_tokens
+    if total_tokens > cfg.max_position_embeddings:
+        raise PlanError(
+            f"prompt ({work.prompt_tokens}) + max_new_tokens ({work.max_new_tokens}) = {total_tokens} tokens "
+            f"exceeds the model's {cfg.max_position_embeddings} positions"
+        )
+    cdtype = compute_dtype or ("fp16" if machine.has_gpu else "fp32")
+    ram = int((memory_budget_bytes or machine.ram_bytes) * headroom)
+    gpu = int(machine.gpu_bytes * headroom)
+    cap_batch = min(work.num_prompts, max_batch_size or work.num_prompts)
+    homes: list[Literal["ram", "disk"]] = [weight_home] if weight_home else ["ram", "disk"]
+    kv_homes: list[Literal["device", "cpu"]] = ["device", "cpu"] if machine.has_gpu else ["device"]
+    best: Plan | None = None
+    reasons: list[str] = []
+    for home in homes:
+        for kv_home in kv_homes:
+            candidate = None
+            for batch in _descending(cap_batch):
+                candidate = _try(cfg, work, machine, weight_dtype, cdtype, home, kv_home, batch, ram, gpu)
+                if isinstance(candidate, Plan):
+                    break
+            if isinstance(candidate, Plan):
+                candidate = _rebalance(cfg, work, machine, candidate, ram, gpu)
+                if best is None or candidate.total_seconds < best.total_seconds:
+                    best = candidate
+            elif candidate is not None:
+                reasons.append(f"weights in {home}, KV on {kv_home}: {candidate}")
+    if best is None:
+        raise PlanError("the run cannot fit even with batch size 1:\n  " + "\n  ".join(reasons))
+    return best
+
+
+def _descending(cap: int) -> list[int]:
+    """Batch sizes to try, largest first: cap, then powers of two below it, then 1."""
+    sizes = [cap] + [2**k for k in range(int(math.log2(cap)), -1, -1) if 2**k < cap]
+    return sizes
+
+
+def _rebalance(cfg: YalmConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int) -> Plan:
+    """Grow the batch between the found power of two and the cap, then even out the batches."""
+    lo, hi = p.batch_size, min(work.num_prompts, 2 * p.batch_size - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        got = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv_home, mid, ram, gpu)
+        lo, hi = (mid, hi) if isinstance(got, Plan) else (lo, mid - 1)
+    batches = math.ceil(work.num_prompts / lo)
+    even = math.ceil(work.num_prompts / batches)
+    final = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv_home, even, ram, gpu)
+    return final if isinstance(final, Plan) else p
+
+
+def _try(
+    cfg: YalmConfig,
+    work: Work,
+    machine: Machine,
+    weight_dtype: str,
+    cdtype: str,
+    home: Literal["ram", "disk"],
+    kv_home: Literal["device", "cpu"],
+    batch: int,
+    ram_cap: int,
+    gpu_cap: int,
+) -> Plan | str:
+    """The plan for exactly this batch, or why it does not fit."""
+    L, c = cfg.num_layers, DTYPE_BYTES[cdtype]
+    lb = layer_bytes(cfg, weight_dtype)
+    converts = weight_dtype != cdtype
+    compute_buffers = layer_params(cfg) * c if converts else 0
+    resident = resident_params(cfg) * c
+    slots = work.seq_slots
+    kv = kv_bytes(cfg, batch, slots, c)
+    cuda = machine.has_gpu
+    ram: dict[str, int] = {"process": PROCESS_BASE_BYTES}
+    gpu: dict[str, int] = {"cuda context": CUDA_CONTEXT_BYTES} if cuda else {}
+    compute_tier = gpu if cuda else ram
+    ram["weights (RAM home)" if home == "ram" else "staging slots"] = L * lb if home == "ram" else 2 * lb
+    compute_tier["resident modules"] = resident
+    if cuda:
+        gpu["layer slots"] = 2 * lb
+    compute_tier["compute buffers"] = compute_buffers
+    (compute_tier if kv_home == "device" else ram)["KV cache"] = kv
+    cap = gpu_cap if cuda else ram_cap
+    # The largest prefill micro-batch whose activations fit next to everything else.
+    fixed = sum(compute_tier.values())
+    if cuda and kv_home == "cpu":
+        fixed += 2 * batch * slots * cfg.hidden_size * c  # one layer's K/V copied up for attention
+    decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
+    micro = 0
+    for rows in range(batch, 0, -1):
+        if (
+            fixed + max(activation_bytes(cfg, batch, rows, work.prompt_tokens, work.prompt_tokens, c), decode_act)
+            <= cap
+        ):
+            micro = rows
+            break
+    tier_name = "gpu" if cuda else "ram"
+    if not micro:
+        need = fixed + activation_bytes(cfg, batch, 1, work.prompt_tokens, work.prompt_tokens, c)
+        return f"batch {batch} needs {_fmt(need)} of {tier_name}, {_fmt(cap)} usable"
+    compute_tier["activations"] = max(
+        activation_bytes(cfg, batch, micro, work.prompt_tokens, work.prompt_tokens, c), decode_act
+    )
+    if sum(ram.values()) > ram_cap:
+        return f"batch {batch} needs {_fmt(sum(ram.values()))} of RAM, {_fmt(ram_cap)} usable"
+    memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
+    memory["disk"] = {"weight store": L * lb + resident_params(cfg) * 2}
+    capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
+    prefill, decode = _times(cfg, work, machine, lb, converts, home, kv_home, batch, c)
+    notes = []
+    if home == "disk":
+        notes.append(f"streams {_fmt(L * lb)} of weights from disk per step at {machine.disk_read_bps / GB:.1f} GB/s")
+    return Plan(
+        device="cuda" if cuda else "cpu",
+        weight_dtype=weight_dtype,
+        compute_dtype=cdtype,
+        batch_size=batch,
+        weight_home=home,
+        kv_home=kv_home,
+        micro_batch=micro,
+        memory=memory,
+        capacity=capacity,
+        prefill_seconds=prefill,
+        decode_seconds=decode,
+        num_batches=math.ceil(work.num_prompts / batch),
+        work=work,
+        notes=notes,
+    )
+
+
+def _times(
+    cfg: YalmConfig,
+    work: Work,
+    machine: Machine,
+    lb: int,
+    converts: bool,
+    home: str,
+    kv_home: str,
+    batch: int,
+    c: int,
+) -> tuple[float, float]:
+    """(prefill seconds per batch, decode seconds per step): per layer max(I/O, compute), times layers."""
+    L, H = cfg.num_layers, cfg.hidden_size
+    cuda = machine.has_gpu
+    io = 0.0
+    if home == "disk":
+        io = lb / machine.disk_read_bps
+    if cuda:
+        io = max(io, lb / machine.h2d_bps)
+    convert = layer_params(cfg) * c / machine.ram_bps if converts and not cuda else 0.0
+    flops = machine.gpu_flops if cuda else machine.cpu_flops
+    P = work.prompt_tokens
+    mean_slots = P + work.max_new_tokens / 2
+
+    def compute(tokens: int, slots: float) -> float:
+        return (2 * batch * tokens * layer_params(cfg) + 4 * batch * tokens * slots * H) / flops
+
+    kv_move = 0.0
+    if cuda and kv_home == "cpu":
+        kv_move = 2 * batch * mean_slots * H * c / machine.h2d_bps
+    prefill = L * max(io, compute(P, P) + convert)
+    decode = L * max(io, compute(1, mean_slots) + convert + kv_move)
+    return prefill, decode
+
+
+def with_label(machine: Machine, label: str) -> Machine:
+    """A copy of ``machine`` with a label (for printing)."""
+    return replace(machine, label=label)
+
+
+def detect_machine(disk_read_bps: float | None = None) -> Machine:
+    """This machine: RAM from the OS, GPU memory from torch when CUDA is present."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = 0
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.mem_get_info()[1]
+    except ImportError:
+        gpu = 0
+    kwargs = {"disk_read_bps": disk_read_bps} if disk_read_bps else {}
+    return Machine(ram_bytes=ram, gpu_bytes=gpu, label="this machine", **kwargs)
