@@ -63,5 +63,10 @@ class YalmTokenizer:
         return [self.sp.id_to_piece(i) for i in ids]
 
     def decode(self, ids: list[int]) -> str:
-        """Detokenize: SentencePiece decode (control symbols vanish), then ``[NL]`` -> ``"\\n"``."""
-        return str(self.sp.decode([int(i) for i in ids])).replace(NEWLINE_PIECE, "\n")
+        """Detokenize: SentencePiece decode (control symbols vanish), then ``[NL]`` -> ``"\\n"``.
+
+        Ids beyond the piece count (padding rows of a padded vocabulary) have no
+        text and are dropped.
+        """
+        size = self.vocab_size
+        return str(self.sp.decode([int(i) for i in ids if 0 <= int(i) < size])).replace(NEWLINE_PIECE, "\n")
