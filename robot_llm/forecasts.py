@@ -1,0 +1,491 @@
+"""The read API for strategies: theses and the robot's signals, point-in-time.
+
+A strategy (live, or in a backtest) asks "what did robot-llm know at moment T?" and gets
+only rows that had been committed by T (``available_at <= T`` for theses, ``received_at
+<= T`` for signals), so a backtest cannot see a thesis before it existed. This module is
+the only thing strategy code needs; it never has to know table names.
+
+It is light on purpose: it imports SQLAlchemy and the ORM schema, never torch, the
+scheduler or the template engine, so a strategy host without a GPU stack starts fast.
+pandas is optional and imported only by the functions that return DataFrames.
+
+Semantics, stated once:
+
+* **latest** is the most recently *available* thesis (replay order, like NautilusTrader's
+  ``ts_init``); ties go to the later ``as_of``, then the higher id. Pass ``template=`` when
+  several templates write theses for one instrument.
+* **stale**: a thesis is valid while ``moment < valid_until``. When the latest available
+  thesis is stale, ``latest`` returns ``None`` — the thesis *abstains*; it is not a neutral
+  view, and an older thesis does not stand in for it.
+* **history** returns every thesis that became available in ``[start, end]`` (both ends
+  included), ordered as it became available — what a replay would have received.
+* Every moment passed in must be an aware datetime (any zone); naive ones are refused.
+  Records carry aware UTC datetimes.
+
+Example::
+
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+    from robot_llm.forecasts import Forecasts
+
+    with Forecasts.from_config("config/demo.yaml") as fc:
+        thesis = fc.latest("SBER", datetime(2026, 11, 30, 9, 0, tzinfo=ZoneInfo("Europe/Moscow")))
+        if thesis is None:
+            ...  # no valid thesis: abstain
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from datetime import date, datetime, time, timedelta, timezone, tzinfo
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from sqlalchemy import Select, and_, inspect, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+
+from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, make_engine
+from robot_llm.errors import RobotLLMError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "Forecasts",
+    "ForecastsError",
+    "NaiveDatetimeError",
+    "SignalRecord",
+    "ThesisRecord",
+    "parse_moment",
+    "require_aware",
+    "to_dataframe",
+]
+
+# The default morning cut-off, the same as ``schedule.cutoff`` in the config; repeated here
+# so that opening by URL does not import the config layer (pydantic, yaml).
+DEFAULT_CUTOFF = time(9, 30)
+
+
+class ForecastsError(RobotLLMError):
+    """A problem with a read-API call or its database; the message is for the user."""
+
+
+class NaiveDatetimeError(ForecastsError):
+    """A naive datetime was passed where a moment in time is needed."""
+
+
+def require_aware(value: Any, name: str = "moment") -> datetime:
+    """Return ``value`` as an aware UTC datetime; refuse naive datetimes and non-datetimes."""
+    if not isinstance(value, datetime):
+        raise ForecastsError(f"{name}: expected an aware datetime, got {type(value).__name__} {value!r}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise NaiveDatetimeError(
+            f"{name}: naive datetime {value.isoformat()} is ambiguous; pass an aware one, "
+            f"e.g. datetime(..., tzinfo=ZoneInfo('Europe/Moscow')) or timezone.utc"
+        )
+    if hasattr(value, "to_pydatetime"):  # a pandas Timestamp: hand the database a plain datetime
+        value = value.to_pydatetime()
+    return value.astimezone(timezone.utc)
+
+
+def _zone(tz: tzinfo | str) -> tzinfo:
+    if isinstance(tz, tzinfo):
+        return tz
+    try:
+        return ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ForecastsError(f"unknown time zone {tz!r} (use an IANA name like 'Europe/Moscow')") from None
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class ThesisRecord:
+    """One thesis as a strategy sees it, with its time contract.
+
+    ``as_of`` is the data cut-off it was written from, ``available_at`` the moment it was
+    committed (a backtest may use it only from then on), ``valid_until`` when it goes stale.
+    ``stance`` runs from -1 (bearish) to +1 (bullish), ``score`` (0..1) is the confidence of
+    that stance; both are ``None`` when the model's answer could not be scored.
+    """
+
+    id: int
+    ticker: str
+    text: str
+    stance: float | None
+    stance_label: str | None
+    score: float | None
+    as_of: datetime
+    available_at: datetime
+    valid_until: datetime
+    model_id: str
+    template_name: str
+    template_version: str
+    news_ids: tuple[int, ...]
+    signal_ids: tuple[int, ...]
+
+    def is_valid_at(self, moment: datetime) -> bool:
+        """Whether the thesis exists at ``moment`` and is not yet stale."""
+        moment = require_aware(moment)
+        return self.available_at <= moment < self.valid_until
+
+
+@dataclass(frozen=True, slots=True)
+class SignalRecord:
+    """One of the robot's own forecasts, as received (``received_at`` is what point-in-time uses).
+
+    ``direction`` is -1 (down), 0 (flat), +1 (up) or ``None``; ``confidence`` is 0..1 or ``None``.
+    """
+
+    id: int
+    ticker: str
+    generated_at: datetime
+    received_at: datetime
+    horizon: str
+    direction: int | None
+    target: float | None
+    confidence: float | None
+    model: str
+    source: str
+
+
+_THESIS_COLUMNS = (
+    Thesis.id,
+    Thesis.ticker,
+    Thesis.text,
+    Thesis.stance,
+    Thesis.stance_label,
+    Thesis.score,
+    Thesis.as_of,
+    Thesis.available_at,
+    Thesis.valid_until,
+    Thesis.model_id,
+    Thesis.template_name,
+    Thesis.template_version,
+    Thesis.news_ids,
+    Thesis.signal_ids,
+)
+
+_SIGNAL_COLUMNS = (
+    Signal.id,
+    Signal.ticker,
+    Signal.generated_at,
+    Signal.received_at,
+    Signal.horizon,
+    Signal.direction,
+    Signal.target,
+    Signal.confidence,
+    Signal.model,
+    Signal.source,
+)
+
+
+def _thesis(row: Any) -> ThesisRecord:
+    values = row._asdict()
+    values["news_ids"] = tuple(int(i) for i in values["news_ids"] or ())
+    values["signal_ids"] = tuple(int(i) for i in values["signal_ids"] or ())
+    return ThesisRecord(**values)
+
+
+# --------------------------------------------------------------------------- the reader
+
+
+class Forecasts:
+    """Point-in-time reads of theses and signals from robot-llm's database.
+
+    Open with :meth:`open` (a database URL) or :meth:`from_config` (the YAML config); use
+    as a context manager or call :meth:`close`. Every query runs in its own short read
+    transaction, so it sees only committed rows, each whole, even while the nightly batch
+    is writing. Safe to share between threads.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        tz: tzinfo | str = "UTC",
+        cutoff: time = DEFAULT_CUTOFF,
+        owns_engine: bool = False,
+    ) -> None:
+        """Wrap an existing engine; ``tz`` and ``cutoff`` define trading days for :meth:`for_day`."""
+        self._engine = engine
+        self._owns_engine = owns_engine
+        self.timezone = _zone(tz)
+        self.cutoff = cutoff
+        self.tickers: tuple[str, ...] = ()
+
+    @classmethod
+    def open(cls, url: str, *, tz: tzinfo | str = "UTC", cutoff: time = DEFAULT_CUTOFF) -> Forecasts:
+        """Open the database at ``url``; raise DatabaseError when it is missing, unreachable or not migrated."""
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            # Connecting would silently create an empty file: a typo must not look like "no theses".
+            path = Path(url[len("sqlite:///") :].split("?", 1)[0])
+            if not path.is_file():
+                raise DatabaseError(f"no database file at {path} (check database.url, or run `robot-llm db upgrade`)")
+        engine = make_engine(url)
+        try:
+            check_connection(engine)
+            if not inspect(engine).has_table(Thesis.__tablename__):
+                raise DatabaseError(
+                    f"the database {engine.url.render_as_string()} has no theses table; run `robot-llm db upgrade`"
+                )
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(engine, tz=tz, cutoff=cutoff, owns_engine=True)
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str]) -> Forecasts:
+        """Open the database named by a robot-llm YAML config, with its time zone, cut-off and tickers."""
+        from robot_llm.config import load_config
+
+        config = load_config(path)
+        forecasts = cls.open(config.database.url, tz=config.timezone, cutoff=config.schedule.cutoff)
+        forecasts.tickers = tuple(inst.ticker for inst in config.instruments)
+        return forecasts
+
+    def close(self) -> None:
+        """Release the database connections (only when this object opened them)."""
+        if self._owns_engine:
+            self._engine.dispose()
+
+    def __enter__(self) -> Forecasts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rows(self, stmt: Select[Any]) -> list[Any]:
+        try:
+            with self._engine.connect() as conn:
+                return list(conn.execute(stmt))
+        except DBAPIError as exc:
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+            raise ForecastsError(f"reading {self._engine.url.render_as_string()} failed: {reason}") from None
+
+    # ----------------------------------------------------------------------- theses
+
+    def latest(
+        self,
+        ticker: str,
+        as_of: datetime,
+        *,
+        template: str | None = None,
+        include_stale: bool = False,
+    ) -> ThesisRecord | None:
+        """The latest thesis for ``ticker`` available at ``as_of``; ``None`` when there is none or it is stale.
+
+        Only rows with ``available_at <= as_of`` are considered. With ``include_stale=True`` the
+        latest available thesis is returned even past its ``valid_until``.
+        """
+        moment = require_aware(as_of, "as_of")
+        stmt = select(*_THESIS_COLUMNS).where(Thesis.ticker == ticker, Thesis.available_at <= moment)
+        if template is not None:
+            stmt = stmt.where(Thesis.template_name == template)
+        stmt = stmt.order_by(Thesis.available_at.desc(), Thesis.as_of.desc(), Thesis.id.desc()).limit(1)
+        rows = self._rows(stmt)
+        if not rows:
+            return None
+        record = _thesis(rows[0])
+        if not include_stale and record.valid_until <= moment:
+            return None
+        return record
+
+    def latest_many(
+        self,
+        tickers: Iterable[str],
+        as_of: datetime,
+        *,
+        template: str | None = None,
+        include_stale: bool = False,
+    ) -> dict[str, ThesisRecord | None]:
+        """:meth:`latest` for each ticker, in the order given."""
+        moment = require_aware(as_of, "as_of")
+        return {t: self.latest(t, moment, template=template, include_stale=include_stale) for t in tickers}
+
+    def day_window(self, trading_day: date, tz: tzinfo | str | None = None) -> tuple[datetime, datetime]:
+        """The ``[start, end)`` of ``as_of`` moments whose theses belong to ``trading_day``.
+
+        A trading day's theses are those written from data cut between the previous day's
+        morning cut-off and this day's (``schedule.cutoff`` in the config, 09:30 by default),
+        in ``tz`` (default: the config's zone, UTC when opened by URL). The nightly batch
+        before Monday's open therefore belongs to Monday.
+        """
+        if isinstance(trading_day, datetime) or not isinstance(trading_day, date):
+            raise ForecastsError(f"trading_day: expected a date, got {type(trading_day).__name__} {trading_day!r}")
+        zone = self.timezone if tz is None else _zone(tz)
+        end = datetime.combine(trading_day, self.cutoff, tzinfo=zone)
+        start = datetime.combine(trading_day - timedelta(days=1), self.cutoff, tzinfo=zone)
+        return start.astimezone(timezone.utc), end.astimezone(timezone.utc)
+
+    def for_day(
+        self,
+        trading_day: date,
+        tz: tzinfo | str | None = None,
+        *,
+        tickers: Iterable[str] | None = None,
+    ) -> list[ThesisRecord]:
+        """All theses for ``trading_day`` (see :meth:`day_window`), ordered by ticker, template, availability.
+
+        This is the morning listing, not a backtest query: it does not filter on
+        ``available_at``; use :meth:`latest` or :meth:`history` to ask what was known when.
+        """
+        start, end = self.day_window(trading_day, tz)
+        stmt = select(*_THESIS_COLUMNS).where(Thesis.as_of >= start, Thesis.as_of < end)
+        if tickers is not None:
+            stmt = stmt.where(Thesis.ticker.in_(list(tickers)))
+        stmt = stmt.order_by(Thesis.ticker, Thesis.template_name, Thesis.available_at, Thesis.id)
+        return [_thesis(r) for r in self._rows(stmt)]
+
+    def history(
+        self,
+        ticker: str | None,
+        start: datetime,
+        end: datetime,
+        *,
+        template: str | None = None,
+    ) -> list[ThesisRecord]:
+        """Every thesis that became available in ``[start, end]``, in the order it became available.
+
+        ``ticker=None`` means all instruments. Replaying these rows in order, a backtest at
+        moment T has seen exactly the rows with ``available_at <= T``. To know the thesis
+        in force at ``start``, ask :meth:`latest` for ``start`` too.
+        """
+        lo = require_aware(start, "start")
+        hi = require_aware(end, "end")
+        if hi < lo:
+            raise ForecastsError(f"history: end {hi.isoformat()} is before start {lo.isoformat()}")
+        stmt = select(*_THESIS_COLUMNS).where(Thesis.available_at >= lo, Thesis.available_at <= hi)
+        if ticker is not None:
+            stmt = stmt.where(Thesis.ticker == ticker)
+        if template is not None:
+            stmt = stmt.where(Thesis.template_name == template)
+        stmt = stmt.order_by(Thesis.available_at, Thesis.as_of, Thesis.id)
+        return [_thesis(r) for r in self._rows(stmt)]
+
+    def history_frame(
+        self,
+        ticker: str | None,
+        start: datetime,
+        end: datetime,
+        *,
+        template: str | None = None,
+    ) -> pd.DataFrame:
+        """:meth:`history` as a pandas DataFrame (see :func:`to_dataframe`)."""
+        return to_dataframe(self.history(ticker, start, end, template=template))
+
+    # ----------------------------------------------------------------------- signals
+
+    def latest_signal(
+        self,
+        ticker: str,
+        as_of: datetime,
+        *,
+        horizon: str | None = None,
+        model: str | None = None,
+        max_age: timedelta | None = None,
+    ) -> SignalRecord | None:
+        """The robot's most recently generated forecast for ``ticker`` that had been received by ``as_of``.
+
+        Point-in-time on ``received_at``: a signal generated earlier but delivered after
+        ``as_of`` is not seen. With ``max_age``, a signal generated more than ``max_age``
+        before ``as_of`` counts as none.
+        """
+        moment = require_aware(as_of, "as_of")
+        conditions = [Signal.ticker == ticker, Signal.received_at <= moment]
+        if horizon is not None:
+            conditions.append(Signal.horizon == horizon)
+        if model is not None:
+            conditions.append(Signal.model == model)
+        if max_age is not None:
+            conditions.append(Signal.generated_at >= moment - max_age)
+        stmt = (
+            select(*_SIGNAL_COLUMNS)
+            .where(and_(*conditions))
+            .order_by(Signal.generated_at.desc(), Signal.received_at.desc(), Signal.id.desc())
+            .limit(1)
+        )
+        rows = self._rows(stmt)
+        return SignalRecord(**rows[0]._asdict()) if rows else None
+
+
+# --------------------------------------------------------------------------- pandas
+
+
+def _pandas() -> Any:
+    try:
+        import pandas
+    except ImportError:
+        raise ForecastsError(
+            "pandas is not installed; install it (pip install 'robot-llm[pandas]') or use the record lists"
+        ) from None
+    return pandas
+
+
+THESIS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ThesisRecord))
+
+
+def to_dataframe(records: Sequence[ThesisRecord]) -> pd.DataFrame:
+    """Thesis records as a DataFrame: one row per record, one column per field, times as UTC timestamps.
+
+    Needs pandas (an optional dependency); raises ForecastsError when it is missing.
+    """
+    pd = _pandas()
+    frame = pd.DataFrame([asdict(r) for r in records], columns=list(THESIS_FIELDS))
+    for column in ("as_of", "available_at", "valid_until"):
+        frame[column] = pd.to_datetime(frame[column], utc=True).astype("datetime64[ns, UTC]")
+    for column in ("stance", "score"):
+        frame[column] = frame[column].astype("float64")
+    frame["id"] = frame["id"].astype("int64")
+    return frame
+
+
+# --------------------------------------------------------------------------- parsing moments
+
+_RELATIVE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*(?:ago)?\s*$")
+_RELATIVE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_moment(text: str, *, tz: tzinfo | str = "UTC", now: datetime | None = None) -> datetime:
+    """Parse a moment typed by a user into an aware UTC datetime.
+
+    Accepted, and nothing else:
+
+    * ``now``;
+    * ISO 8601 with a zone: ``2026-11-30T09:30:00+03:00``, ``2026-11-30T06:30Z``;
+    * a date ``2026-11-30``: the start of that day (00:00) in ``tz``;
+    * a relative time ago: ``90s``, ``15m``, ``2h``, ``1d``, ``1w`` (optionally followed by ``ago``).
+
+    An ISO time without a zone is refused (it would be ambiguous).
+    """
+    current = require_aware(now, "now") if now is not None else datetime.now(timezone.utc)
+    raw = text.strip()
+    if raw.lower() == "now":
+        return current
+    m = _RELATIVE_RE.match(raw)
+    if m:
+        return current - timedelta(seconds=float(m.group(1)) * _RELATIVE_UNITS[m.group(2)])
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", raw):
+        try:
+            day = date.fromisoformat(raw)
+        except ValueError as exc:
+            raise ForecastsError(f"invalid date {text!r}: {exc}") from None
+        return datetime.combine(day, time(0, 0), tzinfo=_zone(tz)).astimezone(timezone.utc)
+    try:
+        value = datetime.fromisoformat(raw.replace("z", "Z").replace("Z", "+00:00"))
+    except ValueError:
+        raise ForecastsError(
+            f"cannot read the time {text!r}: use ISO 8601 with a zone (2026-11-30T09:30+03:00), "
+            f"a date (2026-11-30, midnight in {_zone(tz)}), 'now', or a relative time like '1d' (ago)"
+        ) from None
+    if value.tzinfo is None:
+        raise NaiveDatetimeError(
+            f"the time {text!r} has no zone; add one (e.g. {raw}+03:00 or {raw}Z), or give a date or a relative time"
+        )
+    return value.astimezone(timezone.utc)
