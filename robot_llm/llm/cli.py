@@ -31,7 +31,10 @@ def _engine_options(parser: argparse.ArgumentParser, default_dtype: str) -> None
         "--engine", choices=list(BACKENDS), default="memory", help="how to run the model (default: %(default)s)"
     )
     parser.add_argument(
-        "--dtype", choices=["fp32", "bf16", "fp16"], default=default_dtype, help="compute dtype (default: %(default)s)"
+        "--dtype",
+        choices=["fp32", "bf16", "fp16", "int8"],
+        default=default_dtype,
+        help="compute dtype (default: %(default)s); int8 = int8 weight store, stream engine only",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     parser.add_argument("--home", choices=["disk", "ram"], help="where the streaming engine keeps the weights")
