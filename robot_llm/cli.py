@@ -31,6 +31,7 @@ Handler = Callable[[argparse.Namespace], int]
 COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.config_cli",
     "robot_llm.migrate",
+    "robot_llm.forecasts_cli",
 )
 
 
