@@ -31,7 +31,9 @@ Handler = Callable[[argparse.Namespace], int]
 COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.config_cli",
     "robot_llm.migrate",
+    "robot_llm.plan",
     "robot_llm.forecasts_cli",
+    "robot_llm.ingest.cli",
 )
 
 
