@@ -1,1 +1,1 @@
-"""Prompt templates shipped with robot-llm (importable so an installed package can find them)."""
+"""The prompt templates shipped with robot-llm (installed as ``robot_llm.prompts``); see README.md."""

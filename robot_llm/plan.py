@@ -1,0 +1,514 @@
+"""The nightly plan: which night it is, and the generation requests for it.
+
+A night is identified by its cut-off ``as_of``: the fire time of ``schedule.nightly`` (see
+:func:`night_as_of`). For each instrument and each configured template, :func:`plan_night`
+gathers what we knew at ``as_of`` — news *fetched* (our clock, never the feed's claimed
+date) at or before it, signals *received* at or before it — renders the prompt within the
+token budget and stores one pending GenerationRequest. The request is unique on
+(as_of, ticker, template_name), so planning the same night again adds nothing.
+
+Also the ``robot-llm prompts render`` command, which shows exactly the prompt a request
+would get, with its token count and the news left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone, tzinfo
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Run, Signal, session_scope, utcnow
+from robot_llm.errors import RobotLLMError
+from robot_llm.prompting import (
+    NewsEntry,
+    PromptTooLong,
+    RenderResult,
+    SignalEntry,
+    Template,
+    TokenCounter,
+    find_template,
+    load_template,
+    load_templates,
+    render_within_budget,
+)
+
+if TYPE_CHECKING:
+    from apscheduler.triggers.cron import CronTrigger
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import Session
+
+    from robot_llm.config import AppConfig, InstrumentConfig
+
+__all__ = [
+    "PlanResult",
+    "cron_trigger",
+    "derive_seed",
+    "gather_news",
+    "gather_signals",
+    "night_as_of",
+    "parse_as_of",
+    "plan_night",
+    "register",
+    "render_for",
+    "request_params",
+]
+
+
+# --------------------------------------------------------------------------- the night
+
+_CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+
+
+def _crontab_weekdays(field: str) -> str:
+    """Translate a crontab day-of-week field (0 or 7 = Sunday) to APScheduler 3 names.
+
+    APScheduler 3's ``from_crontab`` counts 0 as *Monday* (its issue #286), so ``0-4``
+    would silently mean Mon–Fri instead of the Sun–Thu a crontab user wrote.
+    """
+    if field == "*":
+        return field
+    days: set[int] = set()
+
+    def day(token: str) -> int:
+        token = token.lower()
+        if token.isdigit() and 0 <= int(token) <= 7:
+            return int(token) % 7
+        if token[:3] in _CRON_DAYS:
+            return _CRON_DAYS.index(token[:3])
+        raise ValueError(f"invalid day of week {token!r} in {field!r}")
+
+    for part in field.split(","):
+        rng, _, step_text = part.partition("/")
+        step = int(step_text) if step_text else 1
+        if step < 1:
+            raise ValueError(f"invalid step in day of week {field!r}")
+        if rng == "*":
+            first, last = 0, 6
+        elif "-" in rng:
+            a, b = rng.split("-", 1)
+            first, last = day(a), day(b)
+            if b.strip() == "7":
+                last = 7  # "1-7" is Monday through Sunday
+        else:
+            first = last = day(rng)
+            if step_text:
+                last = 6
+        if last < first:
+            raise ValueError(f"day-of-week range {rng!r} runs backwards in {field!r}")
+        days.update(d % 7 for d in range(first, last + 1, step))
+    return ",".join(_CRON_DAYS[d] for d in sorted(days))
+
+
+def cron_trigger(expr: str, tz: tzinfo | str) -> CronTrigger:
+    """An APScheduler CronTrigger for a standard crontab line, evaluated in ``tz``.
+
+    Use this (not ``CronTrigger.from_crontab``) wherever a config cron is scheduled, so
+    the daemon's fire times and :func:`night_as_of` agree on weekdays.
+    """
+    from apscheduler.triggers.cron import CronTrigger
+
+    fields = expr.split()
+    if len(fields) != 5:
+        raise RobotLLMError(f"invalid cron expression {expr!r}: expected 5 fields")
+    minute, hour, day, month, weekdays = fields
+    try:
+        return CronTrigger(
+            minute=minute, hour=hour, day=day, month=month, day_of_week=_crontab_weekdays(weekdays), timezone=tz
+        )
+    except ValueError as exc:
+        raise RobotLLMError(f"invalid cron expression {expr!r}: {exc}") from None
+
+
+def _aware_utc(value: datetime, what: str) -> datetime:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{what} must be timezone-aware, got naive {value!r}")
+    return value.astimezone(timezone.utc)
+
+
+def night_as_of(config: AppConfig, now: datetime) -> datetime:
+    """The most recent fire time of ``schedule.nightly`` (in ``config.timezone``) at or before ``now``, in UTC."""
+    now = _aware_utc(now, "now")
+    trigger = cron_trigger(config.schedule.nightly, config.tz)
+    for window in (timedelta(days=2), timedelta(days=8), timedelta(days=32), timedelta(days=367 * 5)):
+        last = None
+        fire = trigger.get_next_fire_time(None, now - window)
+        while fire is not None and fire <= now:
+            last = fire
+            fire = trigger.get_next_fire_time(fire, fire + timedelta(seconds=1))
+        if last is not None:
+            return last.astimezone(timezone.utc)
+    raise RobotLLMError(f"schedule.nightly {config.schedule.nightly!r} has not fired in the last five years")
+
+
+def parse_as_of(text: str, tz: tzinfo) -> datetime:
+    """Parse a ``--as-of`` value: ISO 8601; without an offset it is read in ``tz``. Returns aware UTC."""
+    try:
+        value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise RobotLLMError(
+            f"--as-of: expected an ISO date-time like 2026-11-26T23:00 or 2026-11-26T20:00Z, got {text!r}"
+        ) from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=tz)
+    return value.astimezone(timezone.utc)
+
+
+def derive_seed(base_seed: int, as_of: datetime, ticker: str, template_name: str) -> int:
+    """A per-request seed from the config seed and the request's identity (0 ≤ seed < 2**31).
+
+    It depends on nothing else, so a sampled thesis is the same whichever prompts share its batch.
+    """
+    as_of = _aware_utc(as_of, "as_of")
+    key = f"{base_seed}|{as_of.isoformat()}|{ticker}|{template_name}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**31
+
+
+def request_params(result: RenderResult, seed: int) -> dict[str, Any]:
+    """The ``params`` JSON of a GenerationRequest (the batch contract's exact shape)."""
+    gen = result.generation
+    stance = result.template.stance
+    return {
+        "max_new_tokens": int(gen.max_new_tokens),
+        "greedy": bool(gen.greedy),
+        "temperature": float(gen.temperature),
+        "top_k": int(gen.top_k),
+        "top_p": float(gen.top_p),
+        "seed": int(seed),
+        "stop": list(result.template.stop),
+        "stance": (
+            {"cue": stance.cue, "labels": {k: float(v) for k, v in stance.labels.items()}}
+            if stance is not None
+            else None
+        ),
+    }
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def _mention_patterns(instrument: InstrumentConfig) -> list[re.Pattern[str]]:
+    words = {w.strip() for w in (instrument.ticker, instrument.name, *instrument.aliases) if w.strip()}
+    return [re.compile(rf"(?<!\w){re.escape(w)}(?!\w)", re.IGNORECASE) for w in sorted(words)]
+
+
+def gather_news(
+    session: Session, config: AppConfig, template: Template, instrument: InstrumentConfig, as_of: datetime
+) -> list[NewsEntry]:
+    """News tagged with the instrument and fetched in (as_of − lookback, as_of].
+
+    Point-in-time: the cut-off is our ``fetched_at``. The feed's ``published_at`` only
+    excludes items that say they are older than the lookback (a feed added today replays
+    its archive).
+    """
+    as_of = _aware_utc(as_of, "as_of")
+    since = as_of - template.news_lookback(config)
+    rows = session.scalars(
+        select(NewsItem)
+        .join(NewsTicker, NewsTicker.news_id == NewsItem.id)
+        .where(NewsTicker.ticker == instrument.ticker, NewsItem.fetched_at <= as_of, NewsItem.fetched_at > since)
+        .order_by(NewsItem.id)
+    ).all()
+    patterns = _mention_patterns(instrument)
+    entries = []
+    for row in rows:
+        if row.published_at is not None and row.published_at <= since:
+            continue
+        title, summary = row.title or "", row.summary or ""
+        in_title = sum(len(p.findall(title)) for p in patterns)
+        mentions = in_title + sum(len(p.findall(summary)) for p in patterns)
+        entries.append(
+            NewsEntry(
+                id=row.id,
+                title=title,
+                summary=summary,
+                feed=row.feed,
+                published_at=row.published_at,
+                fetched_at=row.fetched_at,
+                mentions=mentions,
+                in_title=in_title > 0,
+            )
+        )
+    return entries
+
+
+def gather_signals(
+    session: Session, config: AppConfig, template: Template, ticker: str, as_of: datetime
+) -> list[SignalEntry]:
+    """The latest forecast per (model, horizon) received in (as_of − signals.lookback, as_of], newest first."""
+    if not template.signals.include or template.signals.max == 0:
+        return []
+    as_of = _aware_utc(as_of, "as_of")
+    rows = session.scalars(
+        select(Signal)
+        .where(
+            Signal.ticker == ticker,
+            Signal.received_at <= as_of,
+            Signal.received_at > as_of - config.signals.lookback,
+        )
+        .order_by(Signal.generated_at.desc(), Signal.id.desc())
+    ).all()
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for row in rows:
+        if (row.model, row.horizon) in seen:
+            continue
+        seen.add((row.model, row.horizon))
+        out.append(
+            SignalEntry(
+                id=row.id,
+                horizon=row.horizon,
+                direction=row.direction,
+                target=row.target,
+                confidence=row.confidence,
+                model=row.model,
+                generated_at=row.generated_at,
+            )
+        )
+        if len(out) == template.signals.max:
+            break
+    return out
+
+
+def _tokenizer_for(config: AppConfig) -> TokenCounter:
+    from robot_llm.llm.tokenizer import YalmTokenizer  # sentencepiece only, no torch
+
+    assert config.model.vocab is not None  # ModelConfig requires it
+    try:
+        return YalmTokenizer(config.model.vocab)
+    except (OSError, ValueError) as exc:
+        raise RobotLLMError(f"model.vocab: cannot load the tokenizer: {exc}") from None
+
+
+def render_for(
+    session: Session,
+    config: AppConfig,
+    template: Template,
+    instrument: InstrumentConfig,
+    as_of: datetime,
+    tokenizer: TokenCounter,
+) -> RenderResult:
+    """Gather the instrument's news and signals as of ``as_of`` and render ``template`` within the budget."""
+    news = gather_news(session, config, template, instrument, as_of)
+    signals = gather_signals(session, config, template, instrument.ticker, as_of)
+    return render_within_budget(template, config, instrument, as_of, news, signals, tokenizer)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What planning a night did: requests created, already there, and skipped (ticker, template, reason)."""
+
+    as_of: datetime
+    created: int
+    existing: int
+    skipped: tuple[tuple[str, str, str], ...]
+    run_id: int | None = None
+
+
+def _finish_run(engine: Engine, run_id: int, **fields: Any) -> None:
+    with session_scope(engine) as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        now = utcnow()
+        for key, value in fields.items():
+            setattr(run, key, value)
+        run.finished_at = now
+        run.heartbeat_at = now
+
+
+def plan_night(
+    config: AppConfig, engine: Engine, as_of: datetime, *, tokenizer: TokenCounter | None = None
+) -> PlanResult:
+    """Store one pending GenerationRequest per instrument × template for the night ``as_of``.
+
+    Idempotent: an existing request for (as_of, ticker, template) is counted, not touched.
+    An instrument whose prompt cannot fit the window even without news is skipped with a
+    reason. Records a Run of kind 'plan'.
+    """
+    as_of = _aware_utc(as_of, "as_of")
+    pairs = [(inst, name) for inst in config.instruments for name in config.prompts.templates]
+    with session_scope(engine) as session:
+        run = Run(
+            kind="plan",
+            status="running",
+            as_of=as_of,
+            started_at=utcnow(),
+            heartbeat_at=utcnow(),
+            total=len(pairs),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        session.add(run)
+        session.flush()
+        run_id = run.id
+
+    created = existing = 0
+    skipped: list[tuple[str, str, str]] = []
+    try:
+        templates = load_templates(config)
+        counter = tokenizer if tokenizer is not None else _tokenizer_for(config)
+        for done, (instrument, name) in enumerate(pairs, start=1):
+            template = templates[name]
+            key = (GenerationRequest.as_of == as_of, GenerationRequest.ticker == instrument.ticker)
+            with session_scope(engine) as session:
+                present = session.scalar(
+                    select(func.count())
+                    .select_from(GenerationRequest)
+                    .where(*key, GenerationRequest.template_name == name)
+                )
+                if present:
+                    existing += 1
+                    result = None
+                else:
+                    try:
+                        result = render_for(session, config, template, instrument, as_of, counter)
+                    except PromptTooLong as exc:
+                        skipped.append((instrument.ticker, name, str(exc)))
+                        result = None
+            if result is not None:
+                if _store_request(engine, config, result):
+                    created += 1
+                else:
+                    existing += 1
+            with session_scope(engine) as session:
+                run = session.get(Run, run_id)
+                assert run is not None
+                run.done = done
+                run.heartbeat_at = utcnow()
+    except BaseException as exc:
+        _finish_run(
+            engine,
+            run_id,
+            status="failed" if isinstance(exc, Exception) else "aborted",
+            error=f"{type(exc).__name__}: {exc}",
+            counts={"created": created, "existing": existing, "skipped": len(skipped)},
+        )
+        raise
+    _finish_run(
+        engine,
+        run_id,
+        status="ok",
+        counts={
+            "created": created,
+            "existing": existing,
+            "skipped": len(skipped),
+            "skipped_reasons": [{"ticker": t, "template": n, "reason": r} for t, n, r in skipped],
+        },
+    )
+    return PlanResult(as_of=as_of, created=created, existing=existing, skipped=tuple(skipped), run_id=run_id)
+
+
+def _store_request(engine: Engine, config: AppConfig, result: RenderResult) -> bool:
+    """Insert the request; False when another planner stored the same (as_of, ticker, template) first."""
+    template = result.template
+    seed = derive_seed(result.generation.seed, result.as_of, result.ticker, template.name)
+    now = utcnow()
+    try:
+        with session_scope(engine) as session:
+            session.add(
+                GenerationRequest(
+                    as_of=result.as_of,
+                    ticker=result.ticker,
+                    template_name=template.name,
+                    template_version=template.version,
+                    prompt=result.prompt,
+                    prompt_sha256=result.prompt_sha256,
+                    prompt_tokens=result.prompt_tokens,
+                    news_ids=list(result.news_ids),
+                    signal_ids=list(result.signal_ids),
+                    params=request_params(result, seed),
+                    valid_until=result.as_of + config.prompts.valid_for,
+                    status="pending",
+                    attempts=0,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+    except IntegrityError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _render_command(args: argparse.Namespace) -> int:
+    from robot_llm.cli import load_app_config, open_database
+
+    config = load_app_config(args)
+    try:
+        instrument = config.instrument(args.ticker)
+    except KeyError:
+        known = ", ".join(i.ticker for i in config.instruments)
+        raise RobotLLMError(f"--ticker: unknown ticker {args.ticker!r} (configured: {known})") from None
+    name = args.template or config.prompts.templates[0]
+    template = load_template(find_template(config, name))
+    as_of = parse_as_of(args.as_of, config.tz) if args.as_of else utcnow()
+    tokenizer = _tokenizer_for(config)
+    engine = open_database(config)
+    try:
+        with session_scope(engine) as session:
+            result = render_for(session, config, template, instrument, as_of, tokenizer)
+    finally:
+        engine.dispose()
+
+    # stdout carries the prompt byte for byte (redirect it to get exactly what is sent);
+    # the facts about it go to stderr.
+    sys.stdout.write(result.prompt)
+    sys.stdout.flush()
+    local = as_of.astimezone(config.tz)
+    gen = result.generation
+    err = sys.stderr
+    print("", file=err)
+    print(f"# template {template.name} v{template.version} ({template.path})", file=err)
+    print(f"# ticker {instrument.ticker}, as_of {local.isoformat()} ({as_of.isoformat()})", file=err)
+    print(
+        f"# prompt tokens: {result.prompt_tokens} (BOS included) of a budget of {result.budget} "
+        f"(max_positions {config.model.max_positions}, max_new_tokens {gen.max_new_tokens})",
+        file=err,
+    )
+    print(f"# news shown: {len(result.news_ids)}, signals shown: {len(result.signal_ids)}", file=err)
+    print(f"# sha256 {result.prompt_sha256}", file=err)
+    if result.dropped:
+        print(f"# dropped news: {len(result.dropped)}", file=err)
+        for item in result.dropped:
+            entry = item.entry
+            when = entry.at.astimezone(config.tz).strftime("%Y-%m-%d %H:%M")
+            title = " ".join(entry.title.split())[:100]
+            print(f"#   id {entry.id} ({item.reason}, mentions {entry.mentions}) {when} {title}", file=err)
+    else:
+        print("# dropped news: none", file=err)
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``robot-llm prompts render``."""
+    prompts = sub.add_parser("prompts", help="prompt templates")
+    prompts_sub = prompts.add_subparsers(dest="prompts_command", metavar="COMMAND", required=True)
+    render = prompts_sub.add_parser(
+        "render",
+        parents=[common],
+        help="print exactly the prompt that would be sent for one instrument, and its token count",
+        description=(
+            "Render a template for one instrument from the database as of a cut-off. The prompt goes to "
+            "stdout exactly as it would be sent; its token count and the news left out go to stderr."
+        ),
+    )
+    render.add_argument("--ticker", required=True, help="the instrument's ticker")
+    render.add_argument("--template", help="template name (default: the first in prompts.templates)")
+    render.add_argument(
+        "--as-of",
+        help="cut-off, ISO 8601; without an offset it is in the config's timezone (default: now)",
+    )
+    render.set_defaults(handler=_render_command)

@@ -1,0 +1,677 @@
+"""Prompt templates: loading, sanitising the data they show, rendering within the token budget.
+
+A template is a file ``prompts/<name>.j2``: YAML front matter between two ``---`` lines,
+then a Jinja2 body (see ``prompts/README.md``). Templates are operator-owned code; news and
+signal text is *data*. Data never reaches Jinja as template source: it is passed as
+variables, after :func:`sanitize_text` has neutralised control characters, template syntax,
+the tokenizer's special pieces and lines that imitate the template's own section markers.
+
+The rendered prompt must fit the model's window with room for the completion (and for the
+stance cue and label scored after it). :func:`render_within_budget` counts with the real
+tokenizer and drops news one item at a time, least relevant first, re-rendering each time;
+the template itself is never cut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import re
+import sys
+import unicodedata
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Annotated, Any, Literal, Protocol
+from zoneinfo import ZoneInfo
+
+import yaml
+from jinja2 import FunctionLoader, StrictUndefined, TemplateSyntaxError, UndefinedError
+from jinja2 import Template as JinjaTemplate
+from jinja2.sandbox import SandboxedEnvironment, SecurityError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from robot_llm.config import (
+    AppConfig,
+    Duration,
+    GenerationConfig,
+    InstrumentConfig,
+    _line_index,
+    _located,
+    _message,
+    _Yaml12SafeLoader,
+)
+from robot_llm.errors import RobotLLMError
+
+__all__ = [
+    "DroppedNews",
+    "NewsEntry",
+    "PromptTooLong",
+    "RenderResult",
+    "SignalEntry",
+    "Template",
+    "TemplateError",
+    "TokenCounter",
+    "bundled_prompts_dir",
+    "find_template",
+    "load_template",
+    "load_templates",
+    "render_prompt",
+    "render_within_budget",
+    "sanitize_text",
+]
+
+
+class TemplateError(RobotLLMError):
+    """A template file is invalid or failed to render; the message names the file and line."""
+
+
+class PromptTooLong(RobotLLMError):
+    """Even with no news at all, the rendered prompt does not fit the model's window."""
+
+
+class TokenCounter(Protocol):
+    """What rendering needs from a tokenizer: the ids the model would get, BOS included."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+# --------------------------------------------------------------------------- front matter
+
+
+def _version_text(value: Any) -> Any:
+    # ``version: 2`` is an int in YAML; the version is a label, so keep what was written.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NewsOptions(_Section):
+    """Which news a template shows and how much of each item."""
+
+    max_items: int | None = Field(default=None, ge=0, le=200)
+    lookback: Duration | None = None
+    fields: tuple[Literal["title", "summary"], ...] = ("title", "summary")
+    max_chars: int = Field(default=300, ge=20, le=4000)
+
+
+class SignalOptions(_Section):
+    """Whether and how many of the robot's latest forecasts a template shows."""
+
+    include: bool = True
+    max: int = Field(default=3, ge=0, le=50)
+
+
+class GenerationOverrides(_Section):
+    """Per-template overrides of ``config.prompts.generation``; unset fields keep the config's value."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1, le=1023)
+    greedy: bool | None = None
+    temperature: float | None = Field(default=None, gt=0)
+    top_k: int | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+
+
+class StanceOptions(_Section):
+    """The cue appended after a thesis and the label continuations scored after it."""
+
+    cue: str = Field(min_length=1)
+    labels: dict[str, float] = Field(min_length=2)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, float]) -> dict[str, float]:
+        for label, value in v.items():
+            if not label.strip():
+                raise ValueError("a stance label must contain text (e.g. ' рост')")
+            if not -1.0 <= value <= 1.0:
+                raise ValueError(f"stance value of {label!r} must be between -1 and 1, got {value}")
+        return v
+
+
+class TemplateHeader(_Section):
+    """The YAML front matter of a template (``extra=forbid``: a misspelt key is an error)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    version: Annotated[str, BeforeValidator(_version_text)] = Field(min_length=1, max_length=64)
+    language: str = Field(pattern=r"^[a-z]{2}(-[A-Za-z]{2})?$")
+    description: str = ""
+    news: NewsOptions = NewsOptions()
+    signals: SignalOptions = SignalOptions()
+    generation: GenerationOverrides = GenerationOverrides()
+    stop: tuple[str, ...] = ()
+    stance: StanceOptions | None = None
+    markers: tuple[str, ...] = ()
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("an empty stop string would end every completion at once")
+        return v
+
+    @field_validator("markers")
+    @classmethod
+    def _visible_markers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s.strip() for s in v):
+            raise ValueError("markers must contain visible text")
+        return v
+
+
+class Template(TemplateHeader):
+    """A loaded template: its front matter, its Jinja body, and where it came from."""
+
+    path: Path
+    body: str
+    body_line: int = Field(ge=1)
+
+    def generation_for(self, config: AppConfig) -> GenerationConfig:
+        """``config.prompts.generation`` with this template's overrides applied."""
+        overrides = {k: v for k, v in self.generation.model_dump().items() if v is not None}
+        return config.prompts.generation.model_copy(update=overrides)
+
+    def news_limit(self, config: AppConfig) -> int:
+        """How many news items at most go into one prompt."""
+        return config.prompts.max_news if self.news.max_items is None else self.news.max_items
+
+    def news_lookback(self, config: AppConfig) -> timedelta:
+        """How far back (a timedelta) news is gathered for this template."""
+        return self.news.lookback if self.news.lookback is not None else config.prompts.news_lookback
+
+    def section_markers(self) -> tuple[str, ...]:
+        """Header words that data must not imitate: the declared markers, the stop strings, the cue."""
+        found: list[str] = list(_ALWAYS_MARKERS)
+        candidates = [*self.markers, *self.stop, *((self.stance.cue,) if self.stance else ())]
+        for text in candidates:
+            word = text.strip().rstrip(":").strip()
+            if word and any(ch.isalnum() for ch in word) and word not in found:
+                found.append(word)
+        return tuple(found)
+
+
+_ALWAYS_MARKERS = ("Тезис", "Thesis")
+
+
+def bundled_prompts_dir() -> Path:
+    """The folder of the templates shipped with robot-llm.
+
+    Installed, they are the package ``robot_llm.prompts``; in a source checkout, the
+    repository's ``prompts/`` next to ``robot_llm/``.
+    """
+    try:
+        root = importlib.resources.files("robot_llm.prompts")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "prompts"
+    return Path(str(root))
+
+
+def find_template(config: AppConfig, name: str) -> Path:
+    """The file of template ``name``: ``config.prompts.dir`` first, else the bundled one."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise TemplateError(f"invalid template name {name!r} (letters, digits, '_', '-', '.')")
+    for folder in (config.prompts.dir, bundled_prompts_dir()):
+        candidate = folder / f"{name}.j2"
+        if candidate.is_file():
+            return candidate
+    raise TemplateError(
+        f"template {name!r} not found: no {name}.j2 in {config.prompts.dir} nor among the bundled templates"
+    )
+
+
+_FENCE = re.compile(r"^---[ \t]*$")
+
+
+def load_template(path: str | Path) -> Template:
+    """Read and validate one template file; errors say ``file:line: key: message``."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TemplateError(f"{source}: template file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TemplateError(f"{source}: cannot read template: {exc}") from None
+    lines = text.splitlines(keepends=True)
+    if not lines or not _FENCE.match(lines[0].rstrip("\r\n")):
+        raise TemplateError(f"{source}:1: a template starts with YAML front matter between two '---' lines")
+    end = next((i for i in range(1, len(lines)) if _FENCE.match(lines[i].rstrip("\r\n"))), None)
+    if end is None:
+        raise TemplateError(f"{source}:1: the front matter is not closed by a '---' line")
+    front = "".join(lines[1:end])
+    body = "".join(lines[end + 1 :])
+    offset = 1  # front matter line 1 is file line 2
+
+    try:
+        node = yaml.compose(front, Loader=_Yaml12SafeLoader)
+        data = yaml.load(front, Loader=_Yaml12SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = (mark.line + 1 if mark else 0) + offset
+        raise TemplateError(f"{source}:{line}: YAML syntax error: {exc.problem or exc.context}") from None
+    if not isinstance(data, dict):
+        raise TemplateError(f"{source}:2: the front matter must be a mapping (name, version, language, ...)")
+    line_of = {key: line + offset for key, line in _line_index(node)} if node is not None else {}
+    try:
+        header = TemplateHeader.model_validate(data)
+    except ValidationError as exc:
+        problems = [_located(source, line_of, tuple(err["loc"]), _message(err)) for err in exc.errors()]
+        raise TemplateError("\n".join(problems)) from None
+    if header.name != path.stem:
+        raise TemplateError(
+            f"{source}:{line_of.get(('name',), 2)}: name: {header.name!r} does not match the file name {path.name!r}"
+        )
+    template = Template(**dict(header), path=path, body=body, body_line=end + 2)
+    _compile(template)  # a syntax error should surface at load time, not at 03:00
+    return template
+
+
+def load_templates(config: AppConfig) -> dict[str, Template]:
+    """Every template named in ``config.prompts.templates``, loaded and compiled."""
+    return {name: load_template(find_template(config, name)) for name in config.prompts.templates}
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _fmt(value: datetime | None, pattern: str) -> str:
+    """Jinja filter ``fmt``: strftime, with '' for a missing date."""
+    return "" if value is None else value.strftime(pattern)
+
+
+def _environment(template: Template) -> SandboxedEnvironment:
+    # One environment per template, whose loader knows only that template: so Jinja's own
+    # error messages and tracebacks carry the real file name, and the padding comment keeps
+    # Jinja's line numbers equal to the file's (the body starts after the front matter).
+    padding = "{#" + "\n" * (template.body_line - 1) + "#}"
+
+    def load(name: str) -> tuple[str, str, Any] | None:
+        if name != template.name:
+            return None
+        return padding + template.body, str(template.path), lambda: True
+
+    env = SandboxedEnvironment(
+        loader=FunctionLoader(load),
+        undefined=StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        auto_reload=False,
+    )
+    env.filters["fmt"] = _fmt
+    return env
+
+
+_COMPILED: dict[tuple[Path, str], JinjaTemplate] = {}
+
+
+def _compile(template: Template) -> JinjaTemplate:
+    key = (template.path, template.body)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        try:
+            compiled = _environment(template).get_template(template.name)
+        except TemplateSyntaxError as exc:
+            raise TemplateError(f"{template.path}:{exc.lineno}: template syntax error: {exc.message}") from None
+        _COMPILED[key] = compiled
+    return compiled
+
+
+def _template_line(template: Template, tb: Any) -> int | None:
+    """The template line a render error happened on (Jinja rewrites frames to template lines)."""
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(template.path):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+@dataclass(frozen=True)
+class InstrumentView:
+    """The instrument as templates see it."""
+
+    ticker: str
+    name: str
+    aliases: tuple[str, ...]
+    exchange: str | None
+
+
+@dataclass(frozen=True)
+class NewsView:
+    """One news item as templates see it: sanitised text, local-time dates."""
+
+    id: int
+    title: str
+    summary: str
+    feed: str
+    published_at: datetime | None
+    fetched_at: datetime
+    at: datetime  # when it happened as far as we can tell: published_at unless it claims the future
+
+    @property
+    def text(self) -> str:
+        """Title and summary as one sentence run (either may be empty)."""
+        if not self.summary:
+            return self.title
+        if not self.title:
+            return self.summary
+        joiner = " " if self.title[-1] in ".!?…" else ". "
+        return self.title + joiner + self.summary
+
+
+@dataclass(frozen=True)
+class SignalView:
+    """One forecast of the robot as templates see it; ``text`` says it in the template's language."""
+
+    id: int
+    horizon: str
+    direction: int | None
+    direction_text: str
+    target: float | None
+    confidence: float | None
+    model: str
+    generated_at: datetime
+    text: str
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """Everything a template may use. ``as_of`` and every date are in ``config.timezone``."""
+
+    instrument: InstrumentView
+    as_of: datetime
+    language: str
+    news: tuple[NewsView, ...]
+    signals: tuple[SignalView, ...]
+
+    def variables(self) -> dict[str, Any]:
+        """The Jinja variables: instrument, as_of, language, news, signals, forecast (latest or None)."""
+        return {
+            "instrument": self.instrument,
+            "as_of": self.as_of,
+            "language": self.language,
+            "news": self.news,
+            "signals": self.signals,
+            "forecast": self.signals[0] if self.signals else None,
+        }
+
+
+def render_prompt(template: Template, context: RenderContext) -> str:
+    """Render ``template`` with ``context``; a missing variable or sandbox violation is a TemplateError."""
+    compiled = _compile(template)
+    try:
+        return compiled.render(context.variables())
+    except (UndefinedError, SecurityError) as exc:
+        line = _template_line(template, sys.exc_info()[2])
+        where = f"{template.path}:{line}" if line else str(template.path)
+        raise TemplateError(f"{where}: template {template.name!r}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- sanitising data
+
+# The tokenizer maps these literal strings to special tokens: in data they must not.
+_ANSI_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_SPECIAL_PIECES = re.compile(r"\[(NL|MASK)\]|</?s>|<unk>", re.IGNORECASE)
+_TEMPLATE_OPEN = re.compile(r"\{(?=[{%#])")
+_TEMPLATE_CLOSE = re.compile(r"(?<=[}%#])\}")
+_RULES = re.compile(r"([#=*_~`>|-])\1{1,}")
+_LEADING_MARKUP = re.compile(r"^[\s#>*|=~`-]+")
+
+
+def _control_to_space(text: str) -> str:
+    # Cc (C0/C1 controls incl. newlines, tabs, ESC), Cf (zero-width, bidi overrides), Cs, Co,
+    # Cn and the Unicode line/paragraph separators become spaces, then whitespace collapses.
+    return "".join(
+        " " if unicodedata.category(ch)[0] == "C" or unicodedata.category(ch) in ("Zl", "Zp") else ch for ch in text
+    )
+
+
+def sanitize_text(text: str | None, *, max_chars: int, markers: Sequence[str] = _ALWAYS_MARKERS) -> str:
+    """Make feed or signal text safe to show inside a prompt, as one line of at most ``max_chars``.
+
+    NFKC-normalises (so full-width look-alikes of ``{`` or ``:`` become plain), turns
+    terminal escape sequences, control and format characters into spaces, defuses the tokenizer's special pieces
+    (``[NL]`` → ``(NL)``), breaks template delimiters apart (``{{`` → ``{ {``, ``%}`` → ``% }``),
+    turns ``Marker:`` (any of ``markers``, case-insensitive) into ``Marker —`` so data cannot
+    open a section of the prompt, shortens runs like ``###`` or ``---`` to one character,
+    drops leading markup, collapses whitespace and cuts at a word boundary with ``…``.
+    """
+    if not text:
+        return ""
+    out = unicodedata.normalize("NFKC", text)
+    out = _ANSI_ESCAPES.sub(" ", out)
+    out = _control_to_space(out)
+    out = _SPECIAL_PIECES.sub(lambda m: "(" + m.group(0).strip("[]<>/") + ")", out)
+    out = _TEMPLATE_OPEN.sub("{ ", out)
+    out = _TEMPLATE_CLOSE.sub(" }", out)
+    if markers:
+        alternatives = "|".join(re.escape(m) for m in sorted(set(markers), key=len, reverse=True))
+        out = re.sub(rf"(?i)(?<!\w)({alternatives})\s*:", r"\1 —", out)
+    out = _RULES.sub(r"\1", out)
+    out = " ".join(out.split())
+    out = _LEADING_MARKUP.sub("", out)
+    if len(out) > max_chars:
+        cut = out[: max_chars - 1]
+        space = cut.rfind(" ")
+        if space >= max_chars * 0.6:
+            cut = cut[:space]
+        out = cut.rstrip(" ,.;:—-") + "…"
+    return out
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class NewsEntry:
+    """A news item gathered for an instrument, before sanitising.
+
+    ``mentions`` counts how often the instrument's ticker, name or aliases occur in the
+    text; 0 means it was tagged without a textual match (e.g. by the feed's ticker list),
+    which makes it the least relevant.
+    """
+
+    id: int
+    title: str
+    summary: str
+    feed: str
+    published_at: datetime | None
+    fetched_at: datetime
+    mentions: int = 0
+    in_title: bool = False
+
+    @property
+    def at(self) -> datetime:
+        """When it happened as far as we know: the feed's date unless it claims a time after our fetch."""
+        if self.published_at is not None and self.published_at <= self.fetched_at:
+            return self.published_at
+        return self.fetched_at
+
+    def relevance(self) -> tuple[bool, bool, int, datetime, int]:
+        """Sort key, least relevant first: weak match, not in the title, fewer mentions, older."""
+        return (self.mentions > 0, self.in_title, self.mentions, self.at, self.id)
+
+
+@dataclass(frozen=True)
+class SignalEntry:
+    """A robot forecast gathered for an instrument, before sanitising."""
+
+    id: int
+    horizon: str
+    direction: int | None
+    target: float | None
+    confidence: float | None
+    model: str
+    generated_at: datetime
+
+
+_DIRECTION_WORDS = {
+    "ru": {1: "рост", -1: "падение", 0: "без изменений", None: "направление не указано"},
+    "en": {1: "up", -1: "down", 0: "flat", None: "no direction given"},
+}
+_SIGNAL_PHRASES = {
+    "ru": ("{direction} на горизонте {horizon}", ", цель {target}", ", уверенность {confidence:.0%}"),
+    "en": ("{direction} over {horizon}", ", target {target}", ", confidence {confidence:.0%}"),
+}
+
+
+def _signal_view(entry: SignalEntry, language: str, tz: ZoneInfo, markers: Sequence[str]) -> SignalView:
+    lang = language.split("-")[0] if language.split("-")[0] in _DIRECTION_WORDS else "en"
+    direction = entry.direction if entry.direction in (-1, 0, 1) else None
+    words = _DIRECTION_WORDS[lang][direction]
+    horizon = sanitize_text(entry.horizon, max_chars=32, markers=markers)
+    base, target_part, conf_part = _SIGNAL_PHRASES[lang]
+    text = base.format(direction=words, horizon=horizon)
+    if entry.target is not None:
+        text += target_part.format(target=f"{entry.target:g}")
+    if entry.confidence is not None and 0.0 <= entry.confidence <= 1.0:
+        text += conf_part.format(confidence=entry.confidence)
+    return SignalView(
+        id=entry.id,
+        horizon=horizon,
+        direction=direction,
+        direction_text=words,
+        target=entry.target,
+        confidence=entry.confidence,
+        model=sanitize_text(entry.model, max_chars=64, markers=markers),
+        generated_at=entry.generated_at.astimezone(tz),
+        text=text,
+    )
+
+
+def _news_view(entry: NewsEntry, template: Template, tz: ZoneInfo, markers: Sequence[str]) -> NewsView:
+    limit = template.news.max_chars
+    fields = template.news.fields
+    return NewsView(
+        id=entry.id,
+        title=sanitize_text(entry.title, max_chars=limit, markers=markers) if "title" in fields else "",
+        summary=sanitize_text(entry.summary, max_chars=limit, markers=markers) if "summary" in fields else "",
+        feed=sanitize_text(entry.feed, max_chars=64, markers=markers),
+        published_at=entry.published_at.astimezone(tz) if entry.published_at else None,
+        fetched_at=entry.fetched_at.astimezone(tz),
+        at=entry.at.astimezone(tz),
+    )
+
+
+def _require_aware(value: datetime, what: str) -> datetime:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{what} must be timezone-aware, got naive {value!r}")
+    return value.astimezone(timezone.utc)
+
+
+# --------------------------------------------------------------------------- the budget
+
+
+@dataclass(frozen=True)
+class DroppedNews:
+    """A gathered news item left out of the prompt, and why ('max_items' or 'budget')."""
+
+    entry: NewsEntry
+    reason: Literal["max_items", "budget"]
+
+
+@dataclass(frozen=True)
+class RenderResult:
+    """A prompt ready to store: text, its real token count and what went into it."""
+
+    template: Template
+    ticker: str
+    as_of: datetime
+    prompt: str
+    prompt_tokens: int
+    budget: int
+    generation: GenerationConfig
+    news_ids: tuple[int, ...]
+    signal_ids: tuple[int, ...]
+    dropped: tuple[DroppedNews, ...]
+
+    @property
+    def prompt_sha256(self) -> str:
+        """Hex SHA-256 of the prompt's UTF-8 bytes."""
+        return hashlib.sha256(self.prompt.encode("utf-8")).hexdigest()
+
+
+def token_budget(template: Template, config: AppConfig, tokenizer: TokenCounter) -> int:
+    """Positions the prompt (BOS included) may take.
+
+    ``max_positions − max_new_tokens``, less the stance cue and the longest label, which
+    are scored after the thesis and must fit the same window.
+    """
+    budget = config.model.max_positions - template.generation_for(config).max_new_tokens
+    if template.stance is not None:
+        cue = len(tokenizer.encode(template.stance.cue)) - 1
+        label = max(len(tokenizer.encode(text)) - 1 for text in template.stance.labels)
+        budget -= cue + label
+    return budget
+
+
+def render_within_budget(
+    template: Template,
+    config: AppConfig,
+    instrument: InstrumentConfig,
+    as_of: datetime,
+    news: Iterable[NewsEntry],
+    signals: Iterable[SignalEntry],
+    tokenizer: TokenCounter,
+) -> RenderResult:
+    """Render the prompt for one instrument so that it fits :func:`token_budget`.
+
+    Keeps the ``news.max_items`` most relevant items, then, while the prompt is too long,
+    drops the least relevant remaining one (weak match, fewer mentions, then oldest) and
+    renders again. News appear oldest first; signals newest first, at most ``signals.max``.
+    Raises PromptTooLong when even no news does not fit.
+    """
+    as_of = _require_aware(as_of, "as_of")
+    tz = config.tz
+    markers = template.section_markers()
+    ranked = sorted(news, key=NewsEntry.relevance, reverse=True)  # most relevant first
+    limit = template.news_limit(config)
+    dropped = [DroppedNews(e, "max_items") for e in ranked[limit:]]
+    kept = ranked[:limit]
+    chosen_signals = (
+        sorted(signals, key=lambda s: (s.generated_at, s.id), reverse=True)[: template.signals.max]
+        if template.signals.include
+        else []
+    )
+    signal_views = tuple(_signal_view(s, template.language, tz, markers) for s in chosen_signals)
+    view = InstrumentView(instrument.ticker, instrument.name, tuple(instrument.aliases), instrument.exchange)
+    budget = token_budget(template, config, tokenizer)
+
+    while True:
+        shown = sorted(kept, key=lambda e: (e.at, e.id))
+        context = RenderContext(
+            instrument=view,
+            as_of=as_of.astimezone(tz),
+            language=template.language,
+            news=tuple(_news_view(e, template, tz, markers) for e in shown),
+            signals=signal_views,
+        )
+        prompt = render_prompt(template, context)
+        tokens = len(tokenizer.encode(prompt))
+        if tokens <= budget:
+            return RenderResult(
+                template=template,
+                ticker=instrument.ticker,
+                as_of=as_of,
+                prompt=prompt,
+                prompt_tokens=tokens,
+                budget=budget,
+                generation=template.generation_for(config),
+                news_ids=tuple(e.id for e in shown),
+                signal_ids=tuple(s.id for s in chosen_signals),
+                dropped=tuple(dropped),
+            )
+        if not kept:
+            raise PromptTooLong(
+                f"template {template.name!r} for {instrument.ticker}: the prompt takes {tokens} tokens without "
+                f"any news, over the budget of {budget} (model.max_positions {config.model.max_positions} minus "
+                f"max_new_tokens and the stance cue); shorten the template or lower max_new_tokens"
+            )
+        dropped.append(DroppedNews(kept.pop(), "budget"))
