@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from datetime import date, time, timedelta
 from pathlib import Path
@@ -224,8 +225,29 @@ def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
     return path
 
 
+def _check_writable_folder(folder: Path, what: str) -> None:
+    """Raise ValueError unless ``folder`` is an existing folder we can create files in.
+
+    ``os.access`` alone is not enough: it says yes to root everywhere, even on a read-only
+    file system, so the last word is a real (immediately removed) file.
+    """
+    if not folder.exists():
+        raise ValueError(f"the {what} folder {folder} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"the {what} folder {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"the {what} folder {folder} is not writable")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".robot-llm-write-test-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"the {what} folder {folder} is not writable ({exc.strerror})") from None
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    # validate_default: defaults go through the validators too, so a default path is
+    # resolved against the config folder like a written one.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, validate_default=True)
 
 
 # --------------------------------------------------------------------------- sections
@@ -247,11 +269,7 @@ class DatabaseConfig(_Section):
             raw = v[len(prefix) :]
             path = _resolve(Path(raw), info)
             assert path is not None
-            folder = path.parent
-            if not folder.is_dir():
-                raise ValueError(f"the database folder {folder} does not exist")
-            if not os.access(folder, os.W_OK):
-                raise ValueError(f"the database folder {folder} is not writable")
+            _check_writable_folder(path.parent, "database")
             return prefix + str(path)
         return v
 
@@ -346,7 +364,7 @@ class PromptsConfig(_Section):
 
     dir: Path = Path("prompts")
     templates: tuple[str, ...] = ("thesis_ru",)
-    generation: GenerationConfig = GenerationConfig()
+    generation: GenerationConfig = Field(default_factory=dict)  # type: ignore[arg-type]
     news_lookback: Duration = timedelta(days=2)
     max_news: int = Field(default=20, ge=0)
     valid_for: Duration = timedelta(days=1)
@@ -443,18 +461,20 @@ class LoggingConfig(_Section):
 class AppConfig(_Section):
     """The whole validated configuration."""
 
-    database: DatabaseConfig = DatabaseConfig()
+    # An omitted section is validated as an empty mapping, in the same context as a written
+    # one, so its default paths resolve against the config folder (hence dict factories).
+    database: DatabaseConfig = Field(default_factory=dict)  # type: ignore[arg-type]
     timezone: TimeZone = "UTC"
     instruments: tuple[InstrumentConfig, ...] = Field(min_length=1)
     feeds: tuple[FeedConfig, ...] = ()
-    http: HttpConfig = HttpConfig()
-    signals: SignalsConfig = SignalsConfig()
-    prompts: PromptsConfig = PromptsConfig()
+    http: HttpConfig = Field(default_factory=dict)  # type: ignore[arg-type]
+    signals: SignalsConfig = Field(default_factory=dict)  # type: ignore[arg-type]
+    prompts: PromptsConfig = Field(default_factory=dict)  # type: ignore[arg-type]
     model: ModelConfig
-    schedule: ScheduleConfig = ScheduleConfig()
-    batch: BatchConfig = BatchConfig()
-    daemon: DaemonConfig = DaemonConfig()
-    logging: LoggingConfig = LoggingConfig()
+    schedule: ScheduleConfig = Field(default_factory=dict)  # type: ignore[arg-type]
+    batch: BatchConfig = Field(default_factory=dict)  # type: ignore[arg-type]
+    daemon: DaemonConfig = Field(default_factory=dict)  # type: ignore[arg-type]
+    logging: LoggingConfig = Field(default_factory=dict)  # type: ignore[arg-type]
 
     source: Path | None = Field(default=None, exclude=True)
 
