@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from robot_llm import __version__
 from robot_llm.errors import RobotLLMError
+from robot_llm.logs import setup_logging
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -34,17 +35,27 @@ COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.plan",
     "robot_llm.forecasts_cli",
     "robot_llm.ingest.cli",
+    "robot_llm.batch_cli",
 )
 
 
 def common_parser() -> argparse.ArgumentParser:
-    """Options every subcommand takes: ``-c/--config`` and ``-v``."""
+    """Options every subcommand takes: ``-c/--config``, ``-v`` and ``--log-format``."""
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", default="robot-llm.yaml", help="the YAML config file (default: %(default)s)")
+    # SUPPRESS: a subcommand's own defaults would otherwise overwrite `robot-llm -vv COMMAND`.
     common.add_argument(
-        "-c", "--config", default="robot-llm.yaml", help="the YAML config file (default: %(default)s)"
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="more log output (-v info, -vv debug); -vv also shows tracebacks",
     )
     common.add_argument(
-        "-v", "--verbose", action="count", default=0, help="more log output; -vv also shows tracebacks"
+        "--log-format",
+        choices=("text", "json"),
+        default=argparse.SUPPRESS,
+        help="log lines as text (default) or one JSON object per line",
     )
     return common
 
@@ -56,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Overnight LLM theses for a trading robot: ingest news and signals, generate, read.",
     )
     parser.add_argument("--version", action="version", version=f"robot-llm {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help=argparse.SUPPRESS)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output; -vv shows tracebacks")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines as text or JSON")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = common_parser()
     for name in COMMAND_MODULES:
@@ -80,18 +92,15 @@ def open_database(config: AppConfig) -> Engine:
     return engine
 
 
-def _configure_logging(verbosity: int) -> None:
-    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``robot-llm`` console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     verbosity = getattr(args, "verbose", 0) or 0
-    if not logging.getLogger().handlers:
-        _configure_logging(verbosity)
+    setup_logging(
+        logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG,
+        getattr(args, "log_format", "text"),
+    )
     try:
         return int(args.handler(args) or 0)
     except RobotLLMError as exc:
