@@ -15,6 +15,10 @@ from robot_llm.llm.yalm import Yalm
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "yalm-tiny"
 
+# The models here are tiny: intra-op threads only add synchronisation cost, which
+# explodes when the test machine's cores are shared.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:

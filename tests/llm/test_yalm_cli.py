@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _subprocess(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "robot_llm.llm.cli", "model", *map(str, args)],
         capture_output=True,
