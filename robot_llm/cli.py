@@ -36,6 +36,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.forecasts_cli",
     "robot_llm.ingest.cli",
     "robot_llm.batch_cli",
+    "robot_llm.daemon_cli",
 )
 
 

@@ -28,14 +28,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
         help="run the scheduler daemon (feeds, signals, the nightly batch, the morning report)",
         description=(
             "Run the daemon in the foreground until SIGTERM/SIGINT; SIGHUP reloads the config. "
-            "Only one daemon may run per database."
+            "Only one daemon may run per database. Logs follow the config's logging section; "
+            "--log-format json gives one JSON object per line."
         ),
-    )
-    run.add_argument(
-        "--log-format",
-        choices=("text", "json"),
-        default=None,
-        help="log lines as text (human) or JSON (log shippers); default: logging.format from the config",
     )
     run.set_defaults(handler=_run)
     status = sub.add_parser(
@@ -51,11 +46,11 @@ def _run(args: argparse.Namespace) -> int:
     from robot_llm.logs import setup_logging
 
     config = load_app_config(args)
-    setup_logging(
-        level=config.logging.level if args.verbose <= 0 else "DEBUG",
-        fmt=args.log_format or config.logging.format,
-        file=config.logging.file,
-    )
+    # The global --log-format defaults to text, so "not given" and "text" look alike:
+    # JSON when either the flag or logging.format in the config asks for it.
+    fmt = "json" if "json" in (getattr(args, "log_format", "text"), config.logging.format) else "text"
+    level = "DEBUG" if (getattr(args, "verbose", 0) or 0) >= 2 else config.logging.level
+    setup_logging(level=level, fmt=fmt, file=config.logging.file)
     engine = open_database(config)
     daemon = Daemon(config, engine)
     code = daemon.run()

@@ -14,8 +14,8 @@ from daemon_helpers import REPO, config_data, write_config
 from robot_llm.config import AppConfig, load_config
 from robot_llm.daemon import (
     Daemon,
-    non_trading_reason,
     night_cutoff,
+    non_trading_reason,
     served_trading_day,
     should_catch_up,
     upcoming_fires,
