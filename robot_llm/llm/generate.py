@@ -205,6 +205,10 @@ def generate(
     if len(per_prompt) != len(prompts):
         raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
     max_pos = model.config.max_position_embeddings
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} pieces but the model only {model.config.vocab_size} rows"
+        )
     rows: list[_Row] = []
     for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
         ids = tokenizer.encode(prompt)

@@ -108,3 +108,10 @@ def test_fp16_and_bf16_close_to_fp32(shaped_model: Yalm, tokenizer: YalmTokenize
         cache = low.new_cache(1, ids.shape[1])
         steps = torch.cat([low.forward(ids[:, :5], cache), low.forward(ids[:, 5:], cache)], dim=1)
         assert (steps - full).abs().max() <= tol
+
+
+def test_vocabulary_smaller_than_tokenizer_is_refused(tokenizer: YalmTokenizer) -> None:
+    cfg = YalmConfig(**{**SHAPES["e-quarter"].to_dict(), "vocab_size": 500})
+    model = Yalm(cfg, random_weights(cfg))
+    with pytest.raises(ValueError, match="600 pieces"):
+        generate(model, tokenizer, ["x"], SamplingParams(max_new_tokens=2, greedy=True))
