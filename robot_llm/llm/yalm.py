@@ -22,12 +22,15 @@ beforehand (fp32, bf16 or fp16). Activations are batch-first ``[B, T, ...]``.
 
 One forward step over ``ids [B, T]``::
 
-    step = prepare_step(cfg, rope, cache_or_None, ids.shape[1], pad, device, dtype)
+    rope = Rope.build(cfg, device)                      # once per model
+    B, T = ids.shape
+    step = prepare_step(cfg, rope, cache, T, pad, device, dtype, batch=B)  # cache or pad (or neither)
     x = embed(ids, emb_params, proj_params, cfg)
     for i in range(cfg.num_layers):
         x = transformer_layer(x, layer_params[i], cfg, i, step, cache.layer(i) if cache else None)
+    if cache is not None:
+        cache.advance(T)                                # after all layers wrote slots length..length+T-1
     logits = output_head(x, out_params, emb_params["word_embeddings.weight"], cfg).float()
-    if cache: cache.advance(ids.shape[1])
 
 Batching prompts of different lengths: left-pad every row to the same length
 and pass ``pad[b]`` (the number of pad slots at the front of row ``b``). Row
