@@ -27,7 +27,7 @@ One forward step over ``ids [B, T]``::
     step = prepare_step(cfg, rope, cache, T, pad, device, dtype, batch=B)  # cache or pad (or neither)
     x = embed(ids, emb_params, proj_params, cfg)
     for i in range(cfg.num_layers):
-        x = transformer_layer(x, layer_params[i], cfg, i, step, cache.layer(i) if cache else None)
+        x = transformer_layer(x, layer_params[i], cfg, i, step, cache.layer(i) if cache is not None else None)
     if cache is not None:
         cache.advance(T)                                # after all layers wrote slots length..length+T-1
     logits = output_head(x, out_params, emb_params["word_embeddings.weight"], cfg).float()
