@@ -46,6 +46,15 @@ def _engine_options(parser: argparse.ArgumentParser, default_dtype: str) -> None
     )
 
 
+def _logging_options(parser: argparse.ArgumentParser) -> None:
+    # Same as the main CLI's shared options except -c/--config (here --config is the model config);
+    # SUPPRESS keeps `robot-llm -vv model ...` from being overwritten by a subcommand default.
+    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output")
+    parser.add_argument(
+        "--log-format", choices=("text", "json"), default=argparse.SUPPRESS, help="log lines as text or JSON"
+    )
+
+
 def _request(args: argparse.Namespace, checkpoint: Path, config: YalmConfig) -> ModelRequest:
     return ModelRequest(
         checkpoint=checkpoint,
@@ -206,7 +215,7 @@ def register(sub: Any, common: argparse.ArgumentParser | None = None) -> None:
     gen.add_argument("--batch-size", type=int, default=8, help="default: %(default)s")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _engine_options(gen, default_dtype="fp32")
-    gen.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    _logging_options(gen)
     gen.add_argument("prompts", nargs="+", help="prompt texts")
     gen.set_defaults(handler=_generate)
 
@@ -216,7 +225,7 @@ def register(sub: Any, common: argparse.ArgumentParser | None = None) -> None:
         "--tolerance", type=float, default=FIXTURE_TOLERANCE, help="max abs logit difference (default: %(default)s)"
     )
     _engine_options(check, default_dtype="fp32")
-    check.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    _logging_options(check)
     check.set_defaults(handler=_check_fixture)
 
 
