@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PlanResult",
+    "check_templates",
     "cron_trigger",
     "derive_seed",
     "gather_news",
@@ -300,6 +301,46 @@ def render_for(
     news = gather_news(session, config, template, instrument, as_of)
     signals = gather_signals(session, config, template, instrument.ticker, as_of)
     return render_within_budget(template, config, instrument, as_of, news, signals, tokenizer)
+
+
+def check_templates(config: AppConfig, *, tokenizer: TokenCounter | None = None) -> tuple[str, ...]:
+    """Preflight: every configured template loads and renders for every instrument within the budget.
+
+    Renders with one sample news item of the template's maximum length and one sample
+    forecast, so a template that only breaks when data is present is caught too. Returns
+    one message per problem (empty when all is well); needs no database.
+    """
+    problems: list[str] = []
+    try:
+        counter = tokenizer if tokenizer is not None else _tokenizer_for(config)
+    except RobotLLMError as exc:
+        return (str(exc),)
+    now = utcnow()
+    for name in config.prompts.templates:
+        try:
+            template = load_template(find_template(config, name))
+        except RobotLLMError as exc:
+            problems.append(str(exc))
+            continue
+        sample_news = NewsEntry(
+            id=0,
+            title="Sample " * template.news.max_chars,
+            summary="Sample " * template.news.max_chars,
+            feed="preflight",
+            published_at=now - timedelta(hours=1),
+            fetched_at=now - timedelta(minutes=50),
+            mentions=1,
+            in_title=True,
+        )
+        sample_signal = SignalEntry(
+            id=0, horizon="1d", direction=1, target=100.0, confidence=0.5, model="preflight", generated_at=now
+        )
+        for instrument in config.instruments:
+            try:
+                render_within_budget(template, config, instrument, now, [sample_news], [sample_signal], counter)
+            except RobotLLMError as exc:
+                problems.append(str(exc))
+    return tuple(problems)
 
 
 # --------------------------------------------------------------------------- the plan

@@ -14,6 +14,7 @@ the template itself is never cut.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import re
@@ -409,9 +410,14 @@ def render_prompt(template: Template, context: RenderContext) -> str:
     try:
         return compiled.render(context.variables())
     except (UndefinedError, SecurityError) as exc:
-        line = _template_line(template, sys.exc_info()[2])
-        where = f"{template.path}:{line}" if line else str(template.path)
-        raise TemplateError(f"{where}: template {template.name!r}: {exc}") from None
+        raise TemplateError(f"{_where(template)}: template {template.name!r}: {exc}") from None
+    except Exception as exc:  # a filter or method misused in the template body: still the template's fault
+        raise TemplateError(f"{_where(template)}: template {template.name!r}: {type(exc).__name__}: {exc}") from None
+
+
+def _where(template: Template) -> str:
+    line = _template_line(template, sys.exc_info()[2])
+    return f"{template.path}:{line}" if line else str(template.path)
 
 
 # --------------------------------------------------------------------------- sanitising data
@@ -422,7 +428,8 @@ _SPECIAL_PIECES = re.compile(r"\[(NL|MASK)\]|</?s>|<unk>", re.IGNORECASE)
 _TEMPLATE_OPEN = re.compile(r"\{(?=[{%#])")
 _TEMPLATE_CLOSE = re.compile(r"(?<=[}%#])\}")
 _RULES = re.compile(r"([#=*_~`>|-])\1{1,}")
-_LEADING_MARKUP = re.compile(r"^[\s#>*|=~`-]+")
+# Leading heading/quote/bullet markup; a lone "-" before a digit (a negative number) stays.
+_LEADING_MARKUP = re.compile(r"^(?:[\s#>*|=~`]|-(?!\d))+")
 
 
 def _control_to_space(text: str) -> str:
@@ -431,6 +438,12 @@ def _control_to_space(text: str) -> str:
     return "".join(
         " " if unicodedata.category(ch)[0] == "C" or unicodedata.category(ch) in ("Zl", "Zp") else ch for ch in text
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _marker_pattern(markers: tuple[str, ...]) -> re.Pattern[str]:
+    alternatives = "|".join(re.escape(m) for m in sorted(set(markers), key=len, reverse=True))
+    return re.compile(rf"(?i)(?<!\w)({alternatives})\s*:")
 
 
 def sanitize_text(text: str | None, *, max_chars: int, markers: Sequence[str] = _ALWAYS_MARKERS) -> str:
@@ -452,8 +465,7 @@ def sanitize_text(text: str | None, *, max_chars: int, markers: Sequence[str] = 
     out = _TEMPLATE_OPEN.sub("{ ", out)
     out = _TEMPLATE_CLOSE.sub(" }", out)
     if markers:
-        alternatives = "|".join(re.escape(m) for m in sorted(set(markers), key=len, reverse=True))
-        out = re.sub(rf"(?i)(?<!\w)({alternatives})\s*:", r"\1 —", out)
+        out = _marker_pattern(tuple(markers)).sub(r"\1 —", out)
     out = _RULES.sub(r"\1", out)
     out = " ".join(out.split())
     out = _LEADING_MARKUP.sub("", out)

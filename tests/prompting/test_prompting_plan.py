@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from robot_llm.cli import main
 from robot_llm.db import GenerationRequest, Run, session_scope
-from robot_llm.plan import derive_seed, plan_night
+from robot_llm.plan import check_templates, derive_seed, plan_night
 
 PARAM_KEYS = {"max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed", "stop", "stance"}
 
@@ -146,3 +146,18 @@ def test_prompts_render_cli_prints_exactly_the_planned_prompt(engine, db_url, ma
     code = main(["prompts", "render", "-c", path, "--ticker", "NOPE"])
     out, err = capsys.readouterr()
     assert code == 2 and "unknown ticker 'NOPE'" in err and out == ""
+
+
+def test_check_templates_reports_every_broken_template_and_instrument(make_config, tokenizer):
+    assert check_templates(make_config(), tokenizer=tokenizer) == ()
+    config = make_config(prompts={"templates": ["thesis_ru", "broken", "missing"]})
+    (config.prompts.dir / "broken.j2").write_text(
+        "---\nname: broken\nversion: '1'\nlanguage: ru\n---\n{{ news[0].title }} {{ forecast.nope }}\n",
+        encoding="utf-8",
+    )
+    problems = check_templates(config, tokenizer=tokenizer)
+    assert len(problems) == 3  # broken for each of the 2 instruments, missing once
+    assert sum("broken.j2:6:" in p and "nope" in p for p in problems) == 2
+    assert any("'missing' not found" in p for p in problems)
+    small = make_config(model={"max_positions": 256})
+    assert len(check_templates(small, tokenizer=tokenizer)) == 4  # 2 templates x 2 instruments cannot fit
