@@ -107,8 +107,12 @@ class SignalRecord:
 # --------------------------------------------------------------------------- validation
 
 
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
 def _number(name: str, value: Any, problems: list[str]) -> float | None:
-    if value is None or (isinstance(value, str) and not value.strip()):
+    if _blank(value):
         return None
     if isinstance(value, bool):
         problems.append(f"{name}: expected a number, got {value!r}")
@@ -166,7 +170,7 @@ def _timestamp(value: Any, now: datetime, problems: list[str]) -> datetime | Non
 
 
 def _direction(value: Any, problems: list[str]) -> int | None:
-    if value is None or (isinstance(value, str) and not value.strip()):
+    if _blank(value):
         return None
     if isinstance(value, bool):
         problems.append(f"direction: expected up/down/flat or +1/-1/0, got {value!r}")
@@ -195,7 +199,7 @@ def make_signal(
     unknown = sorted(str(k) for k in data if k not in FIELDS)
     if unknown:
         problems.append(f"unknown field(s) {', '.join(map(repr, unknown))} (put free-form values in extras)")
-    missing = [k for k in REQUIRED if data.get(k) in (None, "")]
+    missing = [k for k in REQUIRED if _blank(data.get(k))]
     if missing:
         problems.append(f"missing {', '.join(missing)}")
 
@@ -219,7 +223,7 @@ def make_signal(
     confidence = _number("confidence", data.get("confidence"), problems)
     if confidence is not None and not 0 <= confidence <= 1:
         problems.append(f"confidence: must be between 0 and 1, got {data.get('confidence')!r}")
-    if data.get("direction") in (None, "") and data.get("target") in (None, ""):
+    if _blank(data.get("direction")) and _blank(data.get("target")):
         problems.append("give a direction, a target or both")
     extras = data.get("extras") or {}
     if not isinstance(extras, Mapping) or not all(isinstance(k, str) for k in extras):

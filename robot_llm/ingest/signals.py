@@ -125,7 +125,7 @@ class SignalFileResult:
     rejects: tuple[Reject, ...]
     rejects_path: Path | None
     error: str | None = None
-    """Set when the file could not be processed at all (it is left in place)."""
+    """Set when the file could not be processed (it is left in place; see the counts for what was stored)."""
 
     @property
     def unknown_tickers(self) -> tuple[str, ...]:
@@ -147,7 +147,8 @@ def _decode(content: bytes) -> tuple[str | None, Reject | None]:
 def _read_jsonl(text: str, known: Collection[str], now: datetime) -> _Parsed:
     good: list[tuple[int, SignalRecord]] = []
     bad: list[Reject] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Split on "\n" only: str.splitlines would also break inside a JSON string holding U+2028.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -315,7 +316,7 @@ def ingest_signal_file(
     rejects_path = path.with_name(path.name + ".rejects")
     try:
         good, bad = read_signal_file(path, known_tickers=known_tickers)
-    except OSError as exc:
+    except OSError as exc:  # unreadable, or taken meanwhile by another ingest process
         return SignalFileResult(source.name, path, None, 0, 0, 0, (), None, error=f"{path}: cannot read: {exc}")
     try:
         with session_scope(engine) as session:
@@ -331,16 +332,24 @@ def ingest_signal_file(
         return SignalFileResult(
             source.name, path, None, len(good) + len(bad), 0, 0, (), None, error=f"{path}: cannot store: {reason}"
         )
-    if bad:
-        _write_atomically(rejects_path, "".join(f"{path.name}:{r.line}: {r.reason}\n" for r in bad))
-        for r in bad:
-            log.warning("signals %s: %s:%d: %s", source.name, path, r.line, r.reason)
-    elif rejects_path.exists():
-        rejects_path.unlink()  # from an earlier drop of the same name, now fixed
-    processed = path.parent / PROCESSED
-    processed.mkdir(exist_ok=True)
-    moved_to = _processed_name(processed, path.name)
-    os.replace(path, moved_to)
+    moved_to: Path | None = None
+    error = None
+    try:
+        if bad:
+            _write_atomically(rejects_path, "".join(f"{path.name}:{r.line}: {r.reason}\n" for r in bad))
+        elif rejects_path.exists():
+            rejects_path.unlink()  # from an earlier drop of the same name, now fixed
+        processed = path.parent / PROCESSED
+        processed.mkdir(exist_ok=True)
+        moved_to = _processed_name(processed, path.name)
+        os.replace(path, moved_to)
+    except OSError as exc:
+        # The rows are stored; a file left in place is only read again, storing nothing twice.
+        moved_to = None
+        error = f"{path}: stored, but cannot write its rejects or move it to {PROCESSED}/: {exc}"
+        log.error("signals %s: %s", source.name, error)
+    for r in bad:
+        log.warning("signals %s: %s:%d: %s", source.name, path, r.line, r.reason)
     log.info(
         "signals %s: %s: %d stored, %d duplicate, %d rejected", source.name, path.name, len(ids), duplicates, len(bad)
     )
@@ -352,7 +361,8 @@ def ingest_signal_file(
         stored=len(ids),
         duplicates=duplicates,
         rejects=tuple(bad),
-        rejects_path=rejects_path if bad else None,
+        rejects_path=rejects_path if bad and error is None else None,
+        error=error,
     )
 
 
