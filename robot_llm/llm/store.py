@@ -336,7 +336,8 @@ def _resume_state(store: Path, header: dict[str, Any]) -> dict[str, StoreFile]:
 def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtype: str, group_size: int) -> StoreFile:
     tensors = _store_tensors(kind, params, dtype, group_size)
     tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"kind": kind, "index": str(index), "dtype": dtype})
+    # No safetensors metadata: its key order is not deterministic, and identical weights must hash equal.
+    save_file(tensors, str(tmp))
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     digest = sha256_file(tmp)
