@@ -303,18 +303,19 @@ def render_for(
     return render_within_budget(template, config, instrument, as_of, news, signals, tokenizer)
 
 
-def check_templates(config: AppConfig, *, tokenizer: TokenCounter | None = None) -> tuple[str, ...]:
+def check_templates(config: AppConfig, tokenizer: TokenCounter | None = None) -> list[str]:
     """Preflight: every configured template loads and renders for every instrument within the budget.
 
     Renders with one sample news item of the template's maximum length and one sample
     forecast, so a template that only breaks when data is present is caught too. Returns
-    one message per problem (empty when all is well); needs no database.
+    one message per problem, each naming the template file (and line, for render errors);
+    an empty list when all is well. Needs no database.
     """
     problems: list[str] = []
     try:
         counter = tokenizer if tokenizer is not None else _tokenizer_for(config)
     except RobotLLMError as exc:
-        return (str(exc),)
+        return [str(exc)]
     now = utcnow()
     for name in config.prompts.templates:
         try:
@@ -338,9 +339,11 @@ def check_templates(config: AppConfig, *, tokenizer: TokenCounter | None = None)
         for instrument in config.instruments:
             try:
                 render_within_budget(template, config, instrument, now, [sample_news], [sample_signal], counter)
+            except PromptTooLong as exc:
+                problems.append(f"{template.path}: {exc}")
             except RobotLLMError as exc:
-                problems.append(str(exc))
-    return tuple(problems)
+                problems.append(f"{exc} (instrument {instrument.ticker})")
+    return problems
 
 
 # --------------------------------------------------------------------------- the plan

@@ -149,7 +149,7 @@ def test_prompts_render_cli_prints_exactly_the_planned_prompt(engine, db_url, ma
 
 
 def test_check_templates_reports_every_broken_template_and_instrument(make_config, tokenizer):
-    assert check_templates(make_config(), tokenizer=tokenizer) == ()
+    assert check_templates(make_config(), tokenizer) == []
     config = make_config(prompts={"templates": ["thesis_ru", "broken", "missing"]})
     (config.prompts.dir / "broken.j2").write_text(
         "---\nname: broken\nversion: '1'\nlanguage: ru\n---\n{{ news[0].title }} {{ forecast.nope }}\n",
@@ -157,7 +157,11 @@ def test_check_templates_reports_every_broken_template_and_instrument(make_confi
     )
     problems = check_templates(config, tokenizer=tokenizer)
     assert len(problems) == 3  # broken for each of the 2 instruments, missing once
-    assert sum("broken.j2:6:" in p and "nope" in p for p in problems) == 2
+    assert sorted(p.split("(instrument ")[1] for p in problems if "broken.j2:6:" in p and "nope" in p) == [
+        "GAZP)",
+        "SBER)",
+    ]
     assert any("'missing' not found" in p for p in problems)
     small = make_config(model={"max_positions": 256})
-    assert len(check_templates(small, tokenizer=tokenizer)) == 4  # 2 templates x 2 instruments cannot fit
+    too_long = check_templates(small, tokenizer=tokenizer)  # 2 templates x 2 instruments cannot fit
+    assert len(too_long) == 4 and all(".j2: template" in p and "without any news" in p for p in too_long)
