@@ -228,6 +228,10 @@ def register(sub: Any, common: argparse.ArgumentParser | None = None) -> None:
     _logging_options(check)
     check.set_defaults(handler=_check_fixture)
 
+    from robot_llm.llm.store_cli import add_engine_commands
+
+    add_engine_commands(model_sub)
+
 
 add_model_commands = register
 

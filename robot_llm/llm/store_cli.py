@@ -1,0 +1,177 @@
+"""``robot-llm model convert | verify | plan``: weight store and memory planner commands.
+
+:func:`add_engine_commands` adds them to the ``model`` subcommand group.
+Torch is imported only when convert or verify runs (plan is pure arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from robot_llm.errors import RobotLLMError
+from robot_llm.llm.config import PRESETS, YalmConfig
+
+GB = 1e9
+
+
+def _progress_bar(total_label: str) -> Any:
+    """A tqdm bar on a terminal; None elsewhere (log lines carry the progress then)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=total_label, unit="file")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from robot_llm.llm.store import StoreError, convert
+
+    config = YalmConfig.preset(args.preset) if args.preset else None
+    bar = _progress_bar("convert")
+
+    def on_file(entry: Any, done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+            bar.set_postfix_str(entry.name)
+
+    try:
+        manifest = convert(
+            args.release_dir,
+            args.store_dir,
+            dtype=args.dtype,
+            config=config,
+            group_size=args.group_size,
+            trust_pickle=args.trust_pickle,
+            on_file=on_file,
+        )
+    except StoreError as exc:
+        raise RobotLLMError(str(exc)) from exc
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"{args.store_dir}: {len(manifest.files)} files, {manifest.total_bytes / 2**30:.2f} GiB, {manifest.dtype}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from robot_llm.llm.store import StoreError, verify
+
+    bar = _progress_bar("verify")
+
+    def on_file(entry: Any, done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+        else:
+            logging.getLogger(__name__).info("checked %s (%d/%d)", entry.name, done, total)
+
+    try:
+        problems = verify(args.store_dir, on_file=on_file)
+    except StoreError as exc:
+        raise RobotLLMError(str(exc)) from exc
+    finally:
+        if bar is not None:
+            bar.close()
+    for problem in problems:
+        print(problem)
+    print(f"{args.store_dir}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    return 0 if not problems else 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from robot_llm.llm.planner import Machine, PlanError, Work, detect_machine, plan
+
+    if args.preset:
+        config = YalmConfig.preset(args.preset)
+    elif args.store:
+        from robot_llm.llm.store import read_manifest
+
+        config = read_manifest(args.store).config
+    else:
+        raise RobotLLMError("give --preset NAME or --store DIR")
+    disk_bps = args.disk_gbps * GB if args.disk_gbps else None
+    if disk_bps is None and args.store:
+        from robot_llm.llm.store import Store, measure_read_bandwidth
+
+        disk_bps = measure_read_bandwidth(Store(args.store).layer_files()[0])
+    if args.ram_gb is None:
+        machine = detect_machine(disk_bps)
+    else:
+        machine = Machine(
+            ram_bytes=int(args.ram_gb * GB),
+            gpu_bytes=int(args.gpu_gb * GB),
+            **({"disk_read_bps": disk_bps} if disk_bps else {}),
+        )
+    overrides = {
+        "h2d_bps": args.h2d_gbps and args.h2d_gbps * GB,
+        "gpu_flops": args.gpu_tflops and args.gpu_tflops * 1e12,
+        "cpu_flops": args.cpu_tflops and args.cpu_tflops * 1e12,
+    }
+    from dataclasses import replace
+
+    machine = replace(machine, **{k: v for k, v in overrides.items() if v})
+    work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens)
+    print(
+        f"model: {args.preset or args.store} ({config.num_layers} layers, hidden {config.hidden_size}); "
+        f"work: {work.num_prompts} prompts x {work.prompt_tokens} tokens + {work.max_new_tokens} new"
+    )
+    print(
+        f"machine: GPU {machine.gpu_bytes / GB:.0f} GB, RAM {machine.ram_bytes / GB:.0f} GB, "
+        f"disk {machine.disk_read_bps / GB:.1f} GB/s, host-to-GPU {machine.h2d_bps / GB:.0f} GB/s"
+    )
+    try:
+        result = plan(
+            config,
+            work,
+            machine,
+            weight_dtype=args.dtype,
+            max_batch_size=args.max_batch_size,
+            memory_budget_bytes=int(args.budget_gb * GB) if args.budget_gb else None,
+        )
+    except PlanError as exc:
+        print(f"refused: {exc}")
+        return 1
+    print(result.describe())
+    return 0
+
+
+def add_engine_commands(model_sub: Any) -> None:
+    """Add ``convert``, ``verify`` and ``plan`` to the ``model`` subparsers."""
+    conv = model_sub.add_parser("convert", help="convert a release checkpoint into a streaming weight store")
+    conv.add_argument("release_dir", type=Path, help="release checkpoint folder")
+    conv.add_argument("store_dir", type=Path, help="store folder to write (resumes an unfinished one)")
+    conv.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "int8"], default="fp16", help="default: %(default)s")
+    conv.add_argument("--group-size", type=int, default=64, help="int8 scale group (0 = per-channel; default 64)")
+    conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
+    conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
+    conv.set_defaults(handler=_convert)
+
+    ver = model_sub.add_parser("verify", help="check every store file against its manifest")
+    ver.add_argument("store_dir", type=Path)
+    ver.set_defaults(handler=_verify)
+
+    pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")
+    pl.add_argument("--preset", choices=sorted(PRESETS), help="model (or --store)")
+    pl.add_argument("--store", type=Path, help="a converted store (its config; measures its read bandwidth)")
+    pl.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "int8"], default="fp16", help="stored weight dtype")
+    pl.add_argument("--prompts", type=int, default=300, help="number of prompts (default: %(default)s)")
+    pl.add_argument(
+        "--prompt-tokens", type=int, default=512, help="longest prompt, BOS included (default: %(default)s)"
+    )
+    pl.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+    pl.add_argument("--gpu-gb", type=float, default=0.0, help="GPU memory, GB (0 = CPU only)")
+    pl.add_argument("--ram-gb", type=float, help="RAM, GB (default: this machine's)")
+    pl.add_argument("--budget-gb", type=float, help="RAM the run may use, GB (default: all)")
+    pl.add_argument(
+        "--disk-gbps", type=float, help="disk sequential read, GB/s (default: measured with --store, else 3)"
+    )
+    pl.add_argument("--h2d-gbps", type=float, help="host-to-GPU copy bandwidth, GB/s (default 12)")
+    pl.add_argument("--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default 30)")
+    pl.add_argument("--cpu-tflops", type=float, help="sustained CPU TFLOP/s (default 0.5)")
+    pl.add_argument("--max-batch-size", type=int, help="upper bound on the batch size")
+    pl.set_defaults(handler=_plan)
