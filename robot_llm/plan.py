@@ -24,7 +24,7 @@ from datetime import datetime, timedelta, timezone, tzinfo
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Run, Signal, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
@@ -504,6 +504,12 @@ def _render_command(args: argparse.Namespace) -> int:
     try:
         with session_scope(engine) as session:
             result = render_for(session, config, template, instrument, as_of, tokenizer)
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise RobotLLMError(
+            f"cannot read news and signals from the database: {reason} "
+            f"(is it migrated? run `robot-llm db upgrade -c {args.config}`)"
+        ) from None
     finally:
         engine.dispose()
 

@@ -30,7 +30,7 @@ from zoneinfo import ZoneInfo
 import yaml
 from jinja2 import FunctionLoader, StrictUndefined, TemplateSyntaxError, UndefinedError
 from jinja2 import Template as JinjaTemplate
-from jinja2.sandbox import SandboxedEnvironment, SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from robot_llm.config import (
@@ -261,7 +261,17 @@ def load_template(path: str | Path) -> Template:
     try:
         header = TemplateHeader.model_validate(data)
     except ValidationError as exc:
-        problems = [_located(source, line_of, tuple(err["loc"]), _message(err)) for err in exc.errors()]
+        problems = [
+            _located(
+                source,
+                line_of,
+                tuple(err["loc"]),
+                "unknown key (check the spelling; see prompts/README.md)"
+                if err["type"] == "extra_forbidden"
+                else _message(err),
+            )
+            for err in exc.errors()
+        ]
         raise TemplateError("\n".join(problems)) from None
     if header.name != path.stem:
         raise TemplateError(
@@ -285,7 +295,7 @@ def _fmt(value: datetime | None, pattern: str) -> str:
     return "" if value is None else value.strftime(pattern)
 
 
-def _environment(template: Template) -> SandboxedEnvironment:
+def _environment(template: Template) -> ImmutableSandboxedEnvironment:
     # One environment per template, whose loader knows only that template: so Jinja's own
     # error messages and tracebacks carry the real file name, and the padding comment keeps
     # Jinja's line numbers equal to the file's (the body starts after the front matter).
@@ -296,7 +306,8 @@ def _environment(template: Template) -> SandboxedEnvironment:
             return None
         return padding + template.body, str(template.path), lambda: True
 
-    env = SandboxedEnvironment(
+    # The immutable sandbox also refuses to modify lists and dicts from inside a template.
+    env = ImmutableSandboxedEnvironment(
         loader=FunctionLoader(load),
         undefined=StrictUndefined,
         autoescape=False,

@@ -165,3 +165,11 @@ def test_check_templates_reports_every_broken_template_and_instrument(make_confi
     small = make_config(model={"max_positions": 256})
     too_long = check_templates(small, tokenizer=tokenizer)  # 2 templates x 2 instruments cannot fit
     assert len(too_long) == 4 and all(".j2: template" in p and "without any news" in p for p in too_long)
+
+
+def test_prompts_render_on_an_unmigrated_database_says_so(make_config, capsys):
+    config = make_config()  # a fresh SQLite file that was never migrated
+    code = main(["prompts", "render", "-c", str(config.source), "--ticker", "SBER"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert "is it migrated? run `robot-llm db upgrade" in err

@@ -125,7 +125,10 @@ def test_sandbox_blocks_unsafe_attribute_access(make_config, tokenizer):
 @pytest.mark.parametrize(
     ("front", "expected"),
     [
-        ("name: bad\nversion: '1'\nlanguage: ru\nnews:\n  max_itemz: 3", r"bad\.j2:6: news\.max_itemz: unknown key"),
+        (
+            "name: bad\nversion: '1'\nlanguage: ru\nnews:\n  max_itemz: 3",
+            r"bad\.j2:6: news\.max_itemz: unknown key .*prompts/README\.md",
+        ),
         (
             "name: bad\nversion: '1'\nlanguage: ru\ngeneration:\n  top_k: many",
             r"bad\.j2:6: generation\.top_k: .*'many'",
