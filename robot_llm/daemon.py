@@ -585,7 +585,7 @@ class Daemon:
             self._catch_up(self._scheduler, config)
             beat.start()
             if not self._stop.is_set():
-                log.info("daemon started: %s", self._describe_jobs())
+                log.info("daemon started; next: %s", self._describe_jobs())
                 self.started.set()
                 self._scheduler.start()
             self._drain()
@@ -613,6 +613,13 @@ class Daemon:
         self._stop.set()
         threading.Thread(target=self._shutdown_scheduler, name="daemon-stop", daemon=True).start()
 
+    def fire_now(self, job_id: str) -> None:
+        """Run a scheduled job (``feed:NAME``, ``signals``, ``nightly``, ``morning_report``) at once."""
+        scheduler = self._scheduler
+        if scheduler is None or not scheduler.running:
+            raise RobotLLMError("the daemon's scheduler is not running")
+        scheduler.modify_job(job_id, next_run_time=datetime.now(self.config.tz))
+
     def reload(self) -> bool:
         """Re-read the config file and reschedule; keep the old config (and say why) if the new one is invalid."""
         from robot_llm.config import ConfigError, load_config
@@ -635,7 +642,7 @@ class Daemon:
             if scheduler is not None:
                 scheduler.remove_all_jobs()
                 self._add_jobs(scheduler, new)
-        log.info("config reloaded from %s: %s", new.source, self._describe_jobs())
+        log.info("config reloaded from %s; next: %s", new.source, self._describe_jobs())
         return True
 
     # ----------------------------------------------------------------- scheduling
@@ -727,13 +734,12 @@ class Daemon:
             )
 
     def _describe_jobs(self) -> str:
-        scheduler = self._scheduler
-        if scheduler is None:
-            return "no jobs"
+        now = utcnow()
+        tz = self.config.tz
         parts = []
-        for job in scheduler.get_jobs():
-            when = job.next_run_time.isoformat() if job.next_run_time else "paused"
-            parts.append(f"{job.id} next {when}")
+        for fire in upcoming_fires(self.config, now):
+            when = f"{fire.next_fire.astimezone(tz):%Y-%m-%d %H:%M %Z}" if fire.next_fire else fire.note
+            parts.append(f"{fire.job} {when}")
         return "; ".join(parts)
 
     # ----------------------------------------------------------------- jobs
@@ -923,12 +929,15 @@ class Daemon:
         left = queue.get("pending", 0) + queue.get("running", 0)
         counts = {**counts, **{f"requests_{k}": v for k, v in queue.items()}, "child_returncode": outcome.returncode}
         done, total = queue.get("done", 0), sum(queue.values())
-        if outcome.returncode != 0:
+        # SIGTERM before the child installed its handler (still importing) kills it outright;
+        # that is still the clean stop we asked for, not a failure.
+        stopped = outcome.stop_requested and outcome.returncode in (0, -signal.SIGTERM)
+        if outcome.returncode != 0 and not stopped:
             error = outcome.describe()
             self._fail_orphaned_worker_runs(outcome.pid, error)
             _finish_run(self._engine, run_id, "failed", error=error, counts=counts, done=done, total=total)
             log.error("night %s failed: %s; %d requests left for the next run", as_of.isoformat(), error, left)
-        elif left and outcome.stop_requested:
+        elif left and stopped:
             error = f"stopped by the daemon's shutdown; {left} requests left for the next run"
             _finish_run(self._engine, run_id, "aborted", error=error, counts=counts, done=done, total=total)
             log.info("night %s stopped cleanly: %d of %d done", as_of.isoformat(), done, total)
