@@ -143,6 +143,21 @@ def clear(engine: Engine) -> None:
         session.execute(delete(Signal))
 
 
+def write_config(folder: Path, db_url: str, tickers: tuple[str, ...] = ("SBER", "GAZP")) -> Path:
+    """A minimal robot-llm config pointing at ``db_url``, in Moscow time (the model paths need not exist to read)."""
+    instruments = "\n".join(f"  - {{ticker: '{t}', name: '{t} name'}}" for t in tickers)
+    path = folder / "robot-llm.yaml"
+    path.write_text(
+        f"database:\n  url: '{db_url}'\n"
+        f"timezone: 'Europe/Moscow'\n"
+        f"instruments:\n{instruments}\n"
+        f"model:\n  store: store\n  vocab: voc.sp\n"
+        f"schedule:\n  cutoff: '09:30'\n",
+        encoding="utf-8",
+    )
+    return path
+
+
 def load_strategy(name: str) -> ModuleType:
     """Import ``robot_llm.strategies.<name>``.
 
@@ -162,13 +177,13 @@ def load_strategy(name: str) -> ModuleType:
     return importlib.import_module(f"{package}.{name}")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def stance_gate() -> ModuleType:
     """The plain-Python example strategy."""
     return load_strategy("stance_gate")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def freqtrade_adapter() -> ModuleType:
     """The freqtrade-style adapter."""
     return load_strategy("freqtrade_adapter")
