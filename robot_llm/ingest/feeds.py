@@ -21,7 +21,8 @@ Normalisation of an entry:
 - Dedup: by ``(feed, item_key)`` where ``item_key`` is the guid, else the link, else the
   content hash; and across feeds by ``content_hash`` (SHA-256 of title and summary,
   case-folded, punctuation and spacing removed), so the same story syndicated in two feeds
-  is stored once, under the feed that delivered it first.
+  is stored once, under the feed that delivered it first. An entry with a title but no text
+  adds its guid or link to the hash: a bare headline that recurs daily is not one story.
 
 feedparser's ``bozo`` flag (not well-formed XML, an encoding override) is a warning; a
 document with no entries at all is a failed fetch.
@@ -230,19 +231,21 @@ def parse_feed(
         fixed = dict(headers, **{"content-type": "application/xml; charset=windows-1251"})
         parsed = feedparser.parse(io.BytesIO(content), response_headers=fixed)
         warnings.append(f"decoded as windows-1251 (the document said or implied {used})")
+    bozo = None
     if parsed.get("bozo"):
         exc = parsed.get("bozo_exception")
         if isinstance(exc, feedparser.CharacterEncodingOverride):
-            warnings.append(f"encoding: {exc}")
+            bozo = f"encoding: {exc}"
         else:
-            warnings.append(f"not well-formed ({type(exc).__name__}: {exc})" if exc else "not well-formed")
+            bozo = f"not well-formed ({type(exc).__name__}: {exc})" if exc else "not well-formed"
+        warnings.append(bozo)
     raw_entries = parsed.get("entries") or []
     if not raw_entries:
         content_type = headers.get("content-type", "")
         if "html" in content_type.lower() or content.lstrip()[:200].lower().startswith((b"<!doctype html", b"<html")):
             raise FeedError(f"got an HTML page ({content_type or 'no content type'}), not a feed")
-        if parsed.get("bozo"):
-            raise FeedError(f"not a feed: {warnings[0]}")
+        if bozo:
+            raise FeedError(f"not a feed: {bozo}")
         raise FeedError("the feed has no entries")
 
     feed_language = _language(parsed.get("feed", {}).get("language"))
@@ -275,7 +278,9 @@ def _normalise(raw: Any, *, feed: FeedConfig, tagger: Tagger, feed_language: str
 
     link = (raw.get("link") or "").strip() or None
     guid = (raw.get("id") or "").strip() or None
-    digest = content_hash(title, summary)
+    # A headline without text ("Итоги торгов") may recur every day: then the entry's own
+    # identity joins the fingerprint, so only a re-post of the same item counts as a duplicate.
+    digest = content_hash(title, summary or guid or link or "")
     key = guid or link or f"sha256:{digest}"
     if len(key) > _MAX_KEY:
         key = "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()

@@ -58,6 +58,17 @@ that goes on and on and on, well past the length a title may have, so that it mu
     assert entry.published_at is not None and entry.published_at.hour == 5
 
 
+def test_bare_headlines_are_told_apart_by_identity_stories_by_text() -> None:
+    doc = rss(
+        item("Итоги торгов", guid="mon"),
+        item("Итоги торгов", guid="tue"),
+        item("Same story", guid="x1", text="Identical text."),
+        item("SAME   story!", guid="x2", text="identical text"),
+    )
+    hashes = [e.content_hash for e in parse_feed(doc, {}, feed=FEED, tagger=TAGGER).entries]
+    assert hashes[0] != hashes[1] and hashes[2] == hashes[3]
+
+
 def test_strip_html() -> None:
     assert strip_html("<p>A&nbsp;&amp;&#160;B<br/>C<script>alert(1)</script></p><style>p{}</style>") == "A & B C"
     assert strip_html("P/E &lt; 5") == "P/E < 5"
