@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import re
 import threading
@@ -175,7 +176,7 @@ def _direction(value: Any, problems: list[str]) -> int | None:
     if isinstance(value, bool):
         problems.append(f"direction: expected up/down/flat or +1/-1/0, got {value!r}")
         return None
-    if isinstance(value, int | float) and value in (-1, 0, 1):
+    if isinstance(value, numbers.Real) and value in (-1, 0, 1):  # numpy scalars too (np.sign)
         return int(value)
     if isinstance(value, str) and value.strip().lower() in _DIRECTIONS:
         return _DIRECTIONS[value.strip().lower()]

@@ -23,6 +23,8 @@ Normalisation of an entry:
   case-folded, punctuation and spacing removed), so the same story syndicated in two feeds
   is stored once, under the feed that delivered it first. An entry with a title but no text
   adds its guid or link to the hash: a bare headline that recurs daily is not one story.
+  An entry edited later under the same guid keeps its first stored version: that is what we
+  knew at its ``fetched_at``.
 
 feedparser's ``bozo`` flag (not well-formed XML, an encoding override) is a warning; a
 document with no entries at all is a failed fetch.
