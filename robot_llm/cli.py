@@ -37,6 +37,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.ingest.cli",
     "robot_llm.batch_cli",
     "robot_llm.daemon_cli",
+    "robot_llm.llm.cli",
+    "robot_llm.demo",
 )
 
 

@@ -12,16 +12,18 @@ import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
 from sqlalchemy.engine import Engine
 
 from robot_llm.db import DatabaseError, check_connection, make_engine
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+# Alembic is imported inside the functions that use it: every `robot-llm` command builds the
+# parser (and so imports this module), and most of them never migrate anything.
 
 __all__ = [
     "SchemaOutOfDateError",
@@ -54,6 +56,8 @@ def script_location() -> Path:
 
 
 def _alembic_config(connection: Connection | None = None) -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(script_location()))
     # Alembic would otherwise reconfigure logging from an ini file it does not have.
@@ -92,6 +96,8 @@ def _connection(url_or_engine: str | Engine) -> Iterator[Connection]:
 
 def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
     """Migrate the database up to ``revision`` (default: the newest)."""
+    from alembic import command
+
     with _connection(url_or_engine) as conn:
         command.upgrade(_alembic_config(conn), revision)
         conn.commit()
@@ -99,6 +105,8 @@ def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
 
 def downgrade(url_or_engine: str | Engine, revision: str) -> None:
     """Migrate the database down to ``revision`` (``base`` removes every robot-llm table)."""
+    from alembic import command
+
     with _connection(url_or_engine) as conn:
         command.downgrade(_alembic_config(conn), revision)
         conn.commit()
@@ -106,12 +114,16 @@ def downgrade(url_or_engine: str | Engine, revision: str) -> None:
 
 def current(url_or_engine: str | Engine) -> str | None:
     """The database's revision, or None when it has never been migrated."""
+    from alembic.runtime.migration import MigrationContext
+
     with _connection(url_or_engine) as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
 
 def head() -> str:
     """The newest revision this robot-llm ships."""
+    from alembic.script import ScriptDirectory
+
     heads = ScriptDirectory.from_config(_alembic_config()).get_heads()
     if len(heads) != 1:
         raise RuntimeError(f"the migrations must have exactly one head, found {heads}")
@@ -140,6 +152,7 @@ def include_object(obj: Any, name: str | None, type_: str, reflected: bool, comp
 def schema_diff(url_or_engine: str | Engine) -> list[Any]:
     """Differences between the ORM models and the database (empty when they agree)."""
     from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
 
     from robot_llm.db import Base
 
