@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else:
                         thesis = f"thesis {row.thesis_id} stance {row.thesis_stance:+.2f}"
                     signal = "ENTER LONG" if row.enter_long else "EXIT" if row.exit_long else ""
-                    print(f"  {(row.date + step).isoformat()}  {thesis:<32} {signal}")
+                    print(f"  close {(row.date + step).isoformat()}  {thesis:<32} {signal}".rstrip())
     except RobotLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

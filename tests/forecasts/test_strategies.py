@@ -266,7 +266,7 @@ def test_adapter_main(db_url: str, engine: Engine, tmp_path: Path, freqtrade_ada
     argv = ["-c", str(config), "--as-of", T.isoformat(), "--ticker", "SBER", "--candles", "4"]
     assert freqtrade_adapter.main(argv) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("  2026")]
+    lines = [line for line in out.splitlines() if line.startswith("  close 2026")]
     assert len(lines) == 4
     # Candles close at 03:00, 04:00, 05:00, 06:00 UTC; the thesis was committed at 04:00.
     assert "no valid thesis" in lines[0]
