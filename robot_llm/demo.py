@@ -1,0 +1,248 @@
+"""``robot-llm demo``: a whole night on bundled data, through the production code path.
+
+What it does, in a working folder (default ``./robot-llm-demo``):
+
+1. writes the demo config (``config/demo.yaml`` of the repository) and migrates a SQLite database;
+2. builds a tiny YaLM checkpoint in the release layout — RANDOM weights, so its text is
+   meaningless — and converts it into a weight store exactly as ``robot-llm model convert`` does;
+3. ingests the bundled sample feeds (Russian windows-1251 RSS, Russian Atom, English RSS) and
+   sample robot signals through the same ingest code as production;
+4. plans the night and generates every thesis with the streaming engine (progress bar);
+5. prints the morning: each instrument's stance, score, thesis and inputs; the decisions of
+   the example strategy; the morning report.
+
+Running it twice in the same folder stores nothing twice: the night's cut-off is the moment
+of the newest ingested item, which a second run does not change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+import textwrap
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any, TextIO
+
+from sqlalchemy import func, select
+
+from robot_llm.config import AppConfig, load_config
+
+DEMO_DATA = resources.files("robot_llm") / "demo_data"
+DISCLAIMER = (
+    "NOTE: the demo model is a tiny YaLM with RANDOM weights (built on this machine with a fixed seed).\n"
+    "Its theses are meaningless text; stances and scores are numbers from random weights. The pipeline\n"
+    "around it is the production one. README: 'Running the real YaLM-100B' shows how to switch."
+)
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What one demo run did."""
+
+    workdir: Path
+    instruments: int
+    news_items: int
+    signals: int
+    theses: int
+    new_theses: int
+    decisions: tuple[Any, ...]
+
+
+def _copy_tree(source: Any, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and not (dest / item.name).exists():
+            (dest / item.name).write_bytes(item.read_bytes())
+
+
+def _prepare(workdir: Path, out: TextIO) -> AppConfig:
+    """Working folder, config, database, bundled feeds and signals, checkpoint and store."""
+    from robot_llm.migrate import upgrade
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "demo.yaml"
+    config_path.write_text((DEMO_DATA / "demo.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    _copy_tree(DEMO_DATA / "feeds", workdir / "feeds")
+    config = load_config(config_path)
+    upgrade(config.database.url)
+    print(f"[1/5] working folder {workdir} with {config_path.name} and a migrated SQLite database", file=out)
+
+    store = config.model.store
+    assert store is not None and config.model.checkpoint is not None
+    _build_model(workdir, store, out)
+    return config
+
+
+def _build_model(workdir: Path, store: Path, out: TextIO) -> None:
+    from robot_llm.llm.demo_checkpoint import build_demo_checkpoint
+    from robot_llm.llm.store import convert, verify
+
+    text_sources = [Path(str(DEMO_DATA / "feeds")), Path(str(resources.files("robot_llm.prompts")))]
+    checkpoint = build_demo_checkpoint(workdir / "model" / "release", text_sources)
+    manifest = convert(checkpoint.weights_dir, store, dtype="fp32", config=checkpoint.config, reserve_bytes=0)
+    problems = verify(store)
+    if problems:
+        raise RuntimeError(f"the demo weight store failed verification: {problems[0]}")
+    size_mib = manifest.total_bytes / 2**20
+    print(
+        f"[2/5] tiny YaLM ({checkpoint.config.num_layers} layers, hidden {checkpoint.config.hidden_size}, "
+        f"vocab {checkpoint.config.vocab_size}, RANDOM weights) in the release layout, "
+        f"converted to a {size_mib:.1f} MiB weight store",
+        file=out,
+    )
+
+
+# The sample signals were written on the evening of this day; the demo plays the robot and
+# drops them as if written yesterday evening, so the strategies find them fresh.
+SAMPLE_SIGNALS_DAY = date(2026, 11, 27)
+_ZONED_TIMESTAMP = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:Z|[+-]\d{2}:\d{2})")
+
+
+def _as_if_yesterday(text: str) -> str:
+    """Shift every zoned ISO timestamp by whole days (naive ones stay, and stay rejected)."""
+    shift = (datetime.now(timezone.utc).date() - timedelta(days=1)) - SAMPLE_SIGNALS_DAY
+
+    def moved(m: re.Match[str]) -> str:
+        stamp = datetime.fromisoformat(m.group(0).replace("Z", "+00:00")) + shift
+        return stamp.isoformat().replace("+00:00", "Z") if m.group(0).endswith("Z") else stamp.isoformat()
+
+    return _ZONED_TIMESTAMP.sub(moved, text)
+
+
+def _ingest(config: AppConfig, engine: Any, out: TextIO) -> None:
+    from robot_llm.ingest.feeds import ingest_feeds
+    from robot_llm.ingest.signals import ingest_signals
+
+    drop = config.signals.sources[0].drop_dir
+    drop.mkdir(parents=True, exist_ok=True)
+    processed = drop / "processed"
+    for item in (DEMO_DATA / "signals").iterdir():
+        # A file already taken stays taken: the robot drops a file once, so a second run
+        # of the demo drops nothing and stores nothing twice.
+        if item.is_file() and not (drop / item.name).exists() and not (processed / item.name).exists():
+            tmp = drop / f"{item.name}.tmp"
+            tmp.write_text(_as_if_yesterday(item.read_text(encoding="utf-8")), encoding="utf-8")
+            tmp.rename(drop / item.name)  # the drop-folder convention: write .tmp, then rename
+    feeds = ingest_feeds(config, engine)
+    signals = ingest_signals(config, engine)
+    for result in feeds:
+        detail = result.error or f"{result.new} new, {result.duplicates} duplicates"
+        warning = f" (warning: {textwrap.shorten(result.warning, 70)})" if result.warning else ""
+        print(f"      feed {result.feed}: {result.status}, {detail}{warning}", file=out)
+    for sresult in signals:
+        unknown = f", unknown tickers {', '.join(sresult.unknown_tickers)}" if sresult.unknown_tickers else ""
+        print(
+            f"      signals {sresult.path.name}: {sresult.stored} stored, {sresult.duplicates} duplicates, "
+            f"{len(sresult.rejects)} rejected{unknown}",
+            file=out,
+        )
+    print(f"[3/5] ingested {len(feeds)} feeds and {len(signals)} signal files", file=out)
+
+
+def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int]:
+    from robot_llm.batch import run_queue, summary_line
+    from robot_llm.db import NewsItem, Signal, session_scope
+    from robot_llm.plan import plan_night
+
+    with session_scope(engine) as session:
+        newest = max(
+            session.scalar(select(func.max(NewsItem.fetched_at))) or datetime.min.replace(tzinfo=config.tz),
+            session.scalar(select(func.max(Signal.received_at))) or datetime.min.replace(tzinfo=config.tz),
+        )
+    # The cut-off is the newest input we hold (to the second, rounded up), so a second run,
+    # which ingests nothing new, plans the same night and stores nothing twice.
+    as_of = newest.replace(microsecond=0) + timedelta(seconds=1)
+    plan = plan_night(config, engine, as_of)
+    print(
+        f"[4/5] planned the night with cut-off {as_of.astimezone(config.tz):%Y-%m-%d %H:%M:%S %Z}: "
+        f"{plan.created} new requests, {plan.existing} already planned, {len(plan.skipped)} skipped",
+        file=out,
+    )
+    summary = run_queue(config, engine, as_of=as_of)
+    print(f"      generate: {summary_line(summary)}", file=out)
+    return as_of, plan.created
+
+
+def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
+    from robot_llm.forecasts import Forecasts
+    from robot_llm.strategies.stance_gate import decide_all
+
+    now = datetime.now(config.tz)
+    print("\n=== The morning ===", file=out)
+    with Forecasts.open(config.database.url, tz=config.timezone) as forecasts:
+        for inst in config.instruments:
+            thesis = forecasts.latest(inst.ticker, now)
+            if thesis is None:
+                print(f"\n{inst.ticker} ({inst.name}): no thesis (abstain)", file=out)
+                continue
+            stance = "n/a" if thesis.stance is None else f"{thesis.stance:+.2f}"
+            score = "n/a" if thesis.score is None else f"{thesis.score:.2f}"
+            print(
+                f"\n{inst.ticker} ({inst.name}): stance {stance} ({thesis.stance_label or '-'}), score {score}; "
+                f"from {len(thesis.news_ids)} news and {len(thesis.signal_ids)} signals; "
+                f"available {thesis.available_at.astimezone(config.tz):%H:%M:%S}, "
+                f"valid until {thesis.valid_until.astimezone(config.tz):%Y-%m-%d %H:%M}",
+                file=out,
+            )
+            lines = [line for line in thesis.text.splitlines() if line.strip()][:3] or ["(empty)"]
+            for line in lines:
+                print(textwrap.indent(textwrap.shorten(line, 110, placeholder=" …"), "    | "), file=out)
+        decisions = tuple(decide_all(forecasts, [i.ticker for i in config.instruments], now))
+    print("\n=== Example strategy: stance_gate (robot forecast gated by the thesis) ===", file=out)
+    for d in decisions:
+        print(f"  {d.ticker:5} {d.action:5} size {d.size:.2f}  {d.reason}", file=out)
+    return decisions
+
+
+def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
+    """Run the demo in ``workdir``; returns counts for callers (and tests)."""
+    from robot_llm.db import NewsItem, Signal, Thesis, make_engine, session_scope
+    from robot_llm.report import build_report, format_report
+
+    workdir = workdir.resolve()
+    print(DISCLAIMER + "\n", file=out)
+    config = _prepare(workdir, out)
+    engine = make_engine(config.database.url)
+    try:
+        _ingest(config, engine, out)
+        as_of, created = _night(config, engine, out)
+        decisions = _morning(config, out)
+        print("\n=== Morning report ===", file=out)
+        print(format_report(build_report(config, engine, as_of.astimezone(config.tz).date()), config), file=out)
+        with session_scope(engine) as session:
+            counts = [session.scalar(select(func.count()).select_from(t)) or 0 for t in (NewsItem, Signal, Thesis)]
+    finally:
+        engine.dispose()
+    print(f"\n{DISCLAIMER}\nDemo config: {workdir / 'demo.yaml'}", file=out)
+    return DemoResult(
+        workdir=workdir,
+        instruments=len(config.instruments),
+        news_items=counts[0],
+        signals=counts[1],
+        theses=counts[2],
+        new_theses=created,
+        decisions=decisions,
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.clean and args.workdir.exists():
+        shutil.rmtree(args.workdir)
+    result = run_demo(args.workdir)
+    return 0 if result.theses >= result.instruments else 1
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``robot-llm demo``."""
+    demo = sub.add_parser("demo", help="run a whole night on bundled data with a tiny random model")
+    demo.add_argument(
+        "--workdir", type=Path, default=Path("robot-llm-demo"), help="working folder (default: %(default)s)"
+    )
+    demo.add_argument("--clean", action="store_true", help="start from an empty working folder")
+    demo.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    demo.set_defaults(handler=_demo)

@@ -1,0 +1,68 @@
+"""`robot-llm demo` end to end on a fresh working folder, then again in the same folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _demo(workdir: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "robot_llm.cli", "demo", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _counts(db: Path) -> dict[str, int]:
+    with sqlite3.connect(db) as conn:
+        return {
+            table: conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+            for table in ("news_items", "signals", "generation_requests", "theses", "feed_fetches")
+        }
+
+
+def test_demo_runs_a_whole_night_and_is_idempotent(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    out = _demo(workdir)
+
+    assert "RANDOM weights" in out  # the demo says its text is meaningless
+    assert (workdir / "demo.yaml").is_file()
+    assert list((workdir / "model" / "store").glob("*.safetensors"))
+    tickers = ["SBER", "GAZP", "LKOH", "YDEX", "AAPL", "NVDA"]
+    morning = out.split("=== The morning ===")[1].split("=== Example strategy")[0]
+    for ticker in tickers:
+        assert re.search(rf"^{ticker} \(.*\): stance [+-]\d\.\d\d", morning, re.M), ticker
+    decisions = out.split("=== Example strategy")[1].split("=== Morning report ===")[0]
+    lines = [line.split() for line in decisions.splitlines() if line.startswith("  ")]
+    assert [line[0] for line in lines] == tickers
+    assert {line[1] for line in lines} <= {"long", "short", "skip"}
+    # GAZP's robot forecast is flat: the gate skips it whatever the thesis says.
+    assert dict((line[0], line[1]) for line in lines)["GAZP"] == "skip"
+    # Signals were fresh: at least one instrument has a robot forecast to gate.
+    assert any("no robot forecast" not in " ".join(line) for line in lines)
+    assert "theses stored: 6" in out
+
+    first = _counts(workdir / "demo.sqlite")
+    assert first["theses"] == len(tickers) == first["generation_requests"]
+    assert first["news_items"] >= 10 and first["signals"] >= 5
+
+    out2 = _demo(workdir)
+    second = _counts(workdir / "demo.sqlite")
+    assert "0 new requests, 6 already planned" in out2
+    for table in ("news_items", "signals", "generation_requests", "theses"):
+        assert second[table] == first[table], table
+    assert second["feed_fetches"] > first["feed_fetches"]  # it did fetch again, and stored nothing new
