@@ -1007,23 +1007,28 @@ class Daemon:
         return "running" if self._in_flight.names() else "idle"
 
     def _heartbeat_loop(self) -> None:
-        config = self.config
-        ttl = config.daemon.lease_ttl
-        every = config.daemon.heartbeat.total_seconds()
-        renew_every = min(every, ttl.total_seconds() / 3)
-        next_log = _time.monotonic() + every
-        while not self._beat_stop.wait(renew_every):
+        # The lease is renewed at least three times per TTL, so one slow renewal never loses it.
+        next_log = _time.monotonic()
+        renewed_at: datetime | None = None
+        while True:
+            daemon_cfg = self.config.daemon  # re-read: a SIGHUP may have changed it
+            every = daemon_cfg.heartbeat.total_seconds()
+            if self._beat_stop.wait(min(every, daemon_cfg.lease_ttl.total_seconds() / 3)):
+                return
             state = self._state()
             try:
-                if not renew_lease(self._engine, self.holder, ttl, state):
+                now = utcnow()
+                if not renew_lease(self._engine, self.holder, daemon_cfg.lease_ttl, state, now=now):
                     log.error("the daemon lease was taken over by another daemon; stopping")
                     self.request_stop("lease lost", exit_code=1)
                     return
+                renewed_at = now
             except Exception:
                 log.exception("could not renew the daemon lease (will retry)")
             if _time.monotonic() >= next_log:
                 next_log = _time.monotonic() + every
-                log.info("heartbeat: %s", self._heartbeat_line(state))
+                lease = f"lease renewed {renewed_at:%H:%M:%SZ}" if renewed_at else "lease NOT renewed"
+                log.info("heartbeat: %s %s", self._heartbeat_line(state), lease)
 
     def _heartbeat_line(self, state: str) -> str:
         with self._stats_lock:

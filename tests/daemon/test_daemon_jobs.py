@@ -16,6 +16,7 @@ from daemon_helpers import config_data, nightly_around, runs, wait_for, write_co
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
+from robot_llm.cli import main
 from robot_llm.config import AppConfig, load_config
 from robot_llm.daemon import NIGHTLY_KIND, Daemon, read_lease
 from robot_llm.daemon_cli import format_status
@@ -59,12 +60,15 @@ def _finished(engine: Engine, kind: str, at_least: int = 1) -> list[Run]:
     return done if len(done) >= at_least else []
 
 
-def test_jobs_fire_and_status_shows_them(tmp_path: Path, db_url: str, daemon_engine: Engine) -> None:
+def test_jobs_fire_and_status_shows_them(
+    tmp_path: Path, db_url: str, daemon_engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = config_data(tmp_path, db_url)
     drop = tmp_path / "drop"
     drop.mkdir()
     data["signals"] = {"sources": [{"name": "robot", "drop_dir": str(drop)}]}
-    config = load_config(write_config(tmp_path, data))
+    path = write_config(tmp_path, data)
+    config = load_config(path)
     generated = (datetime.now(timezone.utc) - timedelta(minutes=5)).isoformat()
     record = {"ticker": "T00", "generated_at": generated, "horizon": "1d", "direction": "up", "model": "gbm"}
     (drop / "s1.jsonl").write_text(json.dumps(record) + "\n", encoding="utf-8")
@@ -92,7 +96,10 @@ def test_jobs_fire_and_status_shows_them(tmp_path: Path, db_url: str, daemon_eng
     assert code == 0
     lease = read_lease(daemon_engine)
     assert lease is not None and lease.released
-    assert "daemon: not running" in format_status(config, daemon_engine, datetime.now(timezone.utc))
+    assert main(["status", "-c", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"daemon: not running (last one: host {running.daemon.host}, pid {running.daemon.pid}" in out
+    assert re.search(r"^  nightly +skipped .*cut-off", out, re.M), out  # the default test night was missed
 
 
 def test_a_night_missed_past_its_cutoff_is_recorded_not_run(tmp_path: Path, db_url: str, daemon_engine: Engine) -> None:
