@@ -20,7 +20,7 @@ For a robot written in Python (a freqtrade strategy, a script after each bar)::
 the configured database, in one transaction, and returns at once: the signal is visible to
 tonight's plan as soon as ``publish`` returns. The ticker must be one of the config's
 instruments. The config and the database engine are cached per file (reloaded when the file
-changes), so calling ``publish`` after every bar is cheap.
+changes), so calling ``publish`` after every bar is cheap; ``close()`` releases the connections.
 
 ``drop_dir=`` instead writes a JSONL file into a signal drop folder (atomically: a hidden
 ``.tmp`` file renamed into place), for a robot that runs on a host without access to the
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
     from robot_llm.config import AppConfig
 
-__all__ = ["PublishResult", "SignalError", "SignalRecord", "make_signal", "publish", "publish_many"]
+__all__ = ["PublishResult", "SignalError", "SignalRecord", "close", "make_signal", "publish", "publish_many"]
 
 FIELDS = ("ticker", "generated_at", "horizon", "direction", "target", "confidence", "model", "extras")
 REQUIRED = ("ticker", "generated_at", "horizon", "model")
@@ -292,6 +292,15 @@ def _context(config: str | os.PathLike[str] | AppConfig) -> tuple[AppConfig, Eng
         if engine is None:
             engine = _ENGINES[app.database.url] = make_engine(app.database.url, echo=app.database.echo)
         return app, engine
+
+
+def close() -> None:
+    """Close the database connections ``publish`` keeps open (call it when the robot shuts down)."""
+    with _CACHE_LOCK:
+        for engine in _ENGINES.values():
+            engine.dispose()
+        _ENGINES.clear()
+        _CONFIGS.clear()
 
 
 def _write_drop_file(records: list[SignalRecord], drop_dir: str | os.PathLike[str]) -> Path:

@@ -23,7 +23,7 @@ Rules (the example config repeats them next to ``aliases``):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from robot_llm.config import InstrumentConfig
@@ -104,7 +104,3 @@ class Tagger:
             if m.exact.search(joined) or (m.words is not None and m.words.search(joined)):
                 found.append(m.ticker)
         return tuple(found)
-
-    def tickers(self) -> Sequence[str]:
-        """Every ticker this tagger knows."""
-        return tuple(m.ticker for m in self.matchers)

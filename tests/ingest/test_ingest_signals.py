@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 
 from robot_llm.db import Signal, session_scope
 from robot_llm.ingest.signals import ingest_signals, pending_files
-from robot_llm.signals import SignalError, make_signal, publish, publish_many
+from robot_llm.signals import SignalError, close, make_signal, publish, publish_many
 
 
 def _signals(engine: Engine) -> list[Signal]:
@@ -177,6 +177,7 @@ def test_publish_round_trip_and_drop_dir(engine: Engine, tmp_path: Path) -> None
     (result,) = ingest_signals(make_config(tmp_path, _url(engine), drop_dirs=[drop]), engine)
     assert result.stored == 1
     assert {s.ticker for s in _signals(engine)} == {"SBER", "YDEX"}
+    close()
 
 
 @pytest.mark.parametrize(
