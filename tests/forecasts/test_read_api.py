@@ -25,7 +25,7 @@ from robot_llm.forecasts import (
     to_dataframe,
 )
 from tests.conftest import REPO
-from tests.forecasts.conftest import clear, seed_signal, seed_thesis, unique_template
+from tests.forecasts.conftest import clear, seed_signal, seed_thesis, unique_template, write_config
 
 UTC = timezone.utc
 BASE = datetime(2026, 3, 1, tzinfo=UTC)  # the window spans New York's DST change (8 March)
@@ -54,6 +54,28 @@ def test_import_is_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"robot_llm.forecasts imported {out.stdout.strip()}"
+
+
+def test_reading_through_the_config_stays_light(tmp_path) -> None:
+    from robot_llm.migrate import upgrade
+
+    db_url = f"sqlite:///{tmp_path / 'light.sqlite'}"  # one backend is enough: this is about imports
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    seed_thesis(engine, ticker="SBER", as_of=BASE, available_at=BASE, valid_until=BASE + timedelta(days=9))
+    engine.dispose()
+    config = write_config(tmp_path, db_url)
+    code = (
+        "import sys\n"
+        "from datetime import datetime, timezone\n"
+        "from robot_llm.forecasts import Forecasts\n"
+        f"with Forecasts.from_config({str(config)!r}) as fc:\n"
+        "    rec = fc.latest('SBER', datetime(2026, 3, 2, tzinfo=timezone.utc))\n"
+        "    print(rec.ticker, fc.timezone, fc.tickers)\n"
+        "print([m for m in ('torch', 'jinja2', 'deepspeed', 'pandas') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["SBER Europe/Moscow ('SBER', 'GAZP')", "[]"]
 
 
 # --------------------------------------------------------------------------- the property
@@ -205,6 +227,9 @@ def test_stale_abstains_unless_asked(engine: Engine, forecasts: Forecasts) -> No
     assert forecasts.latest("AAA", at) is None
     assert forecasts.latest("AAA", at, include_stale=True).id == new
     assert forecasts.latest("AAA", t + timedelta(hours=12)).id == old
+    stale = forecasts.latest("AAA", at, include_stale=True)
+    assert not stale.is_valid_at(at) and stale.is_valid_at(t + timedelta(days=1))
+    assert not stale.is_valid_at(t + timedelta(days=1) - timedelta(microseconds=1))  # not yet available
     # valid_until itself is already stale
     assert forecasts.latest("AAA", t + timedelta(days=2)) is None
     assert forecasts.latest("AAA", t + timedelta(days=2) - timedelta(microseconds=1)).id == new
