@@ -37,6 +37,7 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0  # seconds to wait before answering (to trip a read timeout)
     content_length: bool = True  # False: close-delimited body, no length announced
+    trickle: float = 0.0  # seconds between single bytes of the body (a server that never quite stalls)
 
 
 @dataclass
@@ -71,7 +72,13 @@ class FeedServer:
                     if reply.content_length:
                         self.send_header("Content-Length", str(len(reply.body)))
                     self.end_headers()
-                    self.wfile.write(reply.body)
+                    if reply.trickle:
+                        for byte in reply.body:
+                            self.wfile.write(bytes([byte]))
+                            self.wfile.flush()
+                            time.sleep(reply.trickle)
+                    else:
+                        self.wfile.write(reply.body)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout, size limit): that is the point of the test
 

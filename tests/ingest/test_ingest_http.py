@@ -76,6 +76,27 @@ def test_read_timeout_is_retried_then_reported(server: FeedServer) -> None:
     assert len(server.hits("/slow")) == 2
 
 
+def test_429_honours_retry_after(server: FeedServer) -> None:
+    server.serve("/limited", Reply(429, headers={"Retry-After": "2"}), Reply(200, BODY))
+    delays: list[float] = []
+    assert fetch(server.url("/limited"), FAST, sleep=delays.append).content == BODY
+    assert delays == [2.0]
+
+
+def test_a_trickling_server_hits_the_total_timeout(server: FeedServer) -> None:
+    server.serve("/trickle", Reply(200, b"x" * 40, trickle=0.02))
+    http = HttpConfig(read_timeout=timedelta(seconds=1), total_timeout=timedelta(seconds=0.2), retries=2)
+    with pytest.raises(FetchError, match=r"took longer than 0.2s \(http.total_timeout\)"):
+        fetch(server.url("/trickle"), http)
+    assert len(server.hits("/trickle")) == 1
+
+
+def test_redirect_loop_is_refused(server: FeedServer) -> None:
+    server.serve("/loop", Reply(302, headers={"Location": "/loop"}))
+    with pytest.raises(FetchError, match="more than 5 redirects"):
+        fetch(server.url("/loop"), FAST)
+
+
 def test_redirect_is_followed(server: FeedServer) -> None:
     server.serve("/old", Reply(301, headers={"Location": "/new"}))
     server.serve("/new", Reply(200, BODY))

@@ -119,6 +119,20 @@ def test_csv_header_problems_and_odd_rows(engine: Engine, tmp_path: Path) -> Non
     assert (drop / "c-latin1.jsonl.rejects").read_text().startswith("c-latin1.jsonl:2: not UTF-8 text")
 
 
+def test_rows_stay_stored_when_the_file_cannot_be_moved(engine: Engine, tmp_path: Path) -> None:
+    drop = tmp_path / "drop"
+    drop.mkdir()
+    (drop / "processed").write_text("a file where the processed/ folder should be")
+    config = make_config(tmp_path, _url(engine), drop_dirs=[drop])
+    shutil.copy(DEMO / "signals" / "sample-signals.csv", drop / "s.csv")
+    (result,) = ingest_signals(config, engine)
+    assert result.stored == 3 and result.moved_to is None
+    assert "stored, but cannot write its rejects or move it to processed/" in (result.error or "")
+    assert (drop / "s.csv").exists() and len(_signals(engine)) == 3
+    (again,) = ingest_signals(config, engine)  # still there: read again, nothing stored twice
+    assert (again.stored, again.duplicates) == (0, 3) and len(_signals(engine)) == 3
+
+
 def test_pending_files_skips_empty_and_sorts_by_age(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "new.csv").write_text("x\n")
