@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -115,8 +115,8 @@ class ThesisStrategy:
     """A freqtrade-shaped strategy that enters long when a fresh thesis is bullish enough.
 
     Mix it in front of ``IStrategy`` in a freqtrade install, or use it alone (tests, scripts)
-    by setting :attr:`forecasts`. ``pair_to_ticker`` maps a pair ('SBER/RUB') to the
-    robot-llm ticker; by default the base asset.
+    by setting :attr:`forecasts`. Override :meth:`ticker_for` when pair names ('SBER/RUB')
+    do not start with the robot-llm ticker.
     """
 
     # Class attributes, as freqtrade strategies declare their settings.
@@ -127,7 +127,6 @@ class ThesisStrategy:
     template: str | None = None
 
     forecasts: Forecasts | None = None
-    pair_to_ticker: Callable[[str], str] | None = None
 
     def bot_start(self, **kwargs: Any) -> None:
         """freqtrade calls this once: open the forecasts database named by :attr:`robot_llm_config`."""
@@ -137,8 +136,8 @@ class ThesisStrategy:
             self.forecasts = Forecasts.from_config(self.robot_llm_config)
 
     def ticker_for(self, pair: str) -> str:
-        """The robot-llm ticker of a freqtrade pair."""
-        return self.pair_to_ticker(pair) if self.pair_to_ticker is not None else pair.split("/")[0]
+        """The robot-llm ticker of a freqtrade pair: its base asset."""
+        return pair.split("/")[0]
 
     def populate_indicators(self, dataframe: pd.DataFrame, metadata: dict[str, Any]) -> pd.DataFrame:
         """Attach the thesis columns; in a backtest the frame is the whole timerange at once."""
