@@ -68,10 +68,9 @@ def test_ensure_current_refuses_old_schema(empty_db_url: str) -> None:
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("empty_db_url", ["postgresql"], indirect=True)
 def test_postgres_schema_isolation(empty_db_url: str) -> None:
     """With ``search_path`` in the URL, the version table and every table land in that schema."""
-    if not empty_db_url.startswith("postgresql"):
-        pytest.skip("PostgreSQL only")
     schema = empty_db_url.rsplit("%3D", 1)[1]
     migrate.upgrade(empty_db_url)
     engine = make_engine(empty_db_url)
