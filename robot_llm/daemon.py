@@ -572,12 +572,12 @@ class Daemon:
     def run(self) -> int:
         """Take the lease, catch up a missed night, serve the schedule; return the exit code."""
         config = self.config
+        if self._install_signals:
+            self._install_handlers()
         lease = acquire_lease(
             self._engine, holder=self.holder, host=self.host, pid=self.pid, ttl=config.daemon.lease_ttl
         )
         log.info("daemon lease acquired (host %s, pid %s, ttl %s)", lease.host, lease.pid, config.daemon.lease_ttl)
-        if self._install_signals:
-            self._install_handlers()
         beat = threading.Thread(target=self._heartbeat_loop, name="daemon-heartbeat", daemon=True)
         try:
             self._abort_orphaned_runs()
@@ -635,6 +635,14 @@ class Daemon:
             return False
         if new.database.url != old.database.url:
             log.error("config reload: database.url changed; restart the daemon to switch databases (old config kept)")
+            return False
+        try:
+            self.build_scheduler(new)  # every trigger of the new config builds, before any job is replaced
+        except (RobotLLMError, ValueError) as exc:
+            log.error("config reload failed, keeping the old config: %s", exc)
+            return False
+        if self._stop.is_set():
+            log.info("config reload ignored: the daemon is stopping")
             return False
         with self._config_lock:
             self._config = new
@@ -746,12 +754,12 @@ class Daemon:
 
     def _guarded(self, name: str, kind: str | None, fn: Callable[..., _Outcome | None], *args: object) -> None:
         """Run one job: skip it once stopping, record it as a Run of ``kind``, never let it raise."""
-        # Queued executions that start after a stop request are dropped: "no new work".
-        if self._stop.is_set():
-            return
-        self._in_flight.enter(name)
+        self._in_flight.enter(name)  # before the stop check, so shutdown's drain cannot miss this job
         run_id = None
         try:
+            # Queued executions that start after a stop request are dropped: "no new work".
+            if self._stop.is_set():
+                return
             if kind is not None:
                 run_id = _start_run(self._engine, kind, None, self.host)
             outcome = fn(*args)
