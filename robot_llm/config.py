@@ -51,7 +51,22 @@ class ConfigError(RobotLLMError):
 
 
 class _Yaml12SafeLoader(yaml.SafeLoader):
-    """SafeLoader whose booleans and integers follow YAML 1.2 (see module docstring)."""
+    """SafeLoader whose booleans and integers follow YAML 1.2 (see module docstring).
+
+    It also refuses a key given twice in one mapping: PyYAML would silently keep the last
+    one, so a second ``model:`` section pasted further down would quietly win.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (it appears twice in this mapping)", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Yaml12SafeLoader.yaml_implicit_resolvers = {

@@ -334,3 +334,13 @@ def test_parse_duration_and_size() -> None:
             parse_duration(bad)
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_duplicate_yaml_key(tmp_path: Path) -> None:
+    text = BASE + 'timezone: "UTC"\n'
+    path = write(tmp_path, text)
+    line = len(text.splitlines())
+    assert (
+        error_of(path)
+        == f"{path}:{line}: YAML syntax error: duplicate key 'timezone' (it appears twice in this mapping)"
+    )
