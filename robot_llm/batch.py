@@ -689,9 +689,13 @@ class _Watchdog(threading.Thread):
         now = utcnow()
         with self.engine.connect() as conn:
             self._bounded(conn, max(self.tick_s, 1.0))
+            # Separate transactions, heartbeat first: a lock on the queue (another worker's
+            # claim) must not stop this run from looking alive, and the main thread's store
+            # locks requests then the run, so holding both here could deadlock with it.
             conn.execute(
                 update(Run).where(Run.id == self.queue.run_id, Run.status == "running").values(heartbeat_at=now)
             )
+            conn.commit()
             conn.execute(
                 update(GenerationRequest)
                 .where(GenerationRequest.lease_owner == self.queue.worker_id, GenerationRequest.status == "running")
