@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 from robot_llm.cli import main
 from robot_llm.config import AppConfig, load_config
-from robot_llm.daemon import NIGHTLY_KIND, Daemon, read_lease
+from robot_llm.daemon import NIGHTLY_KIND, Daemon, acquire_lease, read_lease
 from robot_llm.daemon_cli import format_status
 from robot_llm.db import GenerationRequest, Run, Thesis, make_engine, session_scope
 
@@ -102,16 +102,28 @@ def test_jobs_fire_and_status_shows_them(
     assert re.search(r"^  nightly +skipped .*cut-off", out, re.M), out  # the default test night was missed
 
 
-def test_a_night_missed_past_its_cutoff_is_recorded_not_run(tmp_path: Path, db_url: str, daemon_engine: Engine) -> None:
+def test_a_stale_lease_is_taken_over_and_a_night_past_its_cutoff_is_recorded_not_run(
+    tmp_path: Path, db_url: str, daemon_engine: Engine
+) -> None:
     data = config_data(tmp_path, db_url)
     now = datetime.now(timezone.utc)
     data["schedule"].update(nightly_around(now, fired_ago=timedelta(minutes=10), cutoff_in=timedelta(minutes=-5)))
     config = load_config(write_config(tmp_path, data))
-    running = Running(config, daemon_engine)
+    # A daemon on another host died a day ago mid-night: its lease is stale, its run still 'running'.
+    dead = now - timedelta(days=1)
+    acquire_lease(daemon_engine, holder="dead", host="old-box", pid=999, ttl=timedelta(minutes=3), now=dead)
+    with session_scope(daemon_engine) as session:
+        session.add(Run(kind=NIGHTLY_KIND, status="running", as_of=dead, started_at=dead, host="old-box", pid=999))
+
+    running = Running(config, daemon_engine)  # takes the stale lease over
     try:
-        nights = wait_for(lambda: runs(daemon_engine, NIGHTLY_KIND), 30, "the missed night's record")
+        lease = read_lease(daemon_engine)
+        assert lease is not None and (lease.host, lease.pid) == (running.daemon.host, running.daemon.pid)
+        nights = wait_for(lambda: runs(daemon_engine, NIGHTLY_KIND)[1:], 30, "the missed night's record")
     finally:
         assert running.stop() == 0
+    orphan = runs(daemon_engine, NIGHTLY_KIND)[0]
+    assert orphan.status == "aborted" and orphan.finished_at is not None
     assert len(nights) == 1 and nights[0].status == "skipped"
     assert nights[0].error is not None and "cut-off" in nights[0].error
     assert _count(daemon_engine, GenerationRequest) == 0  # nothing was planned, nothing generated
