@@ -50,6 +50,11 @@ def _since(value: str) -> datetime:
     return stamp.astimezone(timezone.utc)
 
 
+def _local(value: str, config: AppConfig) -> str:
+    """A stored UTC time as the config's local time, for the human-readable listings."""
+    return datetime.fromisoformat(value).astimezone(config.tz).strftime("%Y-%m-%d %H:%M %Z")
+
+
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
@@ -119,7 +124,7 @@ def _news_list(args: argparse.Namespace) -> int:
 
     from robot_llm.db import NewsItem, NewsTicker, session_scope
 
-    _, engine = _open(args)
+    config, engine = _open(args)
     stmt = select(NewsItem).order_by(NewsItem.fetched_at.desc(), NewsItem.id.desc()).limit(args.limit)
     if args.ticker:
         stmt = stmt.where(NewsItem.id.in_(select(NewsTicker.news_id).where(NewsTicker.ticker == args.ticker)))
@@ -148,7 +153,7 @@ def _news_list(args: argparse.Namespace) -> int:
         print(json.dumps(items, ensure_ascii=False, indent=2))
         return 0
     for item in items:
-        when = (item["published_at"] or item["fetched_at"])[:16].replace("T", " ")
+        when = _local(item["published_at"] or item["fetched_at"], config)
         tickers = ",".join(item["tickers"]) or "-"
         print(f"{item['id']:>6}  {when}  {tickers:<14} {item['feed']}: {item['title']}")
     if not items:
@@ -161,7 +166,7 @@ def _signals_list(args: argparse.Namespace) -> int:
 
     from robot_llm.db import Signal, session_scope
 
-    _, engine = _open(args)
+    config, engine = _open(args)
     stmt = select(Signal).order_by(Signal.generated_at.desc(), Signal.id.desc()).limit(args.limit)
     if args.ticker:
         stmt = stmt.where(Signal.ticker == args.ticker)
@@ -195,7 +200,7 @@ def _signals_list(args: argparse.Namespace) -> int:
         target = f"{r['target']:g}" if r["target"] is not None else "-"
         conf = f"{r['confidence']:.2f}" if r["confidence"] is not None else "-"
         print(
-            f"{r['id']:>6}  {r['generated_at'][:16].replace('T', ' ')}  {r['ticker']:<8} {r['horizon']:<4} "
+            f"{r['id']:>6}  {_local(r['generated_at'], config)}  {r['ticker']:<8} {r['horizon']:<4} "
             f"{arrows[r['direction']]:<5} target={target:<10} conf={conf:<5} {r['model']}"
         )
     if not rows:
