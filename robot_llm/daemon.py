@@ -413,10 +413,14 @@ def _record_skipped(engine: Engine, as_of: datetime, reason: str, host: str) -> 
 # --------------------------------------------------------------------------- the child
 
 
-def generate_command(config: AppConfig, as_of: datetime) -> list[str]:
-    """The command line of the generation child for the night of ``as_of``."""
+def generate_command(config: AppConfig, as_of: datetime, *, log_format: str = "text") -> list[str]:
+    """The command line of the generation child for the night of ``as_of``.
+
+    The child logs in the daemon's format and at its level, so one journal holds both.
+    """
     if config.source is None:
         raise RobotLLMError("the daemon needs a config loaded from a file (the generation child reads it)")
+    verbosity = {"DEBUG": ["-vv"], "INFO": ["-v"]}.get(config.logging.level, [])
     return [
         sys.executable,
         "-m",
@@ -427,6 +431,9 @@ def generate_command(config: AppConfig, as_of: datetime) -> list[str]:
         str(config.source),
         "--as-of",
         _aware(as_of, "as_of").isoformat(),
+        "--log-format",
+        log_format,
+        *verbosity,
     ]
 
 
@@ -521,7 +528,9 @@ class Daemon:
     """The scheduler process. ``run()`` blocks until SIGTERM/SIGINT (or ``request_stop``).
 
     ``feed_interval`` overrides every feed's poll interval; it exists for tests, which
-    cannot wait the 10 s minimum a config may set.
+    cannot wait the 10 s minimum a config may set. ``install_signals`` is False when the
+    daemon does not own the process (a thread in a test). ``log_format`` is passed on to
+    the generation child.
     """
 
     def __init__(
@@ -531,11 +540,13 @@ class Daemon:
         *,
         feed_interval: timedelta | None = None,
         install_signals: bool = True,
+        log_format: str = "text",
     ) -> None:
         self._config = config
         self._engine = engine
         self._feed_interval = feed_interval
         self._install_signals = install_signals
+        self._log_format = log_format
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.holder = f"{self.host}:{self.pid}:{uuid.uuid4().hex[:12]}"
@@ -885,7 +896,7 @@ class Daemon:
             self._night = None
 
     def _run_child(self, config: AppConfig, as_of: datetime, run_id: int) -> ChildOutcome:
-        cmd = generate_command(config, as_of)
+        cmd = generate_command(config, as_of, log_format=self._log_format)
         log.info("starting the generation child: %s", " ".join(cmd))
         # A new session: a Ctrl-C in the daemon's terminal is ours to forward, not the child's to receive.
         proc = subprocess.Popen(cmd, env=_child_env(), start_new_session=True)

@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
         # APScheduler logs every job start and end at INFO; our own lines say what each job did.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
     engine = open_database(config)
-    daemon = Daemon(config, engine)
+    daemon = Daemon(config, engine, log_format=fmt)
     code = daemon.run()
     if daemon.jobs_left_running:
         # A job that ignored the shutdown would keep the interpreter alive (thread-pool
