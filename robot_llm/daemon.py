@@ -69,6 +69,7 @@ __all__ = [
     "ScheduledFire",
     "acquire_lease",
     "generate_command",
+    "next_nightly_fire",
     "night_complete",
     "night_cutoff",
     "non_trading_reason",
@@ -117,6 +118,12 @@ def _night_as_of(config: AppConfig, now: datetime) -> datetime:
     from robot_llm.plan import night_as_of
 
     return night_as_of(config, now)
+
+
+def next_nightly_fire(config: AppConfig, now: datetime) -> datetime | None:
+    """The first ``schedule.nightly`` fire at or after ``now`` (aware UTC), in the config's zone."""
+    fire = _cron(config.schedule.nightly, config.tz).get_next_fire_time(None, _aware(now, "now"))
+    return fire.astimezone(timezone.utc) if fire is not None else None
 
 
 def served_trading_day(config: AppConfig, as_of: datetime) -> date:
@@ -171,10 +178,9 @@ def upcoming_fires(config: AppConfig, now: datetime) -> tuple[ScheduledFire, ...
     now = _aware(now, "now")
     tz = config.tz
     out: list[ScheduledFire] = []
-    nightly = _cron(config.schedule.nightly, tz).get_next_fire_time(None, now)
+    nightly = next_nightly_fire(config, now)
     note = f"cron {config.schedule.nightly!r}"
     if nightly is not None:
-        nightly = nightly.astimezone(timezone.utc)
         reason = non_trading_reason(config, nightly)
         cutoff = night_cutoff(config, nightly).astimezone(tz)
         note += f", serves {served_trading_day(config, nightly).isoformat()} (cut-off {cutoff:%Y-%m-%d %H:%M %Z})"
