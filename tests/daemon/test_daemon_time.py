@@ -111,10 +111,10 @@ def test_nightly_fires_at_the_same_wall_clock_time_across_dst(tmp_path: Path) ->
     saturday_night = datetime(2027, 3, 27, 22, 0, tzinfo=UTC)  # 23:00 CET
     assert night_cutoff(config, saturday_night) == datetime(2027, 3, 28, 7, 30, tzinfo=UTC)  # 09:30 CEST
     assert night_as_of(config, datetime(2027, 3, 28, 21, 0, 1, tzinfo=UTC)) == datetime(2027, 3, 28, 21, 0, tzinfo=UTC)
-    assert next_nightly_fire(config, datetime(2027, 3, 27, 22, 30, tzinfo=UTC)) == datetime(2027, 3, 28, 21, tzinfo=UTC)
-    assert next_nightly_fire(config, datetime(2026, 10, 25, 21, 30, tzinfo=UTC)) == datetime(
-        2026, 10, 26, 22, tzinfo=UTC
-    )
+    after_spring = next_nightly_fire(config, datetime(2027, 3, 27, 22, 30, tzinfo=UTC))
+    assert after_spring == datetime(2027, 3, 28, 21, tzinfo=UTC)  # 23:00 CEST
+    after_fall = next_nightly_fire(config, datetime(2026, 10, 25, 21, 30, tzinfo=UTC))  # 22:30 CET
+    assert after_fall == datetime(2026, 10, 25, 22, tzinfo=UTC)  # 23:00 CET
 
 
 def test_upcoming_fires_say_when_a_night_will_be_skipped(tmp_path: Path) -> None:
