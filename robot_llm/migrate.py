@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 # parser (and so imports this module), and most of them never migrate anything.
 
 __all__ = [
+    "MigrationError",
     "SchemaOutOfDateError",
     "current",
     "downgrade",
@@ -41,6 +42,25 @@ __all__ = [
 
 class SchemaOutOfDateError(DatabaseError):
     """The database's schema revision is not the one this robot-llm needs."""
+
+
+class MigrationError(DatabaseError):
+    """A migration could not be applied (unknown revision, or the database refused a step)."""
+
+
+@contextmanager
+def _explained(action: str, revision: str) -> Iterator[None]:
+    """Turn Alembic's and the driver's exceptions into one line the user can act on."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        yield
+    except CommandError as exc:
+        raise MigrationError(f"cannot {action} to {revision!r}: {exc}") from exc
+    except DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise MigrationError(f"{action} to {revision!r} failed: {reason}") from exc
 
 
 def script_location() -> Path:
@@ -98,7 +118,7 @@ def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
     """Migrate the database up to ``revision`` (default: the newest)."""
     from alembic import command
 
-    with _connection(url_or_engine) as conn:
+    with _connection(url_or_engine) as conn, _explained("upgrade", revision):
         command.upgrade(_alembic_config(conn), revision)
         conn.commit()
 
@@ -107,7 +127,7 @@ def downgrade(url_or_engine: str | Engine, revision: str) -> None:
     """Migrate the database down to ``revision`` (``base`` removes every robot-llm table)."""
     from alembic import command
 
-    with _connection(url_or_engine) as conn:
+    with _connection(url_or_engine) as conn, _explained("downgrade", revision):
         command.downgrade(_alembic_config(conn), revision)
         conn.commit()
 

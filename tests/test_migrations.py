@@ -85,3 +85,20 @@ def test_postgres_schema_isolation(empty_db_url: str) -> None:
     placed = {name: s for s, name in rows if s == schema}
     assert set(placed) == {*Base.metadata.tables, "alembic_version"}
     assert all(s == schema or s.startswith("t_") for s, _ in rows), rows
+
+
+def test_migration_errors_are_one_line(empty_db_url: str) -> None:
+    with pytest.raises(migrate.MigrationError, match="cannot downgrade to 'nope'"):
+        migrate.downgrade(empty_db_url, "nope")
+    # A table of ours created behind Alembic's back: the upgrade refuses, and says why in one line.
+    engine = make_engine(empty_db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE runs (id INTEGER PRIMARY KEY)"))
+        with pytest.raises(migrate.MigrationError) as err:
+            migrate.upgrade(engine)
+    finally:
+        engine.dispose()
+    msg = str(err.value)
+    assert msg.startswith("upgrade to 'head' failed: ")
+    assert "runs" in msg and "\n" not in msg
