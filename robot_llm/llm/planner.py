@@ -225,7 +225,7 @@ def plan(
                 if isinstance(candidate, Plan):
                     break
             if isinstance(candidate, Plan):
-                candidate = _rebalance(cfg, work, machine, candidate, ram, gpu)
+                candidate = _rebalance(cfg, work, machine, candidate, ram, gpu, cap_batch)
                 if best is None or candidate.total_seconds < best.total_seconds:
                     best = candidate
             elif candidate is not None:
@@ -241,9 +241,9 @@ def _descending(cap: int) -> list[int]:
     return sizes
 
 
-def _rebalance(cfg: YalmConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int) -> Plan:
+def _rebalance(cfg: YalmConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int, cap: int) -> Plan:
     """Grow the batch between the found power of two and the cap, then even out the batches."""
-    lo, hi = p.batch_size, min(work.num_prompts, 2 * p.batch_size - 1)
+    lo, hi = p.batch_size, min(cap, 2 * p.batch_size - 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         got = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv_home, mid, ram, gpu)

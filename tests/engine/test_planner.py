@@ -1,0 +1,65 @@
+"""Planner: refuses what cannot fit (with the reason), picks sensible placements."""
+
+from __future__ import annotations
+
+import pytest
+
+from robot_llm.llm.config import PRESETS
+from robot_llm.llm.planner import GB, Machine, PlanError, Work, layer_bytes, plan
+
+YALM = PRESETS["yalm-100b"]
+JOB = Work(num_prompts=300, prompt_tokens=512, max_new_tokens=128)
+
+
+def _fits(p) -> bool:
+    return all(sum(p.memory[tier].values()) <= cap for tier, cap in p.capacity.items())
+
+
+def test_layer_sizes_match_the_release() -> None:
+    # docs/yalm-model.md §8: 2,516,957,872 bytes per fp16 layer.
+    assert layer_bytes(YALM, "fp16") == 2_516_957_872
+    assert 0.5 < layer_bytes(YALM, "int8") / layer_bytes(YALM, "fp16") < 0.55
+
+
+def test_refuses_a_machine_too_small_for_one_sequence() -> None:
+    with pytest.raises(PlanError, match=r"batch 1 needs .* of gpu"):
+        plan(YALM, JOB, Machine(ram_bytes=16 * 2**30, gpu_bytes=4 * 2**30))
+
+
+def test_refuses_more_tokens_than_the_model_has_positions() -> None:
+    with pytest.raises(PlanError, match="exceeds the model's 1024 positions"):
+        plan(YALM, Work(10, 1000, 100), Machine(ram_bytes=256 * 2**30))
+
+
+def test_refuses_ram_home_when_the_weights_do_not_fit() -> None:
+    with pytest.raises(PlanError, match="of RAM"):
+        plan(YALM, JOB, Machine(ram_bytes=64 * 2**30, gpu_bytes=24 * 2**30), weight_home="ram")
+
+
+def test_small_gpu_streams_from_disk_with_kv_in_ram() -> None:
+    p = plan(YALM, JOB, Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB))
+    assert (p.device, p.weight_home, p.kv_home) == ("cuda", "disk", "cpu")
+    assert 1 <= p.micro_batch <= p.batch_size <= 300 and _fits(p)
+
+
+def test_model_that_fits_in_ram_is_homed_there() -> None:
+    # int8 weights (~100 GiB) fit a 256 GB box next to the KV cache: no disk traffic per step.
+    p = plan(YALM, JOB, Machine(ram_bytes=int(256 * GB), gpu_bytes=int(24 * GB)), weight_dtype="int8")
+    assert p.weight_home == "ram" and _fits(p)
+    assert p.total_seconds > 0 and p.tokens_per_second > 0
+
+
+def test_batch_grows_with_memory_and_respects_the_caps() -> None:
+    small = plan(YALM, JOB, Machine(ram_bytes=int(128 * GB)))
+    large = plan(YALM, JOB, Machine(ram_bytes=int(512 * GB)))
+    assert small.device == "cpu" and small.batch_size < large.batch_size
+    assert plan(YALM, JOB, Machine(ram_bytes=int(512 * GB)), max_batch_size=16).batch_size <= 16
+    assert plan(YALM, Work(3, 64, 16), Machine(ram_bytes=int(512 * GB))).batch_size == 3
+    budget = plan(YALM, JOB, Machine(ram_bytes=int(512 * GB)), memory_budget_bytes=int(64 * GB))
+    assert sum(budget.memory["ram"].values()) <= 64 * GB
+
+
+def test_describe_shows_every_tier_and_the_estimate() -> None:
+    text = plan(YALM, JOB, Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB))).describe()
+    for word in ("batch size", "gpu:", "ram:", "disk:", "KV cache", "estimated time"):
+        assert word in text
