@@ -104,32 +104,26 @@ class BatchModel(Protocol):
         ...
 
 
-class _SteppedForward:
-    """A ForwardModel that calls ``on_step`` after every forward pass."""
-
-    def __init__(self, inner: Any, on_step: Callable[[], None]) -> None:
-        self.inner = inner
-        self.config = inner.config
-        self.on_step = on_step
-
-    def new_cache(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.new_cache(*args, **kwargs)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.inner.forward(*args, **kwargs)
-        self.on_step()
-        return out
-
-
 @dataclass
-class _InProcessModel:
-    """A :class:`robot_llm.llm.yalm.ForwardModel` driven by :mod:`robot_llm.llm.generate`."""
+class _ConfiguredModel:
+    """The runtime's ``LoadedModel`` plus what the worker needs: the window, per-step liveness."""
 
-    model_id: str
-    tokenizer: YalmTokenizer
+    loaded: Any
     max_positions: int
-    forward_model: Any
-    batch_size: int
+    _on_step: Callable[[], None] | None = None
+
+    @property
+    def model_id(self) -> str:
+        return str(self.loaded.model_id)
+
+    @property
+    def tokenizer(self) -> YalmTokenizer:
+        return self.loaded.tokenizer  # type: ignore[no-any-return]
+
+    def step(self) -> None:
+        """Called after every forward pass of the engine."""
+        if self._on_step is not None:
+            self._on_step()
 
     def generate(
         self,
@@ -137,28 +131,43 @@ class _InProcessModel:
         params: list[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
     ) -> list[Completion]:
-        from robot_llm.llm.generate import generate
-
         if on_progress is None:
-            return generate(self.forward_model, self.tokenizer, prompts, params, batch_size=self.batch_size)
+            return self.loaded.generate(prompts, params)  # type: ignore[no-any-return]
         done = [0]
 
         def batch_done(finished: int, total: int) -> None:
             done[0] = finished
             on_progress(finished, total)
 
-        # Every forward pass (one decode step of the whole batch) reports, so a batch that
-        # takes an hour on a big model still shows the watchdog it is alive.
-        stepped = _SteppedForward(self.forward_model, lambda: on_progress(done[0], len(prompts)))
-        return generate(stepped, self.tokenizer, prompts, params, batch_size=self.batch_size, on_progress=batch_done)
+        self._on_step = lambda: on_progress(done[0], len(prompts))
+        try:
+            return self.loaded.generate(prompts, params, on_progress=batch_done)  # type: ignore[no-any-return]
+        finally:
+            self._on_step = None
 
     def score(self, prompt: str, continuations: list[str]) -> list[float]:
-        from robot_llm.llm.generate import score
-
-        return score(self.forward_model, self.tokenizer, prompt, continuations, batch_size=self.batch_size)
+        return self.loaded.score(prompt, continuations)  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self.forward_model = None
+        self.loaded.close()
+
+
+def _report_steps(engine_model: Any, on_step: Callable[[], None]) -> None:
+    """Make ``engine_model.forward`` call ``on_step`` after each pass.
+
+    The runtime reports progress once per batch, and a batch of the 100B model streamed
+    from disk can take longer than ``batch.stall_timeout``; one decode step of the whole
+    batch is the honest unit of liveness for the watchdog. The instance attribute shadows
+    the class's method, so the engine's type (which the runtime's planner checks) is kept.
+    """
+    inner = engine_model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        on_step()
+        return out
+
+    engine_model.forward = forward
 
 
 def model_shape(config: AppConfig) -> Any:
@@ -188,47 +197,33 @@ def model_shape(config: AppConfig) -> Any:
 
 
 def open_configured_model(config: AppConfig) -> BatchModel:
-    """Load the model ``config.model`` describes; the one place that maps the config onto the engine.
+    """Load the model ``config.model`` describes; the one place that maps the config onto the runtime.
 
-    Raises :class:`BatchError` (or the engine's own user-facing errors) with a one-line
-    reason when the weights, the vocabulary or the backend are not usable.
+    Raises the runtime's user-facing errors (RobotLLMError) with a one-line reason when the
+    weights, the vocabulary or the backend are not usable.
     """
-    from robot_llm.llm.backends import ModelRequest, create_model
-    from robot_llm.llm.engine import resolve_device
-    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.llm.runtime import ModelSettings, open_model
 
     m = config.model
-    shape = model_shape(config)
-    if m.backend == "memory":
-        if m.checkpoint is None:
-            raise BatchError("model.backend 'memory' loads a release checkpoint: set model.checkpoint")
-        if m.dtype == "int8":
-            raise BatchError("model.dtype 'int8' needs a converted store and backend 'stream'")
-        weights = m.checkpoint
-    else:
-        weights = m.store or m.checkpoint
-        assert weights is not None
     assert m.vocab is not None  # required by the config validator
-    try:
-        tokenizer = YalmTokenizer(m.vocab)
-    except (OSError, ValueError) as exc:
-        raise BatchError(f"model.vocab: {exc}") from None
-    request = ModelRequest(
-        checkpoint=weights,
-        config=shape,
-        dtype=m.dtype,
-        device=str(resolve_device(m.device)),
-        home=m.home if m.backend != "memory" else None,
-        offload=m.offload if m.backend == "deepspeed" else None,
+    settings = ModelSettings(
+        vocab=m.vocab,
+        backend=m.backend,
+        checkpoint=m.checkpoint,
+        store=m.store,
+        home=m.home,
+        # int8 is how a store keeps its weights, not a compute dtype: the engine picks one.
+        dtype="auto" if m.dtype == "int8" else m.dtype,
+        device=m.device,
+        max_batch_size=m.max_batch_size,
+        memory_budget_bytes=m.memory_budget,
+        offload_dir=m.offload_dir,
+        offload=m.offload,
     )
-    forward_model = create_model(m.backend, request)
-    return _InProcessModel(
-        model_id=m.id,
-        tokenizer=tokenizer,
-        max_positions=min(m.max_positions, shape.max_position_embeddings),
-        forward_model=forward_model,
-        batch_size=m.max_batch_size,
-    )
+    loaded = open_model(settings)
+    model = _ConfiguredModel(loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings))
+    _report_steps(loaded.model, model.step)
+    return model
 
 
 # --------------------------------------------------------------------------- params and stance
@@ -362,6 +357,11 @@ class _Tally:
     @property
     def tokens_per_s(self) -> float | None:
         return self.new_tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def handled(self) -> int:
+        """Requests this run finished with: stored, failed for good, or found already stored."""
+        return self.done + self.failed + self.duplicates
 
 
 # --------------------------------------------------------------------------- the queue
@@ -763,7 +763,7 @@ class _Progress:
         else:
             log.info(
                 "generate: %d/%d done, %d failed, %d retried, %d tokens, %.1f tokens/s",
-                tally.done + tally.failed,
+                tally.handled,
                 total,
                 tally.failed,
                 tally.retried,
@@ -946,14 +946,14 @@ def _work(
             tally.seconds += time.monotonic() - started
             tally.new_tokens += new_tokens
             tally.batches += 1
-            before = tally.done + tally.failed
-            total = max(total, tally.done + tally.failed + queue.remaining() + len(claimed))
+            before = tally.handled
+            total = max(total, tally.handled + queue.remaining() + len(claimed))
             if rows:
                 queue.store(rows, [r["request_id"] for r in rows], tally, total)
             if errors:
                 queue.fail(errors, {r.id: r.attempts for r in claimed}, tally, total)
             watchdog.progress([])
-            bar.update(tally, total, tally.done + tally.failed - before)
+            bar.update(tally, total, tally.handled - before)
         if stop.is_set():
             status, error = "aborted", "stopped on request (signal); the rest of the queue waits for the next run"
     except SQLAlchemyError as exc:

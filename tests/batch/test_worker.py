@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from datetime import timedelta
 
@@ -56,7 +57,7 @@ def test_plan_then_run_stores_theses_with_stance_and_rerun_adds_nothing(benv, ni
         stance, label, score = _expected_stance(t.label_logprobs, labels)
         assert math.isclose(t.stance, stance, rel_tol=1e-9, abs_tol=1e-12)
         assert (t.stance_label, round(t.score, 9)) == (label, round(score, 9))
-        assert t.model_id == "yalm-tiny" and t.seed == req.params["seed"] and t.params == req.params
+        assert t.model_id.startswith("yalm-tiny/fp32@") and t.seed == req.params["seed"] and t.params == req.params
         assert t.prompt_sha256 == req.prompt_sha256 and t.prompt_tokens == req.prompt_tokens
         assert 1 <= t.completion_tokens <= req.params["max_new_tokens"]
         assert t.as_of == night and t.valid_until == req.valid_until
@@ -78,13 +79,14 @@ def test_plan_then_run_stores_theses_with_stance_and_rerun_adds_nothing(benv, ni
     assert [(t.id, t.text) for t in benv.theses()] == [(t.id, t.text) for t in theses]
 
 
-def test_a_request_that_keeps_failing_is_failed_and_the_rest_go_on(benv, night):
+def test_a_request_that_keeps_failing_is_failed_and_the_rest_go_on(benv, night, capsys):
     config = benv.config(batch={"max_attempts": 2})
     good = benv.seed(3, night)
     (bad,) = benv.seed(1, night, start=3, prompt=lambda i: "news " * 80 + ":")
 
-    summary = run_queue(config, benv.engine, progress=False, preflight=False)
+    summary = run_queue(config, benv.engine, progress=True, preflight=False)
 
+    assert "4/4" in capsys.readouterr().err  # the terminal bar counted every request
     assert (summary.done, summary.failed, summary.retried) == (3, 1, 1)
     requests = {r.id: r for r in benv.requests()}
     assert requests[bad].status == "failed" and requests[bad].attempts == 2
@@ -96,7 +98,7 @@ def test_a_request_that_keeps_failing_is_failed_and_the_rest_go_on(benv, night):
     assert summary.failures == ((bad, requests[bad].last_error),)
 
 
-def test_a_thesis_another_worker_stored_first_is_not_stored_twice(benv, night):
+def test_a_thesis_another_worker_stored_first_is_not_stored_twice(benv, night, caplog):
     config = benv.config()
     (rid,) = benv.seed(1, night)
     req = benv.requests()[0]
@@ -123,9 +125,11 @@ def test_a_thesis_another_worker_stored_first_is_not_stored_twice(benv, night):
             )
         )
 
-    summary = run_queue(config, benv.engine, progress=False, preflight=False)
+    with caplog.at_level(logging.INFO, logger="robot_llm.batch"):
+        summary = run_queue(config, benv.engine, progress=False, preflight=False)
 
     assert (summary.status, summary.done, summary.duplicates) == ("ok", 0, 1)
+    assert "generate: 1/1 done, 0 failed" in caplog.text  # log lines instead of a bar
     (thesis,) = benv.theses()
     assert thesis.text == "the other worker's thesis"
     assert benv.requests()[0].status == "done"
