@@ -26,7 +26,7 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,6 +343,26 @@ def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtyp
     digest = sha256_file(tmp)
     os.replace(tmp, path)
     return StoreFile(name=path.name, kind=kind, index=index, size=path.stat().st_size, sha256=digest)
+
+
+def write_store(
+    store_dir: str | Path,
+    cfg: YalmConfig,
+    modules: Iterable[tuple[ModuleKind, int, Params]],
+    *,
+    dtype: str = "fp16",
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> Manifest:
+    """Write a store from ``(kind, index, params)`` in forward order (e.g. random weights for benchmarks)."""
+    store = Path(store_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    files = []
+    for kind, index, params in modules:
+        files.append(_write_module(store / file_name(kind, index), kind, index, params, dtype, group_size))
+        log.info("wrote %s (%.1f MiB)", files[-1].name, files[-1].size / 2**20)
+    manifest = Manifest(config=cfg, dtype=dtype, group_size=group_size, files=files)
+    _write_json_atomic(store / MANIFEST, manifest.to_json())
+    return manifest
 
 
 # --------------------------------------------------------------------------- verify
