@@ -39,6 +39,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import and_, func, or_, select, update
@@ -118,7 +119,7 @@ class _ConfiguredModel:
 
     @property
     def tokenizer(self) -> YalmTokenizer:
-        return self.loaded.tokenizer  # type: ignore[no-any-return]
+        return self.loaded.tokenizer
 
     def step(self) -> None:
         """Called after every forward pass of the engine."""
@@ -132,7 +133,7 @@ class _ConfiguredModel:
         on_progress: Callable[[int, int], None] | None = None,
     ) -> list[Completion]:
         if on_progress is None:
-            return self.loaded.generate(prompts, params)  # type: ignore[no-any-return]
+            return self.loaded.generate(prompts, params)
         done = [0]
 
         def batch_done(finished: int, total: int) -> None:
@@ -141,12 +142,12 @@ class _ConfiguredModel:
 
         self._on_step = lambda: on_progress(done[0], len(prompts))
         try:
-            return self.loaded.generate(prompts, params, on_progress=batch_done)  # type: ignore[no-any-return]
+            return self.loaded.generate(prompts, params, on_progress=batch_done)
         finally:
             self._on_step = None
 
     def score(self, prompt: str, continuations: list[str]) -> list[float]:
-        return self.loaded.score(prompt, continuations)  # type: ignore[no-any-return]
+        return self.loaded.score(prompt, continuations)
 
     def close(self) -> None:
         self.loaded.close()
@@ -170,30 +171,40 @@ def _report_steps(engine_model: Any, on_step: Callable[[], None]) -> None:
     engine_model.forward = forward
 
 
+def _release_config_file(config: AppConfig) -> Path | None:
+    checkpoint = config.model.checkpoint
+    if checkpoint is None:
+        return None
+    for candidate in (checkpoint / "config.json", checkpoint.parent / "config.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def model_shape(config: AppConfig) -> Any:
-    """The :class:`~robot_llm.llm.config.YalmConfig` of the configured weights.
+    """The :class:`~robot_llm.llm.config.YalmConfig` of the configured weights, as the runtime will see it.
 
     A store carries it in its manifest; a release checkpoint in a ``config.json`` next to
-    (or one folder above) the weight files; otherwise it is the released YaLM-100B.
+    (or one folder above) the weight files; a release without one (the published
+    YaLM-100B) is the ``yalm-100b`` preset.
     """
     from robot_llm.llm.config import YalmConfig
 
     m = config.model
-    if m.store is not None and (m.backend == "stream" or m.checkpoint is None):
+    if m.store is not None:
         from robot_llm.llm.store import StoreError, read_manifest
 
         try:
             return read_manifest(m.store).config
         except StoreError as exc:
             raise BatchError(f"model.store: {exc}") from None
-    assert m.checkpoint is not None  # the config validator requires store or checkpoint
-    for candidate in (m.checkpoint / "config.json", m.checkpoint.parent / "config.json"):
-        if candidate.is_file():
-            try:
-                return YalmConfig.from_json(candidate)
-            except (ValueError, TypeError) as exc:
-                raise BatchError(f"{candidate}: {exc}") from None
-    return YalmConfig.preset("yalm-100b")
+    found = _release_config_file(config)
+    if found is None:
+        return YalmConfig.preset("yalm-100b")
+    try:
+        return YalmConfig.from_json(found)
+    except (ValueError, TypeError) as exc:
+        raise BatchError(f"{found}: {exc}") from None
 
 
 def open_configured_model(config: AppConfig) -> BatchModel:
@@ -219,6 +230,7 @@ def open_configured_model(config: AppConfig) -> BatchModel:
         memory_budget_bytes=m.memory_budget,
         offload_dir=m.offload_dir,
         offload=m.offload,
+        preset="yalm-100b" if m.store is None and _release_config_file(config) is None else None,
     )
     loaded = open_model(settings)
     model = _ConfiguredModel(loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings))

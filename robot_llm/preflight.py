@@ -151,7 +151,7 @@ def _checkpoint(config: AppConfig) -> Check:
 
 def _weights(config: AppConfig, deep: bool) -> Check:
     m = config.model
-    if m.store is not None and (m.backend == "stream" or m.checkpoint is None):
+    if m.store is not None:  # the runtime reads the store whenever one is set
         return _store(m.store, deep)
     return _checkpoint(config)
 
@@ -194,7 +194,7 @@ def _memory(config: AppConfig) -> Check:
         machine = replace(machine, gpu_bytes=0)
     elif m.gpu_memory_budget is not None and machine.has_gpu:
         machine = replace(machine, gpu_bytes=min(machine.gpu_bytes, m.gpu_memory_budget))
-    if m.store is not None and (m.backend == "stream" or m.checkpoint is None):
+    if m.store is not None:  # the runtime reads the store whenever one is set
         from robot_llm.llm.store import read_manifest
 
         weight_dtype = read_manifest(m.store).dtype

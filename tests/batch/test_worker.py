@@ -6,6 +6,8 @@ import logging
 import math
 from datetime import timedelta
 
+import pytest
+from batch_helpers import TINY
 from sqlalchemy import update
 
 from robot_llm.batch import run_queue
@@ -169,3 +171,17 @@ def test_expired_lease_is_claimed_again_and_a_worker_that_died_too_often_fails_i
     requests = {r.id: r for r in benv.requests()}
     assert (requests[retry].status, requests[retry].attempts) == ("done", 2)
     assert requests[dead].status == "failed" and "died 2 times" in requests[dead].last_error
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_stream_backend_from_a_converted_store(benv, night, tmp_path):
+    from robot_llm.llm.store import convert
+
+    convert(TINY, tmp_path / "store", dtype="fp32", reserve_bytes=0)
+    config = benv.config(model={"backend": "stream", "store": str(tmp_path / "store"), "checkpoint": None})
+    benv.seed(3, night)
+
+    summary = run_queue(config, benv.engine, progress=False)  # preflight checks the store
+
+    assert (summary.status, summary.done) == ("ok", 3)
+    assert all(t.stance_label in (" up", " down", " flat") for t in benv.theses())
