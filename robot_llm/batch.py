@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -396,6 +396,22 @@ class _Claimed:
     attempts: int
 
 
+def heartbeat_interval(config: AppConfig) -> float:
+    """Seconds between a worker's heartbeats (and lease renewals, and stall checks)."""
+    batch = config.batch
+    return max(0.05, min(batch.lease.total_seconds() / 4, batch.stall_timeout.total_seconds() / 4, 30.0))
+
+
+def alive_window(config: AppConfig) -> timedelta:
+    """A generate run whose heartbeat is older than this is taken for dead.
+
+    Several missed heartbeats, not the whole lease: after a SIGKILL the rest of the
+    queue is free again within minutes, while the dead worker's own batch waits for its
+    leases to expire.
+    """
+    return min(config.batch.lease, timedelta(seconds=4 * heartbeat_interval(config) + 5))
+
+
 def _claimable(now: datetime, as_of: datetime | None) -> Any:
     cond = and_(
         GenerationRequest.valid_until > now,
@@ -438,16 +454,19 @@ class _Queue:
 
     def start_run(self, total: int) -> int:
         now = utcnow()
-        lease = self.config.batch.lease
         with self.engine.begin() as conn:
             # Generate runs whose worker vanished (SIGKILL, power loss) never recorded an end.
             conn.execute(
                 update(Run)
-                .where(Run.kind == "generate", Run.status == "running", Run.heartbeat_at < now - lease)
+                .where(
+                    Run.kind == "generate",
+                    Run.status == "running",
+                    Run.heartbeat_at < now - alive_window(self.config),
+                )
                 .values(
                     status="aborted",
                     finished_at=now,
-                    error="the worker vanished (no heartbeat for longer than the lease: killed or crashed)",
+                    error="the worker vanished (its heartbeat stopped: killed or crashed)",
                 )
             )
             run_id = conn.execute(
@@ -476,7 +495,7 @@ class _Queue:
                 Run.kind == "generate",
                 Run.status == "running",
                 Run.id != self.run_id,
-                Run.heartbeat_at > now - self.config.batch.lease,
+                Run.heartbeat_at > now - alive_window(self.config),
             )
             .limit(1)
         ).first()
@@ -939,8 +958,7 @@ def _work(
         run_id = queue.start_run(total)
     except SQLAlchemyError as exc:
         raise BatchError(f"cannot record the run: {_one_line(exc)}") from None
-    batch_cfg = config.batch
-    tick = max(0.05, min(batch_cfg.lease.total_seconds() / 4, batch_cfg.stall_timeout.total_seconds() / 4, 30.0))
+    tick = heartbeat_interval(config)
     watchdog = _Watchdog(config, engine.url.render_as_string(hide_password=False), queue, tick)
     watchdog.start()
     bar = _Progress(progress, total)
@@ -979,7 +997,13 @@ def _work(
         if status == "failed":
             _record_failure(queue, tally, total, error or "")
         else:
-            queue.finish(status, tally, total, error)
+            try:
+                queue.finish(status, tally, total, error)
+            except SQLAlchemyError as exc:
+                raise BatchError(
+                    f"{tally.done} thesis(es) are stored, but the end of run #{run_id} could not be recorded: "
+                    f"{_one_line(exc)}"
+                ) from None
     if status == "failed":
         raise BatchError(
             f"{error}; {tally.done} thesis(es) stored by this run are intact; "
