@@ -30,8 +30,10 @@ GB = 1e9
 
 #: Bytes per element of a compute dtype.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-#: Resident set of a Python process with torch loaded (and DeepSpeed-free); measured ~0.45 GiB.
-PROCESS_BASE_BYTES = int(0.6 * GiB)
+#: Resident set of a Python process with torch (CPU build) and this package loaded; measured 0.25-0.27 GiB.
+PROCESS_BASE_BYTES = int(0.3 * GiB)
+#: Host memory the CUDA runtime maps into the process (libraries, context), on top of the base.
+CUDA_HOST_BYTES = int(1.5 * GiB)
 #: CUDA context and allocator slack on the GPU.
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)
 
@@ -275,7 +277,7 @@ def _try(
     slots = work.seq_slots
     kv = kv_bytes(cfg, batch, slots, c)
     cuda = machine.has_gpu
-    ram: dict[str, int] = {"process": PROCESS_BASE_BYTES}
+    ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if machine.has_gpu else 0)}
     gpu: dict[str, int] = {"cuda context": CUDA_CONTEXT_BYTES} if cuda else {}
     compute_tier = gpu if cuda else ram
     ram["weights (RAM home)" if home == "ram" else "staging slots"] = L * lb if home == "ram" else 2 * lb

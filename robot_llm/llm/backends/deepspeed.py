@@ -152,8 +152,9 @@ def ds_config(
     largest = max(3 * h * h, cfg.intermediate_size * h, cfg.vocab_size * cfg.embedding_size)
     offload_param: dict[str, Any] = {"device": offload, "pin_memory": pin_memory}
     if offload == "nvme":
-        # Every swapped tensor must fit one staging buffer.
-        offload_param |= {"nvme_path": str(nvme_path), "buffer_count": 5, "buffer_size": largest}
+        # Every swapped tensor needs its own staging buffer while its module runs: the five
+        # matrices of the running layer, five more for the prefetched one, and the embedding.
+        offload_param |= {"nvme_path": str(nvme_path), "buffer_count": 11, "buffer_size": largest}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": dtype == torch.bfloat16},
