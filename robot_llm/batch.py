@@ -582,8 +582,12 @@ class _Queue:
             "heartbeat_at": utcnow(),
         }
 
-    def store(self, rows: list[dict[str, Any]], request_ids: list[int], tally: _Tally, total: int) -> int:
-        """Insert the batch's theses and mark its requests done, in one transaction; returns rows inserted."""
+    def store(self, rows: list[dict[str, Any]], tally: _Tally, total: int) -> int:
+        """Insert the batch's theses and mark their requests done in one transaction; returns rows inserted.
+
+        A thesis another worker already stored for the same request is skipped (``ON
+        CONFLICT DO NOTHING`` on the unique ``request_id``) and counted as a duplicate.
+        """
         table = Thesis.__table__
         if self.sqlite:
             from sqlalchemy.dialects.sqlite import insert
@@ -591,33 +595,35 @@ class _Queue:
             from sqlalchemy.dialects.postgresql import insert
         with self.engine.connect() as conn:
             _begin_write(conn)
-            now = utcnow()
             conn.execute(
                 update(GenerationRequest)
-                .where(GenerationRequest.id.in_(request_ids))
-                .values(status="done", lease_owner=None, lease_expires_at=None, last_error=None, updated_at=now)
+                .where(GenerationRequest.id.in_([row["request_id"] for row in rows]))
+                .values(status="done", lease_owner=None, lease_expires_at=None, last_error=None, updated_at=utcnow())
             )
-            # available_at is the commit time: a backtest may see the thesis only from then on.
+            # available_at is the commit time (a backtest may see the thesis only from then
+            # on): taken just before the insert, the last statement before the commit.
             available_at = utcnow()
-            inserted = 0
-            if rows:
-                result = conn.execute(
-                    insert(table)
-                    .values([{**row, "available_at": available_at} for row in rows])
-                    .on_conflict_do_nothing(index_elements=["request_id"])
-                    .returning(table.c.request_id)
-                )
-                inserted = len(result.all())
-            duplicates = len(rows) - inserted
-            tally.done += inserted
-            tally.duplicates += duplicates
+            result = conn.execute(
+                insert(table)
+                .values([{**row, "available_at": available_at} for row in rows])
+                .on_conflict_do_nothing(index_elements=["request_id"])
+                .returning(table.c.request_id)
+            )
+            inserted = len(result.all())
+            conn.commit()
+        tally.done += inserted
+        tally.duplicates += len(rows) - inserted
+        self.progress(tally, total)
+        return inserted
+
+    def progress(self, tally: _Tally, total: int) -> None:
+        """Write the run's progress (done/total, tokens/s, counts, heartbeat)."""
+        with self.engine.begin() as conn:
             conn.execute(
                 update(Run)
                 .where(Run.id == self.run_id, Run.status == "running")
                 .values(**self._progress_values(tally, total))
             )
-            conn.commit()
-        return inserted
 
     def fail(self, errors: dict[int, str], attempts: dict[int, int], tally: _Tally, total: int) -> None:
         """Record per-request errors: failed after ``max_attempts``, else back to pending for a retry."""
@@ -964,11 +970,13 @@ def _work(
     bar = _Progress(progress, total)
     blocked_by: str | None = None
     status, error = "ok", None
+    drained = False
     try:
         while not stop.is_set():
             watchdog.progress()
             claimed, blocked_by = queue.claim(config.model.max_batch_size)
             if not claimed:
+                drained = True
                 break
             watchdog.progress([r.id for r in claimed])
             started = time.monotonic()
@@ -979,12 +987,12 @@ def _work(
             before = tally.handled
             total = max(total, tally.handled + queue.remaining() + len(claimed))
             if rows:
-                queue.store(rows, [r["request_id"] for r in rows], tally, total)
+                queue.store(rows, tally, total)
             if errors:
                 queue.fail(errors, {r.id: r.attempts for r in claimed}, tally, total)
             watchdog.progress([])
             bar.update(tally, total, tally.handled - before)
-        if stop.is_set():
+        if not drained:
             status, error = "aborted", "stopped on request (signal); the rest of the queue waits for the next run"
     except SQLAlchemyError as exc:
         status, error = "failed", f"database error: {_one_line(exc)}"
@@ -1022,7 +1030,7 @@ def _work(
         batches=tally.batches,
         new_tokens=tally.new_tokens,
         seconds=tally.seconds,
-        stopped=stop.is_set(),
+        stopped=not drained,
         blocked_by=blocked_by,
         failures=tuple(tally.failures),
     )
