@@ -185,3 +185,9 @@ def test_stream_backend_from_a_converted_store(benv, night, tmp_path):
 
     assert (summary.status, summary.done) == ("ok", 3)
     assert all(t.stance_label in (" up", " down", " flat") for t in benv.theses())
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_naive_as_of_is_refused(benv, night):
+    with pytest.raises(ValueError, match="naive"):
+        run_queue(benv.config(), benv.engine, as_of=night.replace(tzinfo=None), preflight=False)
