@@ -26,7 +26,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from robot_llm.llm.store import SCALE_SUFFIX, FileLayout, Store, dequantize_into, read_into
+from robot_llm.llm.store import (
+    SCALE_SUFFIX,
+    FileLayout,
+    Store,
+    aligned_buffer,
+    dequantize_into,
+    direct_span,
+    read_into,
+)
 from robot_llm.llm.yalm import (
     KVCache,
     LayerKV,
@@ -91,6 +99,7 @@ class _Slot:
     free: torch.cuda.Event | None = None
     ready: Future[int] | None = field(default=None, repr=False)
     layer: int = -1
+    offset: int = 0  # where the layer's data section starts in the slot
 
 
 class StreamingModel:
@@ -137,7 +146,8 @@ class StreamingModel:
         self.embedding, self.projector, self.output = resident("embedding"), resident("projector"), resident("output")
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
-        slot_bytes = max(layout.data_size for layout in self.layouts)
+        # Disk slots take whole files (O_DIRECT reads from offset 0); RAM-homed layers hold data sections.
+        slot_bytes = max(direct_span(layout) if home == "disk" else layout.data_size for layout in self.layouts)
         # RAM home: every layer's bytes once in CPU memory (views are used in place on the CPU).
         self.ram: list[Tensor] | None = None
         if home == "ram":
@@ -161,7 +171,7 @@ class StreamingModel:
     def _new_slot(self, nbytes: int) -> _Slot:
         host = None
         if self.home == "disk":
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            host = aligned_buffer(nbytes, pin_memory=self.cuda)
         device = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if self.cuda else None
         return _Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
 
@@ -192,16 +202,18 @@ class StreamingModel:
         size = layout.data_size
         if self.ram is None:
             assert slot.host is not None
-            read_into(self.paths[layer], layout, slot.host, drop_cache=self.drop_cache)
+            slot.offset = read_into(self.paths[layer], layout, slot.host, direct=True, drop_cache=self.drop_cache)
             source = slot.host
         else:
+            slot.offset = 0
             source = self.ram[layer]
         if self.cuda:
             assert self._copy_stream is not None and slot.device is not None and slot.free is not None
             with torch.cuda.stream(self._copy_stream):
                 # The slot may still feed kernels queued for the layer it held before.
                 self._copy_stream.wait_event(slot.free)
-                slot.device[:size].copy_(source[:size], non_blocking=True)
+                end = slot.offset + size
+                slot.device[:end].copy_(source[:end], non_blocking=True)
             self._copy_stream.synchronize()
         self.stats.read_seconds += time.perf_counter() - started
         self.stats.bytes_read += size
@@ -227,9 +239,12 @@ class StreamingModel:
             slot.ready.result()
             self.stats.wait_seconds += time.perf_counter() - started
             slot.ready = None
-        data = slot.device if self.cuda else self.ram[layer] if self.ram is not None else slot.host
+        layout = self.layouts[layer]
+        if self.ram is not None and not self.cuda:
+            return self._to_compute(layout, self.ram[layer])
+        data = slot.device if self.cuda else slot.host
         assert data is not None
-        return self._to_compute(self.layouts[layer], data)
+        return self._to_compute(layout, data[slot.offset : slot.offset + layout.data_size])
 
     def _to_compute(self, layout: FileLayout, data: Tensor) -> Params:
         raw = layout.views(data)

@@ -300,7 +300,7 @@ def _try(
         ):
             micro = rows
             break
-    tier_name = "gpu" if cuda else "ram"
+    tier_name = "GPU memory" if cuda else "RAM"
     if not micro:
         need = fixed + activation_bytes(cfg, batch, 1, work.prompt_tokens, work.prompt_tokens, c)
         return f"batch {batch} needs {_fmt(need)} of {tier_name}, {_fmt(cap)} usable"

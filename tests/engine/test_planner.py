@@ -22,7 +22,7 @@ def test_layer_sizes_match_the_release() -> None:
 
 
 def test_refuses_a_machine_too_small_for_one_sequence() -> None:
-    with pytest.raises(PlanError, match=r"batch 1 needs .* of gpu"):
+    with pytest.raises(PlanError, match=r"batch 1 needs .* of GPU memory"):
         plan(YALM, JOB, Machine(ram_bytes=16 * 2**30, gpu_bytes=4 * 2**30))
 
 

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# GPU checks of the offload engine (needs one CUDA GPU; CPU-only CI cannot run these).
+#
+#   benchmarks/gpu_check.sh [WORK_DIR]
+#
+# 1. the yalm-tiny fixture through every engine on CUDA: fp32 (<= 1e-4), fp16 (fp16 tolerance,
+#    docs/yalm-model.md §11), the int8 store, RAM and disk homes (pinned host slots, copy stream);
+# 2. DeepSpeed ZeRO-3 with fp16 on CUDA, offload to cpu and nvme (pinned staging buffers);
+# 3. the throughput comparison of benchmarks/offload.py (--quick), now computing on the GPU.
+# Budget: under 8 minutes on one GPU. Exits non-zero at the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="${PYTHONPATH:-$PWD}"
+PY="${PYTHON:-python}"
+FIXTURE=tests/fixtures/yalm-tiny
+WORK="${1:-$(mktemp -d)}"
+mkdir -p "$WORK"
+step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
+
+step "environment"
+"$PY" -c 'import torch, deepspeed; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.__version__, deepspeed.__version__, torch.cuda.get_device_name(0))'
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
+
+model() { "$PY" -m robot_llm.llm.cli model "$@"; }
+
+step "fixture: memory engine on cuda, fp32 and fp16"
+model check-fixture "$FIXTURE" --engine memory --device cuda --dtype fp32
+model check-fixture "$FIXTURE" --engine memory --device cuda --dtype fp16 --tolerance 0.05
+
+step "fixture: stream engine on cuda (pinned slots + copy stream), disk and RAM homes, fp32/fp16/int8"
+for home in disk ram; do
+  model check-fixture "$FIXTURE" --engine stream --device cuda --home "$home" --dtype fp32
+  model check-fixture "$FIXTURE" --engine stream --device cuda --home "$home" --dtype fp16 --tolerance 0.05
+done
+model check-fixture "$FIXTURE" --engine stream --device cuda --home disk --dtype int8 --tolerance 0.2
+
+step "fixture: DeepSpeed ZeRO-3 on cuda, fp16 and fp32, cpu and nvme offload"
+for offload in cpu nvme; do
+  model check-fixture "$FIXTURE" --engine deepspeed --device cuda --offload "$offload" --dtype fp32
+  model check-fixture "$FIXTURE" --engine deepspeed --device cuda --offload "$offload" --dtype fp16 --tolerance 0.05
+done
+
+step "buffer reuse on cuda: device and pinned slot pointers stable across steps"
+"$PY" - "$FIXTURE" "$WORK" <<'EOF'
+import sys
+from pathlib import Path
+
+import torch
+
+from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.store import convert
+
+store = Path(sys.argv[2]) / "tiny-store"
+convert(sys.argv[1], store)
+model = StreamingModel(store, home="disk", device="cuda")
+assert all(s.host.is_pinned() and s.device.is_cuda for s in model.slots)
+pointers = model.buffer_pointers()
+cache = model.new_cache(4, 40)
+model.forward(torch.randint(5, 600, (4, 8)), cache)
+for step in range(20):
+    model.forward(torch.full((4, 1), 7 + step), cache)
+assert model.buffer_pointers() == pointers
+model.close()
+print(f"ok: {len(pointers)} buffers reused, {model.stats.read_bandwidth / 1e6:.0f} MB/s, "
+      f"{100 * model.stats.io_hidden_fraction:.0f}% of I/O hidden")
+EOF
+
+step "throughput: benchmarks/offload.py --quick"
+"$PY" benchmarks/offload.py --quick --dir "$WORK/bench"
+
+step "plan for this machine"
+model plan --preset yalm-100b
+
+printf '\nall GPU checks passed in %ss\n' "$SECONDS"

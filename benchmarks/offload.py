@@ -1,0 +1,326 @@
+"""Offload benchmark: naive per-token streaming vs the batched streaming engine vs DeepSpeed ZeRO-Inference.
+
+A mid-size YaLM config with random fp32 weights is written to a store on disk.
+Every measured configuration then runs in its own child process (so peak RSS
+is its own) on the same work (prompts of ``prompt`` tokens, ``new`` generated
+tokens each, greedy), with the store's page cache dropped first so that "disk"
+means disk:
+
+* naive: one prompt at a time, every layer read synchronously for every token
+  (the original ZeRO-Offload / AirLLM schedule);
+* engine at batch 1, 8 and 32: each layer read once per step for the whole
+  batch, the next layer prefetched while the current one computes;
+* DeepSpeed ZeRO-3 with NVMe parameter offload at batch 32 (fp32 on CPU, so it
+  reads the same bytes per step as our fp32 store);
+* the engine under a RAM budget of a quarter of a (larger) store, planned by
+  :mod:`robot_llm.llm.planner`.
+
+It also measures the raw sequential read bandwidth of the same layer files.
+The last line printed is one JSON object with the headline figures.
+
+    python benchmarks/offload.py [--quick] [--dir WORK_DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from robot_llm.llm.checkpoint import ModuleKind, module_plan
+from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.planner import Machine, Work, detect_machine, plan
+from robot_llm.llm.store import Store, drop_page_cache, measure_read_bandwidth, write_store
+from robot_llm.llm.yalm import Params
+
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {
+        "config": YalmConfig(
+            num_layers=12,
+            hidden_size=1024,
+            embedding_size=256,
+            intermediate_size=2730,
+            num_attention_heads=16,
+            max_position_embeddings=256,
+            vocab_size=4000,
+        ),
+        "prompt": 8,
+        "new": 32,
+        "naive_prompts": 2,
+        "budget_layers": 48,
+        "budget_new": 4,
+    },
+    "quick": {
+        "config": YalmConfig(
+            num_layers=4,
+            hidden_size=1024,
+            embedding_size=256,
+            intermediate_size=2730,
+            num_attention_heads=16,
+            max_position_embeddings=256,
+            vocab_size=4000,
+        ),
+        "prompt": 4,
+        "new": 16,
+        "naive_prompts": 1,
+        "budget_layers": 40,
+        "budget_new": 2,
+    },
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def random_modules(cfg: YalmConfig, distinct_layers: int | None = None) -> Iterator[tuple[ModuleKind, int, Params]]:
+    """Random release-shaped modules one at a time (never the whole model in memory).
+
+    With ``distinct_layers`` only that many layers are drawn and later layers repeat
+    the last of them (same bytes, separate files): a large store written quickly.
+    """
+    drawn: dict[int, Params] = {}
+    g = torch.Generator().manual_seed(0)
+    for kind, index, _, shapes in module_plan(cfg):
+        source = index if distinct_layers is None or kind != "layer" else min(index, distinct_layers - 1)
+        if kind == "layer" and source in drawn:
+            yield kind, index, drawn[source]
+            continue
+        params = {}
+        for name, shape in shapes.items():
+            t = torch.randn(shape, generator=g)
+            if len(shape) == 2:
+                t *= 0.02
+            elif name.endswith("norm.weight"):
+                t = 1.0 + 0.1 * t
+            else:
+                t *= 0.1
+            params[name] = t
+        if kind == "layer" and distinct_layers is not None:
+            drawn[source] = params
+        yield kind, index, params
+
+
+def run_batches(model: Any, ids: torch.Tensor, new: int, batch: int) -> None:
+    """Greedy generation of ``new`` tokens for every row, ``batch`` rows at a time."""
+    for start in range(0, ids.shape[0], batch):
+        chunk = ids[start : start + batch]
+        cache = model.new_cache(chunk.shape[0], chunk.shape[1] + new - 1)
+        logits = model.forward(chunk, cache, last_only=True)
+        for _ in range(new - 1):
+            logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache, last_only=True)
+
+
+def child(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Measured configurations run one after the other in this process (ordered by growing memory,
+    so the peak RSS reported after each run is that run's own peak)."""
+    store = Store(spec["store"])
+    cfg = store.config
+    results = []
+    for run in spec["runs"]:
+        log(f"{run['label']}: {run['prompts']} prompts x {run['new']} tokens, batch {run['batch']} ...")
+        ids = torch.randint(
+            5, cfg.vocab_size, (run["prompts"], run["prompt"]), generator=torch.Generator().manual_seed(1)
+        )
+        if run["kind"] == "deepspeed":
+            from robot_llm.llm.backends.deepspeed import DeepSpeedModel
+
+            model: Any = DeepSpeedModel(store.path, cfg, offload="nvme", dtype="fp32", offload_dir=run["nvme"])
+        else:
+            from robot_llm.llm.engine import StreamingModel
+
+            model = StreamingModel(
+                store, home="disk", device="cpu", prefetch=run["kind"] != "naive", micro_batch=run.get("micro")
+            )
+        drop_page_cache([store.path / f.name for f in store.manifest.files])
+        started = time.perf_counter()
+        run_batches(model, ids, run["new"], run["batch"])
+        elapsed = time.perf_counter() - started
+        result: dict[str, Any] = {
+            "tok_s": run["prompts"] * run["new"] / elapsed,
+            "seconds": elapsed,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        if run["kind"] == "deepspeed":
+            result["swap_bytes"] = sum(p.stat().st_size for p in model.swap_files())
+            model.close()
+        else:
+            model.close()
+            s = model.stats
+            result |= {"read_bps": s.read_bandwidth, "io_hidden": s.io_hidden_fraction}
+        log(
+            f"{run['label']}: {result['tok_s']:.2f} tok/s in {elapsed:.1f} s, "
+            f"peak RSS {result['peak_rss'] / 2**20:.0f} MiB"
+        )
+        results.append(result)
+    return results
+
+
+def run_child(store: Path, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run ``runs`` in a fresh process (its own peak RSS, its own DeepSpeed state)."""
+    spec = {"store": str(store), "runs": runs}
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"benchmark child failed (exit {out.returncode})")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model and work (< 3 minutes)")
+    parser.add_argument("--dir", type=Path, help="work folder (default: a temporary folder, removed afterwards)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+
+    size = SIZES["quick" if args.quick else "full"]
+    cfg: YalmConfig = size["config"]
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="robot-llm-offload-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        report = benchmark(cfg, size, work)
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report))
+
+
+def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    main_store = work / "store"
+    if not (main_store / "manifest.json").exists():
+        log(f"writing a {cfg.num_layers}-layer fp32 store with random weights to {main_store}")
+        write_store(main_store, cfg, random_modules(cfg), dtype="fp32")
+    store = Store(main_store)
+    layer_files = store.layer_files()
+    store_bytes = store.manifest.total_bytes
+
+    raw_bytes = sum(p.stat().st_size for p in layer_files)
+    raw_seconds = sum(p.stat().st_size / measure_read_bandwidth(p) for p in layer_files)
+    raw_bps = raw_bytes / raw_seconds
+    log(f"raw sequential read of the layer files: {raw_bps / 1e6:.0f} MB/s")
+
+    P, N = size["prompt"], size["new"]
+    work_shape = {"prompt": P, "new": N}
+    engine_runs = [
+        work_shape
+        | {"label": "naive (batch 1, no prefetch)", "kind": "naive", "batch": 1, "prompts": size["naive_prompts"]}
+    ]
+    engine_runs += [
+        work_shape
+        | {
+            "label": f"engine batch {b}",
+            "kind": "engine",
+            "batch": b,
+            "prompts": size["naive_prompts"] if b == 1 else b,
+        }
+        for b in (1, 8, 32)
+    ]
+    runs = dict(zip(["naive", "b1", "b8", "b32"], run_child(main_store, engine_runs), strict=True))
+    ds_run = work_shape | {
+        "label": "DeepSpeed ZeRO-3 NVMe batch 32",
+        "kind": "deepspeed",
+        "batch": 32,
+        "prompts": 32,
+        "nvme": str(work / "nvme"),
+    }
+    runs["deepspeed"] = run_child(main_store, [ds_run])[0]
+    shutil.rmtree(work / "nvme", ignore_errors=True)
+
+    machine = detect_machine(raw_bps)
+    estimate = plan(
+        cfg, Work(32, P, N), machine, weight_dtype="fp32", compute_dtype="fp32", weight_home="disk", max_batch_size=32
+    )
+    estimated_rss = sum(estimate.memory["ram"].values())
+
+    # Budget run: a store four times the RAM budget, batch and micro-batch from the planner.
+    big_cfg = YalmConfig(**(cfg.to_dict() | {"num_layers": size["budget_layers"]}))
+    big_store = work / "big-store"
+    if not (big_store / "manifest.json").exists():
+        log(f"writing a {big_cfg.num_layers}-layer store for the budget run")
+        write_store(big_store, big_cfg, random_modules(big_cfg, distinct_layers=2), dtype="fp32")
+    big_bytes = Store(big_store).manifest.total_bytes
+    budget = big_bytes // 4
+    budget_plan = plan(
+        big_cfg,
+        Work(32, P, size["budget_new"]),
+        Machine(ram_bytes=machine.ram_bytes, disk_read_bps=raw_bps),
+        weight_dtype="fp32",
+        compute_dtype="fp32",
+        weight_home="disk",
+        memory_budget_bytes=budget,
+        headroom=1.0,
+    )
+    budget_run = {
+        "label": f"engine under a {budget / 2**20:.0f} MiB budget (store {big_bytes / 2**20:.0f} MiB)",
+        "kind": "engine",
+        "prompt": P,
+        "new": size["budget_new"],
+        "batch": budget_plan.batch_size,
+        "micro": budget_plan.micro_batch,
+        "prompts": 32,
+    }
+    runs["budget"] = run_child(big_store, [budget_run])[0]
+
+    b32 = runs["b32"]
+    result = {
+        "naive_tok_s": round(runs["naive"]["tok_s"], 3),
+        "engine_tok_s": {str(b): round(runs[f"b{b}"]["tok_s"], 3) for b in (1, 8, 32)},
+        "deepspeed_tok_s": round(runs["deepspeed"]["tok_s"], 3),
+        "speedup_vs_naive": round(b32["tok_s"] / runs["naive"]["tok_s"], 2),
+        "speedup_vs_deepspeed": round(b32["tok_s"] / runs["deepspeed"]["tok_s"], 2),
+        "stream_read_fraction": round(b32["read_bps"] / raw_bps, 3),
+        "io_hidden_fraction": round(b32["io_hidden"], 3),
+        "peak_rss_vs_estimate": round(b32["peak_rss"] / estimated_rss, 3),
+        "peak_rss_vs_budget": round(runs["budget"]["peak_rss"] / budget, 3),
+    }
+    print(
+        f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, fp32 store {store_bytes / 2**20:.0f} MiB "
+        f"({raw_bytes / cfg.num_layers / 2**20:.0f} MiB per layer); work: prompts of {P} tokens, {N} new tokens each"
+    )
+    print(f"raw sequential read bandwidth (page cache dropped): {raw_bps / 1e6:.0f} MB/s")
+    print(f"{'configuration':<40} {'tok/s':>8} {'seconds':>8} {'peak RSS':>9} {'read MB/s':>9} {'I/O hidden':>10}")
+    for key, label in [
+        ("naive", "naive: batch 1, no prefetch"),
+        ("b1", "engine batch 1"),
+        ("b8", "engine batch 8"),
+        ("b32", "engine batch 32"),
+        ("deepspeed", "DeepSpeed ZeRO-3 NVMe, batch 32"),
+        ("budget", f"engine, budget {budget / 2**20:.0f} MiB, batch {budget_plan.batch_size}"),
+    ]:
+        r = runs[key]
+        read = f"{r['read_bps'] / 1e6:9.0f}" if "read_bps" in r else f"{'-':>9}"
+        hidden = f"{100 * r['io_hidden']:9.0f}%" if "io_hidden" in r else f"{'-':>10}"
+        print(f"{label:<40} {r['tok_s']:8.2f} {r['seconds']:8.1f} {r['peak_rss'] / 2**20:8.0f}M {read} {hidden}")
+    print(f"DeepSpeed wrote {runs['deepspeed']['swap_bytes'] / 2**20:.0f} MiB of NVMe swap files")
+    print(f"engine batch 32 / naive: {result['speedup_vs_naive']}x; / DeepSpeed: {result['speedup_vs_deepspeed']}x")
+    print(
+        f"streaming read bandwidth / raw: {result['stream_read_fraction']:.0%}; "
+        f"I/O hidden behind compute: {result['io_hidden_fraction']:.0%}"
+    )
+    print(
+        f"peak RSS batch 32: {b32['peak_rss'] / 2**20:.0f} MiB vs planner estimate {estimated_rss / 2**20:.0f} MiB "
+        f"({result['peak_rss_vs_estimate']:.2f}x)"
+    )
+    print(
+        f"peak RSS under budget: {runs['budget']['peak_rss'] / 2**20:.0f} MiB vs budget {budget / 2**20:.0f} MiB "
+        f"({result['peak_rss_vs_budget']:.2f}x) with a store of {big_bytes / 2**20:.0f} MiB"
+    )
+    print(f"total benchmark time {time.perf_counter() - started:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""runtime.open_model and the convert / verify / plan / check-fixture commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from robot_llm.llm.cli import main
+from robot_llm.llm.generate import SamplingParams
+from robot_llm.llm.planner import PlanError
+from robot_llm.llm.runtime import ModelSettings, open_model
+
+PROMPTS = ["Акции выросли", "The index fell after the report", "Нефть"]
+
+
+def test_stream_runtime_generates_what_the_memory_backend_generates(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    vocab = tiny_dir / "vocab" / "voc_tiny.sp"
+    params = SamplingParams(max_new_tokens=6, greedy=True)
+    stream = open_model(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", memory_budget_bytes=4 << 30))
+    memory = open_model(ModelSettings(vocab=vocab, backend="memory", checkpoint=tiny_dir / "weights", device="cpu"))
+    try:
+        assert stream.model_id.startswith("yalm-tiny/fp16@") and memory.model_id.startswith("yalm-tiny/fp32@")
+        ours, theirs = stream.generate(PROMPTS, params), memory.generate(PROMPTS, params)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        assert stream.score("Нефть", [" выросла", " упала"]) == pytest.approx(
+            memory.score("Нефть", [" выросла", " упала"]), abs=1e-4
+        )
+    finally:
+        stream.close()
+        memory.close()
+
+
+def test_runtime_refuses_a_ram_home_over_budget(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    settings = ModelSettings(
+        vocab=tiny_dir / "vocab" / "voc_tiny.sp", store=stores["fp16"], home="ram", memory_budget_bytes=1 << 20
+    )
+    with pytest.raises(PlanError, match="RAM"):
+        open_model(settings)
+
+
+def test_convert_verify_commands(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "store"
+    assert main(["model", "convert", str(tiny_dir), str(store), "--dtype", "int8"]) == 0
+    assert main(["model", "verify", str(store)]) == 0
+    assert "OK" in capsys.readouterr().out
+    path = store / "output.safetensors"
+    path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+    assert main(["model", "verify", str(store)]) == 1
+    assert "output.safetensors: sha256 mismatch" in capsys.readouterr().out
+    assert main(["model", "check-fixture", str(tiny_dir), "--engine", "stream", "--home", "ram"]) == 0
+
+
+def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "8", "--ram-gb", "64", "--disk-gbps", "3.5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "batch size" in out and "weights homed in disk" in out and "estimated time" in out
+    assert main(["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "4", "--ram-gb", "16"]) == 1
+    assert "refused" in capsys.readouterr().out
