@@ -13,12 +13,13 @@ VENV="${VENV:-.venv}"
 cd "$(dirname "$0")/.."
 
 python3 -m venv "$VENV"
+VENV="$(cd "$VENV" && pwd)"  # absolute from here on (PATH below)
 "$VENV/bin/pip" install --quiet torch==2.13.0 ninja wheel
 # --no-build-isolation: the op prebuild imports the torch installed above.
 # --no-cache-dir: otherwise pip may reuse a cached pure-Python DeepSpeed wheel and skip the ops.
 # LDFLAGS: DeepSpeed 0.19.8's CPU ahead-of-time build drops async_io's own -laio.
 # (A DeepSpeed 0.19.8 already in the venv is kept as it is.)
-PATH="$PWD/$VENV/bin:$PATH" LDFLAGS="-Wl,--no-as-needed -laio" DS_BUILD_AIO=1 DS_BUILD_SHM_COMM=1 \
+PATH="$VENV/bin:$PATH" LDFLAGS="-Wl,--no-as-needed -laio" DS_BUILD_AIO=1 DS_BUILD_SHM_COMM=1 \
     DS_ENABLE_NINJA=1 MAX_JOBS=2 \
     "$VENV/bin/pip" install --quiet --no-build-isolation --no-cache-dir deepspeed==0.19.8
 "$VENV/bin/pip" install --quiet -e ".[model,dev]"
