@@ -9,7 +9,7 @@ from datetime import time, timedelta
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from robot_llm.config import AppConfig, ConfigError, effective_config, load_config, parse_duration, parse_size
 
@@ -95,7 +95,7 @@ def test_example_documents_every_key() -> None:
             ann = field.annotation
             args = getattr(ann, "__args__", ())
             for sub in (ann, *args):
-                if isinstance(sub, type) and issubclass(sub, AppConfig.__mro__[1]):
+                if isinstance(sub, type) and issubclass(sub, BaseModel):
                     out.extend(keys(sub))
         return out
 
