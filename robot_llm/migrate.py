@@ -88,7 +88,7 @@ def _alembic_config(connection: Connection | None = None) -> Config:
 
 
 @contextmanager
-def _connection(url_or_engine: str | Engine) -> Iterator[Connection]:
+def _connection(url_or_engine: str | Engine, *, transaction: bool = False) -> Iterator[Connection]:
     """A checked connection; SQLite foreign keys are off for the duration.
 
     Batch migrations on SQLite copy and drop tables, which enforced foreign keys would
@@ -102,6 +102,10 @@ def _connection(url_or_engine: str | Engine) -> Iterator[Connection]:
             if sqlite:
                 conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
                 conn.commit()
+                if transaction:
+                    # pysqlite runs DDL outside any transaction; with an explicit BEGIN a failed
+                    # migration rolls back whole, as it does on PostgreSQL.
+                    conn.exec_driver_sql("BEGIN")
             try:
                 yield conn
             finally:
@@ -118,7 +122,7 @@ def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
     """Migrate the database up to ``revision`` (default: the newest)."""
     from alembic import command
 
-    with _connection(url_or_engine) as conn, _explained("upgrade", revision):
+    with _connection(url_or_engine, transaction=True) as conn, _explained("upgrade", revision):
         command.upgrade(_alembic_config(conn), revision)
         conn.commit()
 
@@ -127,7 +131,7 @@ def downgrade(url_or_engine: str | Engine, revision: str) -> None:
     """Migrate the database down to ``revision`` (``base`` removes every robot-llm table)."""
     from alembic import command
 
-    with _connection(url_or_engine) as conn, _explained("downgrade", revision):
+    with _connection(url_or_engine, transaction=True) as conn, _explained("downgrade", revision):
         command.downgrade(_alembic_config(conn), revision)
         conn.commit()
 

@@ -102,3 +102,6 @@ def test_migration_errors_are_one_line(empty_db_url: str) -> None:
     msg = str(err.value)
     assert msg.startswith("upgrade to 'head' failed: ")
     assert "runs" in msg and "\n" not in msg
+    # The failed step rolled back whole (on SQLite too): no half-created schema is left behind.
+    assert _tables(empty_db_url) == {"runs"}
+    assert migrate.current(empty_db_url) is None
