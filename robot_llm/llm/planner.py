@@ -201,7 +201,8 @@ def plan(
 
     ``memory_budget_bytes`` caps the host RAM the run may use (default: the
     machine's RAM); ``headroom`` is the usable share of each tier.
-    ``weight_home`` forces a home instead of trying both.
+    ``weight_home`` forces a home instead of trying both; ``compute_dtype`` None or
+    ``"auto"`` means fp16 on a GPU, fp32 on the CPU.
     """
     if work.num_prompts < 1 or work.prompt_tokens < 1 or work.max_new_tokens < 0:
         raise PlanError(f"nothing to plan for {work}")
@@ -211,7 +212,10 @@ def plan(
             f"prompt ({work.prompt_tokens}) + max_new_tokens ({work.max_new_tokens}) = {total_tokens} tokens "
             f"exceeds the model's {cfg.max_position_embeddings} positions"
         )
-    cdtype = compute_dtype or ("fp16" if machine.has_gpu else "fp32")
+    auto = compute_dtype in (None, "auto")
+    cdtype = ("fp16" if machine.has_gpu else "fp32") if auto else str(compute_dtype)
+    if cdtype not in DTYPE_BYTES:
+        raise PlanError(f"unknown compute dtype {compute_dtype!r}; use one of {', '.join(DTYPE_BYTES)} or auto")
     ram = int((memory_budget_bytes or machine.ram_bytes) * headroom)
     gpu = int(machine.gpu_bytes * headroom)
     cap_batch = min(work.num_prompts, max_batch_size or work.num_prompts)
