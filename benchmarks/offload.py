@@ -12,6 +12,9 @@ means disk:
   batch, the next layer prefetched while the current one computes;
 * DeepSpeed ZeRO-3 with NVMe parameter offload at batch 32 (fp32 on CPU, so it
   reads the same bytes per step as our fp32 store);
+* DeepSpeed at batch 8 as well, where a 2-core CPU is I/O-bound rather than compute-bound;
+* (full size only) the engine from an fp16 store, half the bytes per step: the release's own
+  dtype, which DeepSpeed cannot use on a CPU;
 * the engine under a RAM budget of a quarter of a (larger) store, planned by
   :mod:`robot_llm.llm.planner`.
 
@@ -59,6 +62,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "naive_prompts": 2,
         "budget_layers": 48,
         "budget_new": 4,
+        "fp16_rows": True,
     },
     "quick": {
         "config": YalmConfig(
@@ -75,6 +79,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "naive_prompts": 1,
         "budget_layers": 40,
         "budget_new": 2,
+        "fp16_rows": False,
     },
 }
 
@@ -142,6 +147,7 @@ def child(spec: dict[str, Any]) -> list[dict[str, Any]]:
             model = StreamingModel(
                 store, home="disk", device="cpu", prefetch=run["kind"] != "naive", micro_batch=run.get("micro")
             )
+        raw_bps = raw_read_bandwidth(store.layer_files())
         drop_page_cache([store.path / f.name for f in store.manifest.files])
         started = time.perf_counter()
         run_batches(model, ids, run["new"], run["batch"])
@@ -150,6 +156,7 @@ def child(spec: dict[str, Any]) -> list[dict[str, Any]]:
             "tok_s": run["prompts"] * run["new"] / elapsed,
             "seconds": elapsed,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "raw_bps": raw_bps,
         }
         if run["kind"] == "deepspeed":
             result["swap_bytes"] = sum(p.stat().st_size for p in model.swap_files())
@@ -164,6 +171,12 @@ def child(spec: dict[str, Any]) -> list[dict[str, Any]]:
         )
         results.append(result)
     return results
+
+
+def raw_read_bandwidth(files: list[Path]) -> float:
+    """Sequential O_DIRECT read bandwidth over these files, measured now (the disk is shared and varies)."""
+    total = sum(p.stat().st_size for p in files)
+    return total / sum(p.stat().st_size / measure_read_bandwidth(p) for p in files)
 
 
 def run_child(store: Path, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -208,8 +221,7 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
     store_bytes = store.manifest.total_bytes
 
     raw_bytes = sum(p.stat().st_size for p in layer_files)
-    raw_seconds = sum(p.stat().st_size / measure_read_bandwidth(p) for p in layer_files)
-    raw_bps = raw_bytes / raw_seconds
+    raw_bps = raw_read_bandwidth(layer_files)
     log(f"raw sequential read of the layer files: {raw_bps / 1e6:.0f} MB/s")
 
     P, N = size["prompt"], size["new"]
@@ -238,6 +250,17 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
     ]
     runs["deepspeed_b8"], runs["deepspeed"] = run_child(main_store, ds_runs)
     shutil.rmtree(work / "nvme", ignore_errors=True)
+
+    if size["fp16_rows"]:
+        # Our default store keeps the release's fp16 (half the bytes); DeepSpeed cannot run fp16 on a CPU.
+        half_store = work / "store-fp16"
+        if not (half_store / "manifest.json").exists():
+            write_store(half_store, cfg, random_modules(cfg), dtype="fp16")
+        half_runs = [
+            work_shape | {"label": f"engine batch {b}, fp16 store", "kind": "engine", "batch": b, "prompts": b}
+            for b in (8, 32)
+        ]
+        runs["fp16_b8"], runs["fp16_b32"] = run_child(half_store, half_runs)
 
     machine = detect_machine(raw_bps)
     estimate = plan(
@@ -281,7 +304,7 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
         "deepspeed_tok_s": round(runs["deepspeed"]["tok_s"], 3),
         "speedup_vs_naive": round(b32["tok_s"] / runs["naive"]["tok_s"], 2),
         "speedup_vs_deepspeed": round(b32["tok_s"] / runs["deepspeed"]["tok_s"], 2),
-        "stream_read_fraction": round(b32["read_bps"] / raw_bps, 3),
+        "stream_read_fraction": round(b32["read_bps"] / b32["raw_bps"], 3),
         "io_hidden_fraction": round(b32["io_hidden"], 3),
         "peak_rss_vs_estimate": round(b32["peak_rss"] / estimated_rss, 3),
         "peak_rss_vs_budget": round(runs["budget"]["peak_rss"] / budget, 3),
@@ -290,7 +313,10 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
         f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, fp32 store {store_bytes / 2**20:.0f} MiB "
         f"({raw_bytes / cfg.num_layers / 2**20:.0f} MiB per layer); work: prompts of {P} tokens, {N} new tokens each"
     )
-    print(f"raw sequential read bandwidth (page cache dropped): {raw_bps / 1e6:.0f} MB/s")
+    print(
+        f"raw sequential read bandwidth (O_DIRECT): {raw_bps / 1e6:.0f} MB/s at the start, "
+        f"{b32['raw_bps'] / 1e6:.0f} MB/s right before the batch-32 run"
+    )
     print(f"{'configuration':<40} {'tok/s':>8} {'seconds':>8} {'peak RSS':>9} {'read MB/s':>9} {'I/O hidden':>10}")
     for key, label in [
         ("naive", "naive: batch 1, no prefetch"),
@@ -299,6 +325,11 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
         ("b32", "engine batch 32"),
         ("deepspeed_b8", "DeepSpeed ZeRO-3 NVMe, batch 8"),
         ("deepspeed", "DeepSpeed ZeRO-3 NVMe, batch 32"),
+        *(
+            [("fp16_b8", "engine batch 8, fp16 store"), ("fp16_b32", "engine batch 32, fp16 store")]
+            if "fp16_b8" in runs
+            else []
+        ),
         ("budget", f"engine, budget {budget / 2**20:.0f} MiB, batch {budget_plan.batch_size}"),
     ]:
         r = runs[key]
@@ -308,6 +339,11 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
     print(f"DeepSpeed wrote {runs['deepspeed']['swap_bytes'] / 2**20:.0f} MiB of NVMe swap files")
     print(f"engine batch 32 / naive: {result['speedup_vs_naive']}x; / DeepSpeed: {result['speedup_vs_deepspeed']}x")
     print(f"engine batch 8 / DeepSpeed batch 8: {runs['b8']['tok_s'] / runs['deepspeed_b8']['tok_s']:.2f}x")
+    if "fp16_b8" in runs:
+        print(
+            f"fp16 store / DeepSpeed (fp32): batch 8 {runs['fp16_b8']['tok_s'] / runs['deepspeed_b8']['tok_s']:.2f}x, "
+            f"batch 32 {runs['fp16_b32']['tok_s'] / runs['deepspeed']['tok_s']:.2f}x"
+        )
     print(
         f"streaming read bandwidth / raw: {result['stream_read_fraction']:.0%}; "
         f"I/O hidden behind compute: {result['io_hidden_fraction']:.0%}"
