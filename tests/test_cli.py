@@ -132,21 +132,26 @@ def test_example_config_checks() -> None:
 def test_setup_logging_json_and_idempotent(tmp_path: Path) -> None:
     log_file = tmp_path / "logs" / "robot-llm.log"
     root = logging.getLogger()
-    before = list(root.handlers)
     level = root.level
+
+    def ours() -> list[logging.Handler]:
+        # Other tests may have run main() in-process and left one of ours; count only ours.
+        return [h for h in root.handlers if getattr(h, "_robot_llm_handler", False)]
+
     try:
         setup_logging("INFO", "json", log_file)
         setup_logging("INFO", "json", log_file)  # replaces, does not stack
-        assert len(root.handlers) == len(before) + 1
+        assert len(ours()) == 1
         logging.getLogger("robot_llm.test").info("stored %d theses", 3, extra={"run_id": 7})
         try:
             raise RuntimeError("boom")
         except RuntimeError:
             logging.getLogger("robot_llm.test").exception("failed")
         setup_logging("WARNING", "text")
-        assert len(root.handlers) == len(before) + 1
+        assert len(ours()) == 1
+        assert isinstance(ours()[0], logging.StreamHandler) and not isinstance(ours()[0], logging.FileHandler)
     finally:
-        for h in [h for h in root.handlers if h not in before]:
+        for h in ours():
             root.removeHandler(h)
             h.close()
         root.setLevel(level)
