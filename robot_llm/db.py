@@ -84,6 +84,8 @@ class UTCDateTime(TypeDecorator[datetime]):
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is None:
             return None
+        if not isinstance(value, datetime):
+            raise TypeError(f"expected an aware datetime, got {type(value).__name__} {value!r}")
         if value.tzinfo is None or value.utcoffset() is None:
             raise ValueError(f"naive datetime {value!r}: robot-llm stores aware UTC times only")
         value = value.astimezone(timezone.utc)

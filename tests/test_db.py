@@ -72,6 +72,8 @@ def test_comparisons_use_the_instant(engine: Engine) -> None:
 def test_naive_datetime_is_refused(engine: Engine) -> None:
     with pytest.raises(StatementError, match="naive datetime"), session_scope(engine) as s:
         s.add(_news(1, datetime(2026, 3, 2, 20, 0)))
+    with pytest.raises(StatementError, match="expected an aware datetime, got str"), session_scope(engine) as s:
+        s.add(_news(2, "2026-03-02T20:00:00+00:00"))  # type: ignore[arg-type]
     with session_scope(engine) as s:
         assert s.scalar(select(func.count()).select_from(NewsItem)) == 0
 
