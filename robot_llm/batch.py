@@ -111,11 +111,14 @@ class _ConfiguredModel:
 
     loaded: Any
     max_positions: int
+    name: str
     _on_step: Callable[[], None] | None = None
 
     @property
     def model_id(self) -> str:
-        return str(self.loaded.model_id)
+        # The user's name for the model (config model.id), then the runtime's id, which pins
+        # the exact weights: "yalm-100b:yalm-100b/fp16@3f2a9c1b7d0e".
+        return f"{self.name}:{self.loaded.model_id}"
 
     @property
     def tokenizer(self) -> YalmTokenizer:
@@ -233,7 +236,9 @@ def open_configured_model(config: AppConfig) -> BatchModel:
         preset="yalm-100b" if m.store is None and _release_config_file(config) is None else None,
     )
     loaded = open_model(settings)
-    model = _ConfiguredModel(loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings))
+    model = _ConfiguredModel(
+        loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings), name=m.id
+    )
     _report_steps(loaded.model, model.step)
     return model
 

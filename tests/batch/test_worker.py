@@ -59,7 +59,8 @@ def test_plan_then_run_stores_theses_with_stance_and_rerun_adds_nothing(benv, ni
         stance, label, score = _expected_stance(t.label_logprobs, labels)
         assert math.isclose(t.stance, stance, rel_tol=1e-9, abs_tol=1e-12)
         assert (t.stance_label, round(t.score, 9)) == (label, round(score, 9))
-        assert t.model_id.startswith("yalm-tiny/fp32@") and t.seed == req.params["seed"] and t.params == req.params
+        assert t.model_id.startswith("yalm-tiny:yalm-tiny/fp32@")
+        assert t.seed == req.params["seed"] and t.params == req.params
         assert t.prompt_sha256 == req.prompt_sha256 and t.prompt_tokens == req.prompt_tokens
         assert 1 <= t.completion_tokens <= req.params["max_new_tokens"]
         assert t.as_of == night and t.valid_until == req.valid_until
