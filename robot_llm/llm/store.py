@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from robot_llm.errors import RobotLLMError
 from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.yalm import Params
@@ -63,7 +64,7 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class StoreError(Exception):
+class StoreError(RobotLLMError):
     """A store cannot be written or used as it is; the message says why."""
 
 
