@@ -17,10 +17,13 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from robot_llm.db import make_engine
+from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.tokenizer import YalmTokenizer
 
 PG_URL = os.environ.get("ROBOT_LLM_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = REPO / "tests" / "fixtures"
+# The byte-identical copy of shared/fixtures/yalm-tiny: the original code's reference outputs.
+TINY = REPO / "tests" / "fixtures" / "yalm-tiny"
 
 
 def _pg_admin() -> Engine:
@@ -74,3 +77,21 @@ def engine(db_url: str) -> Iterator[Engine]:
     eng = make_engine(db_url)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The yalm-tiny fixture folder (release-layout weights, vocabulary, reference outputs)."""
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> YalmConfig:
+    """The fixture model's shape."""
+    return YalmConfig.from_json(TINY / "config.json")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> YalmTokenizer:
+    """The fixture's SentencePiece vocabulary with YaLM's conventions."""
+    return YalmTokenizer(TINY / "vocab" / "voc_tiny.sp")

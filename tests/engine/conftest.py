@@ -9,39 +9,20 @@ import torch
 
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.store import convert
-from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
-
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "yalm-tiny"
 
 # Tiny models: more intra-op threads only add synchronisation cost on shared CI cores.
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def tiny_dir() -> Path:
-    """The in-repo yalm-tiny fixture folder."""
-    return TINY
-
-
-@pytest.fixture(scope="session")
-def tiny_config() -> YalmConfig:
-    return YalmConfig.from_json(TINY / "config.json")
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> YalmTokenizer:
-    return YalmTokenizer(TINY / "vocab" / "voc_tiny.sp")
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_config: YalmConfig) -> Yalm:
+def reference(tiny_dir: Path, tiny_config: YalmConfig) -> Yalm:
     """The whole fixture model in memory, fp32: what the engines must reproduce."""
-    return Yalm.from_release(str(TINY / "weights"), tiny_config)
+    return Yalm.from_release(str(tiny_dir / "weights"), tiny_config)
 
 
 @pytest.fixture(scope="session")
-def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def stores(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The fixture converted once per store dtype."""
     root = tmp_path_factory.mktemp("stores")
-    return {dtype: convert(TINY, root / dtype, dtype=dtype) and root / dtype for dtype in ("fp16", "bf16", "int8")}
+    return {dtype: convert(tiny_dir, root / dtype, dtype=dtype) and root / dtype for dtype in ("fp16", "bf16", "int8")}

@@ -10,10 +10,7 @@ import pytest
 import torch
 
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
-
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "yalm-tiny"
 
 # The models here are tiny: intra-op threads only add synchronisation cost, which
 # explodes when the test machine's cores are shared.
@@ -21,35 +18,19 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def tiny_dir() -> Path:
-    """The yalm-tiny fixture folder (byte-identical copy of shared/fixtures/yalm-tiny)."""
-    return TINY
+def expected(tiny_dir: Path) -> dict[str, Any]:
+    return json.loads((tiny_dir / "expected.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="session")
-def tiny_config() -> YalmConfig:
-    return YalmConfig.from_json(TINY / "config.json")
+def reference_logits(tiny_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(tiny_dir / "logits.pt", map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="session")
-def expected() -> dict[str, Any]:
-    return json.loads((TINY / "expected.json").read_text(encoding="utf-8"))
-
-
-@pytest.fixture(scope="session")
-def reference_logits() -> dict[str, torch.Tensor]:
-    return torch.load(TINY / "logits.pt", map_location="cpu", weights_only=True)
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> YalmTokenizer:
-    return YalmTokenizer(TINY / "vocab" / "voc_tiny.sp")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tiny_config: YalmConfig) -> Yalm:
+def tiny_model(tiny_dir: Path, tiny_config: YalmConfig) -> Yalm:
     """The fixture model computing in fp32."""
-    return Yalm.from_release(str(TINY / "weights"), tiny_config, dtype="fp32")
+    return Yalm.from_release(str(tiny_dir / "weights"), tiny_config, dtype="fp32")
 
 
 @pytest.fixture(scope="session")
