@@ -27,8 +27,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``config check``."""
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    check = config_sub.add_parser(
-        "check", parents=[common], help="validate the config and print it (secrets masked)"
-    )
+    check = config_sub.add_parser("check", parents=[common], help="validate the config and print it (secrets masked)")
     check.add_argument("--json", action="store_true", help="print JSON instead of YAML")
     check.set_defaults(handler=_check)
