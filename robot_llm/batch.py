@@ -112,7 +112,6 @@ class _ConfiguredModel:
     loaded: Any
     max_positions: int
     name: str
-    _on_step: Callable[[], None] | None = None
 
     @property
     def model_id(self) -> str:
@@ -123,11 +122,6 @@ class _ConfiguredModel:
     @property
     def tokenizer(self) -> YalmTokenizer:
         return self.loaded.tokenizer
-
-    def step(self) -> None:
-        """Called after every forward pass of the engine."""
-        if self._on_step is not None:
-            self._on_step()
 
     def generate(
         self,
@@ -143,35 +137,17 @@ class _ConfiguredModel:
             done[0] = finished
             on_progress(finished, total)
 
-        self._on_step = lambda: on_progress(done[0], len(prompts))
-        try:
-            return self.loaded.generate(prompts, params, on_progress=batch_done)
-        finally:
-            self._on_step = None
+        # Every forward pass counts as liveness for the watchdog: one batch of the 100B model
+        # streamed from disk can outlast batch.stall_timeout, one decode step cannot.
+        return self.loaded.generate(
+            prompts, params, on_progress=batch_done, on_step=lambda: on_progress(done[0], len(prompts))
+        )
 
     def score(self, prompt: str, continuations: list[str]) -> list[float]:
         return self.loaded.score(prompt, continuations)
 
     def close(self) -> None:
         self.loaded.close()
-
-
-def _report_steps(engine_model: Any, on_step: Callable[[], None]) -> None:
-    """Make ``engine_model.forward`` call ``on_step`` after each pass.
-
-    The runtime reports progress once per batch, and a batch of the 100B model streamed
-    from disk can take longer than ``batch.stall_timeout``; one decode step of the whole
-    batch is the honest unit of liveness for the watchdog. The instance attribute shadows
-    the class's method, so the engine's type (which the runtime's planner checks) is kept.
-    """
-    inner = engine_model.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
-        on_step()
-        return out
-
-    engine_model.forward = forward
 
 
 def _release_config_file(config: AppConfig) -> Path | None:
@@ -236,11 +212,9 @@ def open_configured_model(config: AppConfig) -> BatchModel:
         preset="yalm-100b" if m.store is None and _release_config_file(config) is None else None,
     )
     loaded = open_model(settings)
-    model = _ConfiguredModel(
+    return _ConfiguredModel(
         loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings), name=m.id
     )
-    _report_steps(loaded.model, model.step)
-    return model
 
 
 # --------------------------------------------------------------------------- params and stance

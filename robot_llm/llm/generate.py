@@ -158,7 +158,9 @@ class _Row:
         )
 
 
-def _run_batch(model: ForwardModel, tokenizer: YalmTokenizer, rows: list[_Row]) -> None:
+def _run_batch(
+    model: ForwardModel, tokenizer: YalmTokenizer, rows: list[_Row], on_step: Callable[[], None] | None
+) -> None:
     """Generate for ``rows`` (all with budget >= 1) in one left-padded batch."""
     width = max(len(r.prompt_ids) for r in rows)
     pad = torch.tensor([width - len(r.prompt_ids) for r in rows], dtype=torch.long)
@@ -168,6 +170,8 @@ def _run_batch(model: ForwardModel, tokenizer: YalmTokenizer, rows: list[_Row]) 
     # The last token of a row is never fed back, hence width + budget - 1 slots.
     cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1, pad)
     logits = model.forward(ids, cache, last_only=True)[:, -1]
+    if on_step is not None:
+        on_step()
     active = list(rows)
     while True:
         for b, r in enumerate(active):
@@ -180,6 +184,8 @@ def _run_batch(model: ForwardModel, tokenizer: YalmTokenizer, rows: list[_Row]) 
             active = [active[b] for b in still]
         step = torch.tensor([[r.new_ids[-1]] for r in active], dtype=torch.long)
         logits = model.forward(step, cache, last_only=True)[:, -1]
+        if on_step is not None:
+            on_step()
 
 
 def generate(
@@ -190,14 +196,16 @@ def generate(
     *,
     batch_size: int = 8,
     on_progress: Callable[[int, int], None] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> list[Completion]:
     """Continue every prompt; returns one :class:`Completion` per prompt, in order.
 
     ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
     Prompts are grouped by token length into batches of ``batch_size``; every
     prompt's result is what it would get alone. ``on_progress(done, total)`` is
-    called after each batch. A prompt longer than ``max_position_embeddings``
-    tokens (BOS included) raises ``ValueError``.
+    called after each batch, ``on_step()`` after every forward pass (prefill or one
+    decode step of the batch: the unit of liveness when one batch takes long). A prompt
+    longer than ``max_position_embeddings`` tokens (BOS included) raises ``ValueError``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -223,7 +231,7 @@ def generate(
     done = len(rows) - len(todo)
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        _run_batch(model, tokenizer, chunk)
+        _run_batch(model, tokenizer, chunk, on_step)
         done += len(chunk)
         if on_progress is not None:
             on_progress(done, len(rows))

@@ -90,6 +90,7 @@ class LoadedModel:
         prompts: Sequence[str],
         params: SamplingParams | Sequence[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> list[Completion]:
         """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`."""
         from robot_llm.llm.generate import SamplingParams, generate
@@ -98,7 +99,9 @@ class LoadedModel:
         prompt_tokens = max((len(self.tokenizer.encode(p)) for p in prompts), default=1)
         new_tokens = max((p.max_new_tokens for p in per_prompt), default=0)
         batch = self._prepare(len(prompts), prompt_tokens, new_tokens)
-        return generate(self.model, self.tokenizer, prompts, params, batch_size=batch, on_progress=on_progress)
+        return generate(
+            self.model, self.tokenizer, prompts, params, batch_size=batch, on_progress=on_progress, on_step=on_step
+        )
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
         """Sum of log-probabilities of each continuation after ``prompt``."""

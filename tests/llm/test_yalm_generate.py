@@ -183,3 +183,36 @@ def test_score_consistent_with_logits(tiny_model: Yalm, tokenizer: YalmTokenizer
         assert got == pytest.approx(want, abs=1e-4)
     assert scores[2] == 0.0
     assert score(tiny_model, tokenizer, prompt, continuations[:1]) == pytest.approx(scores[:1], abs=1e-5)
+
+
+def test_progress_per_batch_and_liveness_per_forward_pass(
+    tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str]
+) -> None:
+    forwards: list[int] = []
+
+    class Counting:
+        config = tiny_model.config
+
+        def new_cache(self, *args: Any, **kwargs: Any) -> Any:
+            return tiny_model.new_cache(*args, **kwargs)
+
+        def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            forwards.append(ids.shape[1])
+            return tiny_model.forward(ids, *args, **kwargs)
+
+    steps: list[int] = []
+    progress: list[tuple[int, int]] = []
+    out = generate(
+        Counting(),  # type: ignore[arg-type]
+        tokenizer,
+        prompts,
+        GREEDY12,
+        batch_size=2,
+        on_progress=lambda done, total: progress.append((done, total)),
+        on_step=lambda: steps.append(len(forwards)),
+    )
+    # on_step follows every forward pass (prefills and decode steps), right after it.
+    assert steps == list(range(1, len(forwards) + 1))
+    assert len(forwards) > len(prompts)
+    assert progress == [(2, 4), (4, 4)]
+    assert out == generate(tiny_model, tokenizer, prompts, GREEDY12, batch_size=2)
