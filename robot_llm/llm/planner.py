@@ -24,6 +24,7 @@ from typing import Literal
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.quant import int4_bytes
 
 GiB = 2**30
 GB = 1e9
@@ -148,10 +149,14 @@ def layer_params(cfg: YalmConfig) -> int:
 
 
 def layer_bytes(cfg: YalmConfig, weight_dtype: str, group_size: int = 64) -> int:
-    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales, the rest fp16)."""
+    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales; int4: 4-bit codes +
+    fp16 step and minimum per group; the rest fp16)."""
     H, inter = cfg.hidden_size, cfg.intermediate_size
     matrices = 4 * H * H + 3 * H * inter
     vectors = layer_params(cfg) - matrices
+    if weight_dtype == "int4":
+        shapes = [(3 * H, H), (H, H), (inter, H), (inter, H), (H, inter)]
+        return sum(int4_bytes(o * i, group_size) for o, i in shapes) + 2 * vectors
     if weight_dtype != "int8":
         return layer_params(cfg) * DTYPE_BYTES[weight_dtype]
     rows_h, rows_i = 4 * H + 2 * inter, H  # rows of [.., H]-wide and [.., I]-wide matrices
