@@ -11,11 +11,12 @@ from torch import Tensor
 from robot_llm.llm.cli import check_fixture
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.family import InMemoryModel, Weights
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.quant import dequantize_int4_into
 from robot_llm.llm.store import MIN_SUFFIX, SCALE_SUFFIX, Store
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm, YalmWeights
+from robot_llm.llm.yalm import Yalm
 
 PROMPTS = ["Акции выросли", "The index fell after the report", "Нефть", "Brent and WTI both rose on Monday"]
 
@@ -86,11 +87,8 @@ def test_int4_engine_equals_the_model_with_the_dequantized_weights(
             else:
                 layer[key] = t.float()
         layers.append(layer)
-    modules = {
-        kind: {k: t.float() for k, t in store.load(kind).items()} for kind in ("embedding", "projector", "output")
-    }
-    weights = YalmWeights(modules["embedding"], modules["projector"], layers, modules["output"])
-    dequantized = Yalm(tiny_config, weights)
+    resident = {kind: store.load(kind) for kind in tiny_config.resident_shapes()}
+    dequantized = InMemoryModel(tiny_config, Weights(resident=resident, layers=layers))
     model = StreamingModel(store, home=home, device="cpu")
     ids, pad = _batch()
     cache, ref_cache = model.new_cache(3, 16, pad), dequantized.new_cache(3, 16, pad)
