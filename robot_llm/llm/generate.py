@@ -251,6 +251,51 @@ def continuation_ids(tokenizer: YalmTokenizer, prompt_ids: list[int], prompt: st
     return tokenizer.encode_pieces_ids(continuation)
 
 
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log p(targets[n])`` under ``logits [N, V]``: only those N rows are normalised, no ``[N, V]`` copy is kept.
+
+    The log-softmax is ``logit - logsumexp(logits)`` taken at the requested tokens, so
+    scoring a few label pieces never materialises a log-softmax over the whole context.
+    """
+    logits = logits.float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def score_pieces(
+    model: ForwardModel,
+    tokenizer: YalmTokenizer,
+    prompt: str,
+    continuations: Sequence[str],
+    *,
+    batch_size: int = 8,
+) -> list[list[float]]:
+    """Log-probability of every token of each continuation after ``prompt`` (an empty list for no tokens).
+
+    A re-prefill of prompt + continuation per row; :func:`generate` with ``followups``
+    computes the same from the live KV cache of a finished row instead.
+    """
+    prompt_ids = tokenizer.encode(prompt)
+    seqs = [(prompt_ids, continuation_ids(tokenizer, prompt_ids, prompt, c)) for c in continuations]
+    max_pos = model.config.max_position_embeddings
+    for i, (p, c) in enumerate(seqs):
+        if len(p) + len(c) > max_pos:
+            raise ValueError(f"prompt + continuation {i} has {len(p) + len(c)} tokens, the model takes {max_pos}")
+    scores: list[list[float]] = []
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start : start + batch_size]
+        width = max(len(p) + len(c) for p, c in chunk)
+        pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
+        ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
+        for b, (p, c) in enumerate(chunk):
+            ids[b, int(pad[b]) :] = torch.tensor(p + c)
+        logits = model.forward(ids, None, pad)
+        for b, (p, c) in enumerate(chunk):
+            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
+            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
+            scores.append(token_logprobs(logits[b, slots], torch.tensor(c, dtype=torch.long)).tolist())
+    return scores
+
+
 def score(
     model: ForwardModel,
     tokenizer: YalmTokenizer,
@@ -260,26 +305,9 @@ def score(
     batch_size: int = 8,
 ) -> list[float]:
     """Sum of log-probabilities of each continuation's tokens after ``prompt`` (0.0 for no tokens)."""
-    prompt_ids = tokenizer.encode(prompt)
-    seqs = [(prompt_ids, continuation_ids(tokenizer, prompt_ids, prompt, c)) for c in continuations]
-    max_pos = model.config.max_position_embeddings
-    for i, (p, c) in enumerate(seqs):
-        if len(p) + len(c) > max_pos:
-            raise ValueError(f"prompt + continuation {i} has {len(p) + len(c)} tokens, the model takes {max_pos}")
-    scores: list[float] = []
-    for start in range(0, len(seqs), batch_size):
-        chunk = seqs[start : start + batch_size]
-        width = max(len(p) + len(c) for p, c in chunk)
-        pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
-        ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
-        for b, (p, c) in enumerate(chunk):
-            ids[b, int(pad[b]) :] = torch.tensor(p + c)
-        logprobs = torch.log_softmax(model.forward(ids, None, pad), dim=-1)
-        for b, (p, c) in enumerate(chunk):
-            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
-            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
-            scores.append(float(logprobs[b, slots, torch.tensor(c, dtype=torch.long)].sum()))
-    return scores
+    return [
+        float(sum(pieces)) for pieces in score_pieces(model, tokenizer, prompt, continuations, batch_size=batch_size)
+    ]
 
 
 @dataclass(frozen=True)
