@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.slots import SlotState, StepLayout
 
 Params = dict[str, Tensor]
 
@@ -122,8 +123,11 @@ class KVCache:
     """Per-layer rotated keys and values of every processed slot.
 
     ``k[i]``/``v[i]`` are preallocated ``[B, max_len, n, hn]`` tensors for layer
-    ``i``; slots ``0 .. length-1`` are filled. ``pad[b]`` (CPU long tensor) is the
+    ``i``; slots ``0 .. length-1`` are written. ``pad[b]`` (CPU long tensor) is the
     number of left-pad slots of row ``b``; those slots are never attended to.
+    ``slots`` says which written slots belong to their row (see
+    :mod:`robot_llm.llm.slots`): a finished row is masked rather than copied out, and
+    ``layout``, when set, is the layout of the next step instead of a plain append.
     The tensors may sit on any device (their "home"); a layer reads the slice
     it needs onto the compute device.
     """
@@ -131,7 +135,9 @@ class KVCache:
     k: list[Tensor]
     v: list[Tensor]
     pad: Tensor
+    slots: SlotState
     length: int = 0
+    layout: StepLayout | None = None
 
     @classmethod
     def allocate(
@@ -151,7 +157,7 @@ class KVCache:
         pad_t = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to("cpu", torch.long)
         if pad_t.shape != (batch,):
             raise ValueError(f"pad must have shape ({batch},), got {tuple(pad_t.shape)}")
-        return cls(k=k, v=v, pad=pad_t, length=0)
+        return cls(k=k, v=v, pad=pad_t, slots=SlotState.empty(batch, max_len, pad_t), length=0)
 
     @property
     def batch(self) -> int:
@@ -167,20 +173,23 @@ class KVCache:
         """The cache view handed to :func:`transformer_layer` for layer ``index``."""
         return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
 
-    def advance(self, steps: int) -> None:
-        """Record that every layer has written ``steps`` more slots."""
+    def step_layout(self, steps: int) -> StepLayout:
+        """The layout of the next step of ``steps`` tokens: the one set in ``layout``, else a plain append."""
         if self.length + steps > self.max_len:
             raise ValueError(f"KV cache overflow: {self.length} + {steps} > {self.max_len} slots")
-        self.length += steps
+        if self.layout is None:
+            return self.slots.append_layout(self.length, steps)
+        if tuple(self.layout.real.shape) != (self.batch, steps):
+            raise ValueError(
+                f"the step layout is for {tuple(self.layout.real.shape)} tokens, got {(self.batch, steps)}"
+            )
+        return self.layout
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed in ``rows`` (in that order); used when sequences finish."""
-        index = torch.tensor(rows, dtype=torch.long)
-        for i in range(len(self.k)):
-            dev = self.k[i].device
-            self.k[i] = self.k[i].index_select(0, index.to(dev))
-            self.v[i] = self.v[i].index_select(0, index.to(dev))
-        self.pad = self.pad.index_select(0, index)
+    def advance(self, steps: int) -> None:
+        """Record that every layer has written ``steps`` more slots (a step's unkept tail is reused)."""
+        layout = self.step_layout(steps)
+        self.length = self.slots.commit(self.length, layout)
+        self.layout = None
 
 
 @dataclass(frozen=True)
@@ -222,32 +231,32 @@ def prepare_step(
 ) -> StepInfo:
     """Build positions, mask and rotary factors for a step feeding ``num_tokens`` per row.
 
-    With a cache, ``pad`` must be None (the cache's pads are used) and the step
-    covers slots ``cache.length .. cache.length + num_tokens - 1``. Without a
-    cache, ``pad`` (default: no padding) describes the left padding of the
-    ``batch`` rows.
+    With a cache, ``pad`` must be None (the cache's slot state is used) and the
+    step covers slots ``cache.length .. cache.length + num_tokens - 1``, laid out by
+    :meth:`KVCache.step_layout`. Without a cache, ``pad`` (default: no padding)
+    describes the left padding of the ``batch`` rows.
     """
     if cache is not None:
         if pad is not None:
             raise ValueError("pass the padding through the cache, not both")
-        pad_t, start = cache.pad, cache.length
+        layout = cache.step_layout(num_tokens)
+        positions = layout.positions
+        mask = cache.slots.forbidden(cache.length, layout)
     else:
         if pad is None:
             if batch is None:
                 raise ValueError("prepare_step needs pad or batch when there is no cache")
             pad = torch.zeros(batch, dtype=torch.long)
-        pad_t, start = pad.to("cpu", torch.long), 0
-    end = start + num_tokens
-    slots = torch.arange(start, end)
-    positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
+        pad_t = pad.to("cpu", torch.long)
+        slots = torch.arange(num_tokens)
+        positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
+        future = slots[None, :] > slots[:, None]  # [T, S]
+        padded = slots[None, :] < pad_t[:, None]  # [B, S]
+        mask = (future[None, :, :] | padded[:, None, :])[:, None, :, :]
     if int(positions.max()) >= cfg.max_position_embeddings:
         raise ValueError(
             f"position {int(positions.max())} exceeds max_position_embeddings {cfg.max_position_embeddings}"
         )
-    keys = torch.arange(end)
-    future = keys[None, :] > slots[:, None]  # [T, S]
-    padded = keys[None, :] < pad_t[:, None]  # [B, S]
-    mask = (future[None, :, :] | padded[:, None, :])[:, None, :, :]
     positions = positions.to(device)
     cos = rope.cos.to(device)[positions].to(dtype)[:, :, None, :]
     sin = rope.sin.to(device)[positions].to(dtype)[:, :, None, :]
