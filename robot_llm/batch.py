@@ -52,7 +52,7 @@ from robot_llm.errors import RobotLLMError
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
     from robot_llm.llm.generate import Completion, SamplingParams
-    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.llm.tokenizer import Tokenizer
 
 __all__ = [
     "BatchError",
@@ -84,7 +84,7 @@ class BatchModel(Protocol):
     """What the worker needs from a loaded model (the engine's ``LoadedModel`` shape)."""
 
     model_id: str
-    tokenizer: YalmTokenizer
+    tokenizer: Tokenizer
     max_positions: int
 
     def generate(
@@ -120,7 +120,7 @@ class _ConfiguredModel:
         return f"{self.name}:{self.loaded.model_id}"
 
     @property
-    def tokenizer(self) -> YalmTokenizer:
+    def tokenizer(self) -> Tokenizer:
         return self.loaded.tokenizer
 
     def generate(

@@ -746,7 +746,8 @@ def stance_label_problems(template: Template, tokenizer: TokenCounter) -> tuple[
     stance = template.stance
     if stance is None:
         return [], []
-    pieces = {label: tokenizer.encode(label)[1:] for label in stance.labels}
+    specials = len(tokenizer.encode(""))  # BOS, when the tokenizer adds one
+    pieces = {label: tokenizer.encode(label)[specials:] for label in stance.labels}
     counts = ", ".join(f"{label!r}: {len(p)}" for label, p in pieces.items())
     errors: list[str] = []
     warnings: list[str] = []

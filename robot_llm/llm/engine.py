@@ -1,7 +1,8 @@
-"""Streaming engine: run YaLM layer by layer from a weight store, for a whole batch at a time.
+"""Streaming engine: run a model of any family layer by layer from a weight store, a whole batch at a time.
 
-Only the embedding, projector and output layer stay resident on the compute
-device. Transformer layers live in their *home* (the store on disk, or RAM)
+Only the resident modules (embedding, YaLM's projector, the output head) stay
+on the compute device; the family's functions (:mod:`robot_llm.llm.family`)
+compute the embedding, each layer and the head. Transformer layers live in their *home* (the store on disk, or RAM)
 and pass through two preallocated slots: while layer ``l`` computes for every
 row of the batch, a background thread reads layer ``l+1`` into the other slot
 (pinned host memory, then a copy stream into a device slot when computing on
@@ -26,6 +27,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.llm.family import KVCache, LayerKV, Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.store import (
     SCALE_SUFFIX,
     FileLayout,
@@ -34,18 +36,6 @@ from robot_llm.llm.store import (
     dequantize_into,
     direct_span,
     read_into,
-)
-from robot_llm.llm.yalm import (
-    KVCache,
-    LayerKV,
-    Params,
-    Rope,
-    StepInfo,
-    embed,
-    output_head,
-    prepare_step,
-    resolve_dtype,
-    transformer_layer,
 )
 
 log = logging.getLogger(__name__)
@@ -103,7 +93,7 @@ class _Slot:
 
 
 class StreamingModel:
-    """YaLM streamed from a :class:`~robot_llm.llm.store.Store`; implements ``ForwardModel``.
+    """A model streamed from a :class:`~robot_llm.llm.store.Store`; implements ``ForwardModel``.
 
     ``home`` is where layers live between uses (``"disk"``: read from the store
     files every step; ``"ram"``: loaded once into CPU memory). ``kv_home`` puts
@@ -127,6 +117,7 @@ class StreamingModel:
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
+        self.family = family_of(cfg)
         self.device = resolve_device(device)
         self.cuda = self.device.type == "cuda"
         if dtype is None:
@@ -138,12 +129,11 @@ class StreamingModel:
         self.prefetch = prefetch
         self.drop_cache = drop_cache and home == "disk"
         self.stats = StreamStats()
-        self.rope = Rope.build(cfg, self.device)
-
-        def resident(kind: Literal["embedding", "projector", "output"]) -> Params:
-            return {k: t.to(self.device, self.dtype) for k, t in self.store.load(kind).items()}
-
-        self.embedding, self.projector, self.output = resident("embedding"), resident("projector"), resident("output")
+        self.rope = self.family.rope(cfg)
+        self.resident: Resident = {
+            kind: {k: t.to(self.device, self.dtype) for k, t in self.store.load(kind).items()}
+            for kind in cfg.resident_shapes()
+        }
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
         # Disk slots take whole files (O_DIRECT reads from offset 0); RAM-homed layers hold data sections.
@@ -277,10 +267,10 @@ class StreamingModel:
     ) -> Tensor:
         """Run ``ids [B, T]``; returns fp32 CPU logits (see ``ForwardModel.forward``)."""
         started = time.perf_counter()
-        cfg = self.config
+        cfg, fam = self.config, self.family
         B, T = ids.shape
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        x = embed(ids.to(self.device), self.embedding, self.projector, cfg)
+        x = fam.embed(ids.to(self.device), self.resident, cfg)
         rows = B if T == 1 or not self.micro_batch else self.micro_batch
         if self._prefetched is None or self._prefetched.layer != 0:
             self._drain()  # an earlier step stopped midway (error): restart the stream at layer 0
@@ -295,7 +285,7 @@ class StreamingModel:
                 kv = None
                 if cache is not None:
                     kv = LayerKV(k=cache.k[i][a:b], v=cache.v[i][a:b], start=cache.length)
-                x[a:b] = transformer_layer(x[a:b], params, cfg, i, _rows(step, a, b), kv)
+                x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
             if self.cuda:
                 assert self._current.free is not None
                 self._current.free.record()
@@ -307,7 +297,7 @@ class StreamingModel:
             cache.advance(T)
         if last_only:
             x = x[:, -1:]
-        logits = output_head(x, self.output, self.embedding["word_embeddings.weight"], cfg).float().cpu()
+        logits = fam.head(x, self.resident, cfg).float().cpu()
         self.stats.forwards += 1
         self.stats.forward_seconds += time.perf_counter() - started
         log.debug(
@@ -335,10 +325,3 @@ class StreamingModel:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._prefetched = None
-
-
-def _rows(step: StepInfo, a: int, b: int) -> StepInfo:
-    """The step metadata of rows ``a:b``."""
-    if a == 0 and b == step.positions.shape[0]:
-        return step
-    return StepInfo(positions=step.positions[a:b], mask=step.mask[a:b], cos=step.cos[a:b], sin=step.sin[a:b])

@@ -22,9 +22,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.llm.family import ForwardModel
 from robot_llm.llm.slots import tree_layout
-from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import ForwardModel
+from robot_llm.llm.tokenizer import Tokenizer
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -108,7 +108,7 @@ def choose_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def continuation_text(tokenizer: YalmTokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+def continuation_text(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
     """Text that ``new_ids`` add after the prompt.
 
     Decodes prompt + continuation together (so a piece's leading space is
@@ -156,7 +156,7 @@ class _Row:
     text: str = ""
     followup_logprobs: tuple[tuple[float, ...], ...] | None = None
 
-    def push(self, token: int, tokenizer: YalmTokenizer) -> None:
+    def push(self, token: int, tokenizer: Tokenizer) -> None:
         self.new_ids.append(token)
         if token == tokenizer.eos_id:
             self.finish = "eos"
@@ -171,7 +171,7 @@ class _Row:
         if len(self.new_ids) >= self.budget:
             self.finish = "length"
 
-    def completion(self, tokenizer: YalmTokenizer) -> Completion:
+    def completion(self, tokenizer: Tokenizer) -> Completion:
         text = self.text if self.finish == "stop" else continuation_text(tokenizer, self.prompt_ids, self.new_ids)
         return Completion(
             text=text,
@@ -182,7 +182,7 @@ class _Row:
             followup_logprobs=self.followup_logprobs,
         )
 
-    def followup_context(self, tokenizer: YalmTokenizer) -> str:
+    def followup_context(self, tokenizer: Tokenizer) -> str:
         assert self.followup is not None
         return self.prompt + self.completion(tokenizer).text + self.followup.cue
 
@@ -201,7 +201,7 @@ class _Tree:
         return self.trunk + [t for branch in self.branches for t in branch]
 
 
-def _tree_width(tokenizer: YalmTokenizer, followup: Followup | None) -> int:
+def _tree_width(tokenizer: Tokenizer, followup: Followup | None) -> int:
     """The most step tokens a row's followup may take (0 without one)."""
     if followup is None:
         return 0
@@ -209,7 +209,7 @@ def _tree_width(tokenizer: YalmTokenizer, followup: Followup | None) -> int:
     return len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
 
 
-def _plan_tree(row: _Row, tokenizer: YalmTokenizer, max_pos: int, width: int) -> _Tree | None:
+def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, width: int) -> _Tree | None:
     """The step that scores ``row``'s followup from its cache, or None when it must be re-prefilled."""
     assert row.followup is not None
     context = row.followup_context(tokenizer)
@@ -243,9 +243,7 @@ def _score_trees(logits: Tensor, trees: dict[int, _Tree], rows: list[_Row]) -> N
         rows[b].followup_logprobs = tuple(scores)
 
 
-def _run_batch(
-    model: ForwardModel, tokenizer: YalmTokenizer, rows: list[_Row], on_step: Callable[[], None] | None
-) -> None:
+def _run_batch(model: ForwardModel, tokenizer: Tokenizer, rows: list[_Row], on_step: Callable[[], None] | None) -> None:
     """Generate for ``rows`` (all with budget >= 1) in one left-padded batch, and score their followups.
 
     A finished row stays in the cache, masked (no copy); the step after it finished
@@ -298,7 +296,7 @@ def _run_batch(
 
 def generate(
     model: ForwardModel,
-    tokenizer: YalmTokenizer,
+    tokenizer: Tokenizer,
     prompts: Sequence[str],
     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     *,
@@ -358,7 +356,7 @@ def generate(
     return [r.completion(tokenizer) for r in rows]
 
 
-def _rescore(model: ForwardModel, tokenizer: YalmTokenizer, row: _Row, batch_size: int) -> None:
+def _rescore(model: ForwardModel, tokenizer: Tokenizer, row: _Row, batch_size: int) -> None:
     """A followup the cache could not serve (no tokens generated, a thesis re-tokenised far back): re-prefill."""
     assert row.followup is not None
     context = row.followup_context(tokenizer)
@@ -369,7 +367,7 @@ def _rescore(model: ForwardModel, tokenizer: YalmTokenizer, row: _Row, batch_siz
     row.followup_logprobs = tuple(tuple(p) for p in pieces)
 
 
-def continuation_ids(tokenizer: YalmTokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
+def continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
     """Token ids of ``continuation`` after ``prompt`` as the model would see them.
 
     Uses the joint tokenization of ``prompt + continuation`` when it starts
@@ -394,7 +392,7 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 
 def score_pieces(
     model: ForwardModel,
-    tokenizer: YalmTokenizer,
+    tokenizer: Tokenizer,
     prompt: str,
     continuations: Sequence[str],
     *,
@@ -429,7 +427,7 @@ def score_pieces(
 
 def score(
     model: ForwardModel,
-    tokenizer: YalmTokenizer,
+    tokenizer: Tokenizer,
     prompt: str,
     continuations: Sequence[str],
     *,
@@ -453,7 +451,7 @@ class OriginalSample:
 
 def generate_original(
     model: ForwardModel,
-    tokenizer: YalmTokenizer,
+    tokenizer: Tokenizer,
     prompt: str,
     *,
     seq_length: int = 256,

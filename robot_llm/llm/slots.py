@@ -6,6 +6,7 @@ on the CPU, and costs nothing to change:
 
 * ``valid [B, max_len]``: the slot holds one of the row's tokens (False for left padding,
   for tokens fed to a finished row, for a branch scored and forgotten, for tokens rewound);
+* ``pos [B, max_len]``: the position of the token in each slot (sliding windows measure in positions);
 * ``next_pos [B]``: the rotary position the row's next token gets (its number of valid slots);
 * ``active [B]``: the row is still fed by an ordinary step.
 
@@ -45,6 +46,7 @@ class SlotState:
     """The meaning of a cache's slots (see the module docstring); CPU tensors."""
 
     valid: Tensor
+    pos: Tensor
     next_pos: Tensor
     active: Tensor
     pad: Tensor
@@ -54,6 +56,7 @@ class SlotState:
         """No slot valid yet; row ``b`` will ignore its first ``pad[b]`` fed tokens (left padding)."""
         return cls(
             valid=torch.zeros(batch, max_len, dtype=torch.bool),
+            pos=torch.zeros(batch, max_len, dtype=torch.long),
             next_pos=torch.zeros(batch, dtype=torch.long),
             active=torch.ones(batch, dtype=torch.bool),
             pad=pad,
@@ -76,10 +79,15 @@ class SlotState:
         before = self.valid[:, None, :start].expand(batch, steps, start)
         return ~torch.cat((before, layout.attend), dim=2)[:, None]
 
+    def key_positions(self, start: int, layout: StepLayout) -> Tensor:
+        """``[B, start + T]``: the position of every key this step may see."""
+        return torch.cat((self.pos[:, :start], layout.positions), dim=1)
+
     def commit(self, start: int, layout: StepLayout) -> int:
         """Record the step's kept slots; returns the new length (the step's unkept tail is given back)."""
         steps = layout.keep.shape[1]
         self.valid[:, start : start + steps] = layout.keep
+        self.pos[:, start : start + steps] = layout.positions
         self.next_pos += layout.keep.sum(dim=1)
         kept = torch.nonzero(layout.keep.any(dim=0)).flatten()
         return start + (int(kept[-1]) + 1 if kept.numel() else 0)

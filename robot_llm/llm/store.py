@@ -36,9 +36,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.yalm import Params
+from robot_llm.llm.checkpoint import iter_release_modules
+from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, config_from_dict, module_plan
+from robot_llm.llm.family import Params
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class StoreFile:
 class Manifest:
     """Contents of ``manifest.json``."""
 
-    config: YalmConfig
+    config: ModelConfig
     dtype: str
     group_size: int
     files: list[StoreFile] = field(default_factory=list)
@@ -152,6 +152,7 @@ class Manifest:
         """The JSON document written to ``manifest.json``."""
         return {
             "format": FORMAT,
+            "family": self.config.family,
             "config": self.config.to_dict(),
             "dtype": self.dtype,
             "group_size": self.group_size,
@@ -166,7 +167,7 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise StoreError(f"not a {FORMAT} manifest (format={data.get('format')!r})")
         return cls(
-            config=YalmConfig.from_dict(data["config"]),
+            config=config_from_dict(data["config"], data.get("family", "yalm")),
             dtype=data["dtype"],
             group_size=int(data["group_size"]),
             files=[StoreFile(**f) for f in data["files"]],
@@ -206,11 +207,11 @@ def sha256_file(path: str | Path, chunk: int = 16 << 20) -> str:
 # --------------------------------------------------------------------------- convert
 
 
-def expected_file_bytes(cfg: YalmConfig, dtype: str, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, int]:
+def expected_file_bytes(cfg: ModelConfig, dtype: str, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, int]:
     """Payload bytes of each store file for ``cfg`` (headers add a few KiB)."""
     elem = STORE_DTYPES[dtype].itemsize
     sizes = {}
-    for kind, index, _, shapes in module_plan(cfg):
+    for kind, index, shapes in module_plan(cfg):
         total = 0
         for key, shape in shapes.items():
             numel = 1
@@ -273,7 +274,7 @@ def convert(
         log.info("store %s is already complete", store)
         return manifest
 
-    header = {"config": cfg.to_dict(), "dtype": dtype, "group_size": group_size}
+    header = {"family": cfg.family, "config": cfg.to_dict(), "dtype": dtype, "group_size": group_size}
     done = _resume_state(store, header)
     sizes = expected_file_bytes(cfg, dtype, group_size)
     needed = sum(size for name, size in sizes.items() if name not in done)
@@ -286,7 +287,7 @@ def convert(
 
     total = len(sizes)
     started, written = time.monotonic(), 0
-    for kind, index, _, _ in module_plan(cfg):
+    for kind, index, _ in module_plan(cfg):
         name = file_name(kind, index)
         if name in done and on_file is not None:
             on_file(done[name], len(done), total)
@@ -307,7 +308,7 @@ def convert(
         if on_file is not None:
             on_file(entry, len(done), total)
 
-    order = [file_name(kind, index) for kind, index, _, _ in module_plan(cfg)]
+    order = [file_name(kind, index) for kind, index, _ in module_plan(cfg)]
     manifest = Manifest(config=cfg, dtype=dtype, group_size=group_size, files=[done[n] for n in order])
     _write_json_atomic(store / MANIFEST, manifest.to_json())
     (store / PROGRESS).unlink()
@@ -348,7 +349,7 @@ def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtyp
 
 def write_store(
     store_dir: str | Path,
-    cfg: YalmConfig,
+    cfg: ModelConfig,
     modules: Iterable[tuple[ModuleKind, int, Params]],
     *,
     dtype: str = "fp16",
@@ -377,7 +378,7 @@ def verify(store_dir: str | Path, *, on_file: Callable[[StoreFile, int, int], No
     store = Path(store_dir)
     manifest = read_manifest(store)
     problems: list[str] = []
-    plan = {file_name(k, i): (k, shapes) for k, i, _, shapes in module_plan(manifest.config)}
+    plan = {file_name(k, i): (k, shapes) for k, i, shapes in module_plan(manifest.config)}
     for n, entry in enumerate(manifest.files, 1):
         path = store / entry.name
         if not path.is_file():

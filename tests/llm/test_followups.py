@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.family import ForwardModel
 from robot_llm.llm.generate import Followup, SamplingParams, generate, score_pieces
 from robot_llm.llm.slots import SlotState
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import ForwardModel, Yalm
+from robot_llm.llm.yalm import Yalm
 
 REPO = Path(__file__).resolve().parents[2]
 RU = Followup("\nИтог для цены:", (" рост", " падение", " нейтрально"))
