@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from robot_llm.llm.config_hf import Gemma3Config
 from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.family import ForwardModel, InMemoryModel, random_weights
 from robot_llm.llm.generate import Followup, SamplingParams, generate, score_pieces
 from robot_llm.llm.slots import SlotState
 from robot_llm.llm.tokenizer import YalmTokenizer
@@ -103,6 +104,25 @@ def test_followups_from_the_cache_on_the_demo_store(demo: tuple[StreamingModel, 
         "Thesis:",
     ]
     _check(model, tokenizer, prompts, [RU, EN, RU, EN])
+
+
+def test_followups_from_the_cache_on_gemma3_with_sliding_windows(tokenizer: YalmTokenizer, prompts: list[str]) -> None:
+    # Windows of 5 positions, shorter than every prompt: the masks measure in positions, across masked slots.
+    cfg = Gemma3Config(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=tokenizer.vocab_size,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window_size=5,
+        query_pre_attn_scalar=16.0,
+    )
+    model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+    _check(model, tokenizer, [*prompts, prompts[2][:9]], [RU, EN, RU, EN, RU])
 
 
 def test_a_followup_too_long_for_the_window_is_left_out(tiny_model: Yalm, tokenizer: YalmTokenizer) -> None:
