@@ -202,8 +202,8 @@ def open_configured_model(config: AppConfig) -> BatchModel:
         checkpoint=m.checkpoint,
         store=m.store,
         home=m.home,
-        # int8 is how a store keeps its weights, not a compute dtype: the engine picks one.
-        dtype="auto" if m.dtype == "int8" else m.dtype,
+        # int8/int4 are how a store keeps its weights, not compute dtypes: the engine picks one.
+        dtype="auto" if m.dtype in ("int8", "int4") else m.dtype,
         device=m.device,
         max_batch_size=m.max_batch_size,
         memory_budget_bytes=m.memory_budget,

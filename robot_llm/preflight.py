@@ -206,7 +206,7 @@ def _memory(config: AppConfig) -> Check:
             work,
             machine,
             weight_dtype=weight_dtype,
-            compute_dtype=None if m.dtype == "int8" else m.dtype,
+            compute_dtype=None if m.dtype in ("int8", "int4") else m.dtype,
             max_batch_size=m.max_batch_size,
             memory_budget_bytes=m.memory_budget,
             # The memory backend holds every layer in RAM, like the stream engine homed in RAM.

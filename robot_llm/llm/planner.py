@@ -24,6 +24,7 @@ from typing import Literal
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, Shapes
+from robot_llm.llm.quant import int4_bytes
 
 GiB = 2**30
 GB = 1e9
@@ -160,8 +161,11 @@ def layer_params(cfg: ModelConfig) -> int:
 
 
 def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = 64) -> int:
-    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales, the rest fp16)."""
+    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales; int4: 4-bit codes +
+    fp16 step and minimum per group; the rest fp16)."""
     shapes = _largest_layer(cfg)
+    if weight_dtype == "int4":
+        return sum(int4_bytes(_numel(s), group_size) if _is_matrix(k, s) else 2 * _numel(s) for k, s in shapes.items())
     if weight_dtype != "int8":
         return layer_params(cfg) * DTYPE_BYTES[weight_dtype]
     matrices = {k: s for k, s in shapes.items() if _is_matrix(k, s)}

@@ -41,7 +41,7 @@ from robot_llm.llm.backends import BackendError, ModelRequest
 from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.family import KVCache, Params, StepInfo, prepare_step, resolve_dtype
-from robot_llm.llm.store import MANIFEST, Store
+from robot_llm.llm.store import MANIFEST, QUANTIZED, Store
 from robot_llm.llm.yalm import embed, output_head, rope, transformer_layer
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,10 @@ def _modules(checkpoint: Path, cfg: YalmConfig, trust_pickle: bool) -> Iterator[
         yield from iter_release_modules(checkpoint, cfg, trust_pickle=trust_pickle)
         return
     store = Store(checkpoint)
-    if store.manifest.dtype == "int8":
-        raise BackendError(f"{checkpoint}: the deepspeed engine needs a float store, this one is int8")
+    if store.manifest.dtype in QUANTIZED:
+        raise BackendError(
+            f"{checkpoint}: the deepspeed engine needs a float store, this one is {store.manifest.dtype}"
+        )
     for kind, index, _, _ in module_plan(cfg):
         yield kind, index, store.load(kind, index)
 
