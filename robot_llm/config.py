@@ -398,7 +398,7 @@ class ModelConfig(_Section):
     home: Literal["disk", "ram"] = "disk"
     offload: Literal["cpu", "nvme"] = "cpu"
     offload_dir: Path | None = None
-    dtype: Literal["fp32", "bf16", "fp16", "int8"] = "fp16"
+    dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "fp16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     memory_budget: Size | None = None

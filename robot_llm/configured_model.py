@@ -18,7 +18,7 @@ from robot_llm.errors import RobotLLMError
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
     from robot_llm.llm.generate import Completion, SamplingParams
-    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.llm.tokenizer import Tokenizer
 
 __all__ = ["BatchModel", "ConfiguredModel", "ModelConfigError", "model_shape", "open_configured_model"]
 
@@ -31,7 +31,7 @@ class BatchModel(Protocol):
     """What the worker needs from a loaded model (the engine's ``LoadedModel`` shape)."""
 
     model_id: str
-    tokenizer: YalmTokenizer
+    tokenizer: Tokenizer
     max_positions: int
 
     def generate(
@@ -67,7 +67,7 @@ class ConfiguredModel:
         return f"{self.name}:{self.loaded.model_id}"
 
     @property
-    def tokenizer(self) -> YalmTokenizer:
+    def tokenizer(self) -> Tokenizer:
         return self.loaded.tokenizer
 
     def generate(
@@ -149,8 +149,8 @@ def open_configured_model(config: AppConfig) -> BatchModel:
         checkpoint=m.checkpoint,
         store=m.store,
         home=m.home,
-        # int8 is how a store keeps its weights, not a compute dtype: the engine picks one.
-        dtype="auto" if m.dtype == "int8" else m.dtype,
+        # int8/int4 are how a store keeps its weights, not compute dtypes: the engine picks one.
+        dtype="auto" if m.dtype in ("int8", "int4") else m.dtype,
         device=m.device,
         max_batch_size=m.max_batch_size,
         memory_budget_bytes=m.memory_budget,

@@ -177,11 +177,11 @@ def gather_signals(
 
 
 def _tokenizer_for(config: AppConfig) -> TokenCounter:
-    from robot_llm.llm.tokenizer import YalmTokenizer  # sentencepiece only, no torch
+    from robot_llm.llm.tokenizer import load_tokenizer  # sentencepiece/tokenizers only, no torch
 
     assert config.model.vocab is not None  # ModelConfig requires it
     try:
-        return YalmTokenizer(config.model.vocab)
+        return load_tokenizer(config.model.vocab)
     except (OSError, ValueError) as exc:
         raise RobotLLMError(f"model.vocab: cannot load the tokenizer: {exc}") from None
 

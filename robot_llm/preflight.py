@@ -157,11 +157,11 @@ def _weights(config: AppConfig, deep: bool) -> Check:
 
 
 def _vocab(config: AppConfig) -> Check:
-    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.llm.tokenizer import load_tokenizer
 
     assert config.model.vocab is not None
     try:
-        tokenizer = YalmTokenizer(config.model.vocab)
+        tokenizer = load_tokenizer(config.model.vocab)
     except (OSError, ValueError, RuntimeError) as exc:
         return Check("vocab", False, f"model.vocab: {exc}")
     return Check("vocab", True, f"{config.model.vocab}: {tokenizer.vocab_size} pieces")
@@ -206,7 +206,7 @@ def _memory(config: AppConfig) -> Check:
             work,
             machine,
             weight_dtype=weight_dtype,
-            compute_dtype=None if m.dtype == "int8" else m.dtype,
+            compute_dtype=None if m.dtype in ("int8", "int4") else m.dtype,
             max_batch_size=m.max_batch_size,
             memory_budget_bytes=m.memory_budget,
             # The memory backend holds every layer in RAM, like the stream engine homed in RAM.
@@ -233,12 +233,12 @@ def _templates(config: AppConfig) -> Check:
     from datetime import timedelta
 
     from robot_llm.db import utcnow
-    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.llm.tokenizer import load_tokenizer
     from robot_llm.prompting import NewsEntry, SignalEntry, load_templates, render_within_budget
 
     assert config.model.vocab is not None
     try:
-        tokenizer = YalmTokenizer(config.model.vocab)
+        tokenizer = load_tokenizer(config.model.vocab)
     except (OSError, ValueError, RuntimeError):
         return Check("templates", None, "not checked: the tokenizer does not load (see vocab)")
     templates = load_templates(config)

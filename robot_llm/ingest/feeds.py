@@ -26,6 +26,10 @@ Normalisation of an entry:
   An entry edited later under the same guid keeps its first stored version: that is what we
   knew at its ``fetched_at``.
 
+Encoding: a declared encoding that fits the bytes is used as declared; an undeclared one is
+chardet's guess (feedparser's own fallback), and a declaration that decodes into text chardet
+finds implausible is overridden (:mod:`robot_llm.ingest.encoding`), with a warning.
+
 feedparser's ``bozo`` flag (not well-formed XML, an encoding override) is a warning; a
 document with no entries at all is a failed fetch.
 """
@@ -52,6 +56,7 @@ from robot_llm.config import AppConfig, FeedConfig
 from robot_llm.db import FeedFetch, FeedState, NewsItem, NewsTicker, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.ingest import insert_ignoring_duplicates
+from robot_llm.ingest.encoding import better_encoding
 from robot_llm.ingest.http import FetchError, FetchResult, fetch, make_client
 from robot_llm.ingest.tagging import Tagger
 
@@ -162,22 +167,6 @@ def strip_html(value: str) -> str:
 
 
 _NON_WORD = re.compile(r"[\W_]+")
-_LATIN_SINGLE_BYTE = frozenset({"windows-1252", "cp1252", "iso-8859-1", "latin-1", "iso-8859-2", "iso-8859-15"})
-# bytes.translate deletion tables: what is *not* an ASCII letter, what is *not* a windows-1251
-# Cyrillic letter (0xC0-0xFF is the alphabet, 0xA8/0xB8 are Ё/ё).
-_NOT_ASCII_LETTER = bytes(b for b in range(256) if not (0x41 <= b <= 0x5A or 0x61 <= b <= 0x7A))
-_NOT_CP1251_LETTER = bytes(b for b in range(256) if not (b >= 0xC0 or b in (0xA8, 0xB8)))
-
-
-def _looks_like_windows_1251(content: bytes) -> bool:
-    """True when most letters are high bytes that windows-1251 reads as Cyrillic.
-
-    Western European text in a Latin code page has a few accented letters among many ASCII
-    ones; Russian text has nearly all its letters above 0x7F, even with the markup around it.
-    """
-    ascii_letters = len(content.translate(None, _NOT_ASCII_LETTER))
-    cyrillic = len(content.translate(None, _NOT_CP1251_LETTER))
-    return cyrillic >= 20 and cyrillic > 0.25 * (ascii_letters + cyrillic)
 
 
 def content_hash(title: str, summary: str) -> str:
@@ -227,12 +216,13 @@ def parse_feed(
     parsed = feedparser.parse(io.BytesIO(content), response_headers=dict(headers))
     warnings: list[str] = []
     used = str(parsed.get("encoding") or "").lower()
-    if used in _LATIN_SINGLE_BYTE and _looks_like_windows_1251(content):
-        # No usable declaration (or a wrong one): feedparser fell back to a Latin code page
-        # and would store mojibake. Russian text in windows-1251 is unmistakable; re-read it so.
-        fixed = dict(headers, **{"content-type": "application/xml; charset=windows-1251"})
+    detected = better_encoding(content, used)
+    if detected:
+        # A declaration (or feedparser's default for none) that decodes, wrongly: re-read the
+        # document in what chardet finds; an HTTP charset outranks every other claim.
+        fixed = dict(headers, **{"content-type": f"application/xml; charset={detected}"})
         parsed = feedparser.parse(io.BytesIO(content), response_headers=fixed)
-        warnings.append(f"decoded as windows-1251 (the document said or implied {used})")
+        warnings.append(f"decoded as {detected} (detected; the document said or implied {used or 'nothing usable'})")
     bozo = None
     if parsed.get("bozo"):
         exc = parsed.get("bozo_exception")

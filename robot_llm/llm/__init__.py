@@ -1,12 +1,15 @@
-"""YaLM-100B inference in plain PyTorch.
+"""LLM inference in plain PyTorch: YaLM-100B, Gemma 3 and the Llama family, streamed from a weight store.
 
 Submodules:
 
-* :mod:`robot_llm.llm.config` -- :class:`YalmConfig` and named presets (no torch import);
-* :mod:`robot_llm.llm.yalm` -- the functional forward pieces, the KV cache and the
-  in-memory :class:`~robot_llm.llm.yalm.Yalm` model;
+* :mod:`robot_llm.llm.config` / :mod:`robot_llm.llm.config_hf` -- the families' configs
+  (sizes, weight names and shapes per module) and named presets (no torch import);
+* :mod:`robot_llm.llm.family` -- the family interface, the KV cache, step masks and the
+  in-memory model every family shares;
+* :mod:`robot_llm.llm.yalm`, :mod:`robot_llm.llm.llama`, :mod:`robot_llm.llm.gemma3` --
+  each family's forward pass;
 * :mod:`robot_llm.llm.checkpoint` -- the release checkpoint reader/writer;
-* :mod:`robot_llm.llm.tokenizer` -- SentencePiece with YaLM conventions;
+* :mod:`robot_llm.llm.tokenizer` -- SentencePiece with YaLM conventions, Hugging Face ``tokenizers``;
 * :mod:`robot_llm.llm.generate` -- batched generation and scoring;
 * :mod:`robot_llm.llm.backends` -- registry of model factories used by the CLI;
 * :mod:`robot_llm.llm.cli` -- ``model generate`` / ``model check-fixture``.

@@ -19,16 +19,14 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.yalm import Params, YalmWeights, layer_shapes, release_shapes
-
-ModuleKind = Literal["embedding", "projector", "layer", "output"]
+from robot_llm.llm.config import ModuleKind, YalmConfig
+from robot_llm.llm.config import module_plan as config_plan
+from robot_llm.llm.family import Params, Weights
 
 FILE_PATTERN = re.compile(r"^layer_(\d\d)-model_00-model_states\.pt$")
 
@@ -51,15 +49,11 @@ def module_plan(cfg: YalmConfig) -> list[tuple[ModuleKind, int, str, dict[str, t
 
     ``index`` is the 0-based layer index for ``"layer"`` and 0 otherwise.
     """
-    fixed = release_shapes(cfg)
-    plan: list[tuple[ModuleKind, int, str, dict[str, tuple[int, ...]]]] = [
-        ("embedding", 0, release_file_name(0), fixed["embedding"]),
-        ("projector", 0, release_file_name(1), fixed["projector"]),
+    numbers = {"embedding": 0, "projector": 1, "output": cfg.num_layers + 4}
+    return [
+        (kind, index, release_file_name(index + 3 if kind == "layer" else numbers[kind]), shapes)
+        for kind, index, shapes in config_plan(cfg)
     ]
-    for i in range(cfg.num_layers):
-        plan.append(("layer", i, release_file_name(i + 3), layer_shapes(cfg, i)))
-    plan.append(("output", 0, release_file_name(cfg.num_layers + 4), fixed["output"]))
-    return plan
 
 
 def resolve_weights_dir(directory: str | Path) -> Path:
@@ -136,26 +130,19 @@ def iter_release_modules(
         yield kind, index, read_module(folder / name, shapes, trust_pickle=trust_pickle)
 
 
-def load_release(directory: str | Path, cfg: YalmConfig, *, trust_pickle: bool = False) -> YalmWeights:
+def load_release(directory: str | Path, cfg: YalmConfig, *, trust_pickle: bool = False) -> Weights:
     """Read a whole (small) release checkpoint; tensors stay in the stored dtype."""
-    embedding: Params = {}
-    projector: Params = {}
-    output: Params = {}
-    layers: list[Params] = []
+    weights = Weights(resident={}, layers=[])
     for kind, _, params in iter_release_modules(directory, cfg, trust_pickle=trust_pickle):
-        if kind == "embedding":
-            embedding = params
-        elif kind == "projector":
-            projector = params
-        elif kind == "layer":
-            layers.append(params)
+        if kind == "layer":
+            weights.layers.append(params)
         else:
-            output = params
-    return YalmWeights(embedding=embedding, projector=projector, layers=layers, output=output)
+            weights.resident[kind] = params
+    return weights
 
 
 def save_release(
-    directory: str | Path, cfg: YalmConfig, weights: YalmWeights, *, dtype: torch.dtype = torch.float16
+    directory: str | Path, cfg: YalmConfig, weights: Weights, *, dtype: torch.dtype = torch.float16
 ) -> list[Path]:
     """Write ``weights`` in the release layout (one ``torch.save``d dict per module).
 
@@ -163,11 +150,7 @@ def save_release(
     """
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    modules = {
-        ("embedding", 0): weights.embedding,
-        ("projector", 0): weights.projector,
-        ("output", 0): weights.output,
-    }
+    modules: dict[tuple[str, int], Params] = {(kind, 0): p for kind, p in weights.resident.items()}
     modules.update({("layer", i): p for i, p in enumerate(weights.layers)})
     written = []
     for kind, index, name, shapes in module_plan(cfg):

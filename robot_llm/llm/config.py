@@ -1,4 +1,12 @@
-"""Model hyperparameters of YaLM (docs/yalm-model.md §1) and named presets."""
+"""Model configs: the shape of a model and the names and shapes of its weights, per streamed module.
+
+Every model family has one frozen dataclass config (YaLM's is here; the
+Hugging Face families' are in :mod:`robot_llm.llm.config_hf`) that satisfies
+:class:`ModelConfig`: the common sizes the engine, store, planner and
+generation need, plus the weight keys and shapes of each module the store
+holds (``embedding``, optionally ``projector``, one ``layer`` per transformer
+layer, ``output``). Pure Python: importing it does not import torch.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,48 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, Protocol
+
+ModuleKind = Literal["embedding", "projector", "layer", "output"]
+Shapes = dict[str, tuple[int, ...]]
+
+
+class ModelConfig(Protocol):
+    """What every family's config provides (see :class:`YalmConfig` for a complete example)."""
+
+    family: ClassVar[str]
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    vocab_size: int
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """Heads of the KV cache (fewer than query heads with grouped-query attention)."""
+        ...
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dimension of queries, keys and values."""
+        ...
+
+    def sliding_window(self, layer_index: int) -> int | None:
+        """How many most recent positions layer ``layer_index`` attends to (None: all)."""
+        ...
+
+    def resident_shapes(self) -> dict[ModuleKind, Shapes]:
+        """Keys and shapes of the modules that stay resident, in forward order (``output`` last)."""
+        ...
+
+    def layer_shapes(self, layer_index: int) -> Shapes:
+        """Keys and shapes of transformer layer ``layer_index`` (0-based)."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON serialisable), without the family name."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -26,6 +75,8 @@ class YalmConfig:
     max_position_embeddings: int
     vocab_size: int
     layernorm_epsilon: float = 1e-5
+
+    family: ClassVar[str] = "yalm"
 
     def __post_init__(self) -> None:
         for name in (
@@ -55,6 +106,58 @@ class YalmConfig:
     def head_dim(self) -> int:
         """Per-head dimension ``hn = H / n``."""
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """YaLM has one key/value head per query head."""
+        return self.num_attention_heads
+
+    def sliding_window(self, layer_index: int) -> int | None:
+        """Every YaLM layer attends to the whole sequence."""
+        del layer_index
+        return None
+
+    def layer_shapes(self, layer_index: int) -> Shapes:
+        """Release keys and shapes of transformer layer ``layer_index`` (docs/yalm-model.md §5.3)."""
+        H, intermediate = self.hidden_size, self.intermediate_size
+        shapes: Shapes = {}
+        if layer_index > 0:  # the first layer has no input LayerNorm (§9.1)
+            shapes["input_layernorm.weight"] = (H,)
+            shapes["input_layernorm.bias"] = (H,)
+        shapes.update(
+            {
+                "attention.query_key_value.weight": (3 * H, H),
+                "attention.query_key_value.bias": (3 * H,),
+                "attention.dense.weight": (H, H),
+                "attention.dense.bias": (H,),
+                "post_attention_layernorm.weight": (H,),
+                "post_attention_layernorm.bias": (H,),
+                "mlp.dense_ffn_hidden.weight": (intermediate, H),
+                "mlp.dense_ffn_hidden.bias": (intermediate,),
+                "mlp.dense_ffn_gate.weight": (intermediate, H),
+                "mlp.dense_ffn_gate.bias": (intermediate,),
+                "mlp.dense_ffn_output.weight": (H, intermediate),
+                "mlp.dense_ffn_output.bias": (H,),
+            }
+        )
+        return shapes
+
+    def resident_shapes(self) -> dict[ModuleKind, Shapes]:
+        """Release keys and shapes of the embedding, projector and output layer (§5.3)."""
+        H, E, V = self.hidden_size, self.embedding_size, self.vocab_size
+        return {
+            "embedding": {"word_embeddings.weight": (V, E)},
+            "projector": {"input_layernorm.weight": (E,), "input_layernorm.bias": (E,)},
+            "output": {
+                "input_layer_norm.weight": (H,),
+                "input_layer_norm.bias": (H,),
+                "dense.weight": (E, H),
+                "dense.bias": (E,),
+                "output_layer_norm.weight": (E,),
+                "output_layer_norm.bias": (E,),
+                "output_bias": (V,),
+            },
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON serialisable)."""
@@ -139,3 +242,32 @@ PRESETS: dict[str, YalmConfig] = {
         vocab_size=32000,
     ),
 }
+
+
+def module_plan(cfg: ModelConfig) -> list[tuple[ModuleKind, int, Shapes]]:
+    """Every module of the model in forward order: ``(kind, index, {key: shape})``.
+
+    ``index`` is the 0-based layer index for ``"layer"`` and 0 otherwise.
+    """
+    resident = cfg.resident_shapes()
+    plan: list[tuple[ModuleKind, int, Shapes]] = [(k, 0, s) for k, s in resident.items() if k != "output"]
+    plan += [("layer", i, cfg.layer_shapes(i)) for i in range(cfg.num_layers)]
+    plan.append(("output", 0, resident["output"]))
+    return plan
+
+
+def config_class(family: str) -> Any:
+    """The config dataclass of ``family`` (``yalm``, ``llama``, ``gemma3``)."""
+    from robot_llm.llm.config_hf import Gemma3Config, LlamaConfig
+
+    classes: dict[str, Any] = {"yalm": YalmConfig, "llama": LlamaConfig, "gemma3": Gemma3Config}
+    try:
+        return classes[family]
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(classes)}") from None
+
+
+def config_from_dict(data: dict[str, Any], family: str = "yalm") -> ModelConfig:
+    """Build the config of ``family`` from its :meth:`ModelConfig.to_dict` form."""
+    config: ModelConfig = config_class(family).from_dict(data)
+    return config

@@ -100,7 +100,7 @@ def train_vocab(sources: list[Path], vocab_size: int = 2000) -> bytes:
 def build_demo_checkpoint(root: Path, text_sources: list[Path]) -> DemoCheckpoint:
     """Build (or reuse, when already built identically) the demo checkpoint under ``root``."""
     from robot_llm.llm.checkpoint import save_release
-    from robot_llm.llm.yalm import random_weights
+    from robot_llm.llm.family import random_weights
 
     root = Path(root)
     vocab_bytes = train_vocab(text_sources)

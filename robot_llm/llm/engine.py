@@ -1,14 +1,18 @@
-"""Streaming engine: run YaLM layer by layer from a weight store, for a whole batch at a time.
+"""Streaming engine: run a model of any family layer by layer from a weight store, a whole batch at a time.
 
-Only the embedding, projector and output layer stay resident on the compute
-device. Transformer layers live in their *home* (the store on disk, or RAM)
+Only the resident modules (embedding, YaLM's projector, the output head) stay
+on the compute device; the family's functions (:mod:`robot_llm.llm.family`)
+compute the embedding, each layer and the head. Transformer layers live in their *home* (the store on disk, or RAM)
 and pass through two preallocated slots: while layer ``l`` computes for every
 row of the batch, a background thread reads layer ``l+1`` into the other slot
 (pinned host memory, then a copy stream into a device slot when computing on
-CUDA). The slots, and the compute-dtype buffers that int8 or mixed-dtype
-layers are converted into, are allocated once and reused for every layer and
-every step, so memory does not grow with the number of steps. The last layer
-of a step prefetches layer 0 of the next step, so decode steps overlap too.
+CUDA). Quantized (int8, int4) or mixed-dtype layers are converted into
+compute-dtype buffers: on the CPU by the reader thread, one set per slot, so
+dequantization overlaps compute like the read does; on CUDA on the GPU right
+before use, from the bytes copied up. Slots and buffers are allocated once
+and reused for every layer and every step, so memory does not grow with the
+number of steps. The last layer of a step prefetches layer 0 of the next
+step, so decode steps overlap too.
 
 :class:`StreamingModel` implements :class:`robot_llm.llm.yalm.ForwardModel`,
 so :mod:`robot_llm.llm.generate` runs on it unchanged.
@@ -26,7 +30,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.llm.family import KVCache, LayerKV, Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.quant import dequantize_int4_into
 from robot_llm.llm.store import (
+    MIN_SUFFIX,
     SCALE_SUFFIX,
     FileLayout,
     Store,
@@ -34,18 +41,6 @@ from robot_llm.llm.store import (
     dequantize_into,
     direct_span,
     read_into,
-)
-from robot_llm.llm.yalm import (
-    KVCache,
-    LayerKV,
-    Params,
-    Rope,
-    StepInfo,
-    embed,
-    output_head,
-    prepare_step,
-    resolve_dtype,
-    transformer_layer,
 )
 
 log = logging.getLogger(__name__)
@@ -92,7 +87,11 @@ class StreamStats:
 
 @dataclass
 class _Slot:
-    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse."""
+    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse.
+
+    On the CPU, ``buffers`` are the slot's own compute-dtype tensors and
+    ``params`` the layer's weights ready for compute, set by the reader.
+    """
 
     host: Tensor | None
     device: Tensor | None
@@ -100,10 +99,12 @@ class _Slot:
     ready: Future[int] | None = field(default=None, repr=False)
     layer: int = -1
     offset: int = 0  # where the layer's data section starts in the slot
+    buffers: Params = field(default_factory=dict, repr=False)
+    params: Params | None = field(default=None, repr=False)
 
 
 class StreamingModel:
-    """YaLM streamed from a :class:`~robot_llm.llm.store.Store`; implements ``ForwardModel``.
+    """A model streamed from a :class:`~robot_llm.llm.store.Store`; implements ``ForwardModel``.
 
     ``home`` is where layers live between uses (``"disk"``: read from the store
     files every step; ``"ram"``: loaded once into CPU memory). ``kv_home`` puts
@@ -127,6 +128,7 @@ class StreamingModel:
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
+        self.family = family_of(cfg)
         self.device = resolve_device(device)
         self.cuda = self.device.type == "cuda"
         if dtype is None:
@@ -138,12 +140,11 @@ class StreamingModel:
         self.prefetch = prefetch
         self.drop_cache = drop_cache and home == "disk"
         self.stats = StreamStats()
-        self.rope = Rope.build(cfg, self.device)
-
-        def resident(kind: Literal["embedding", "projector", "output"]) -> Params:
-            return {k: t.to(self.device, self.dtype) for k, t in self.store.load(kind).items()}
-
-        self.embedding, self.projector, self.output = resident("embedding"), resident("projector"), resident("output")
+        self.rope = self.family.rope(cfg)
+        self.resident: Resident = {
+            kind: {k: t.to(self.device, self.dtype) for k, t in self.store.load(kind).items()}
+            for kind in cfg.resident_shapes()
+        }
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
         # Disk slots take whole files (O_DIRECT reads from offset 0); RAM-homed layers hold data sections.
@@ -159,7 +160,10 @@ class StreamingModel:
         elif home != "disk":
             raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
-        self.compute_buffers = self._compute_buffers()
+        # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots.
+        shared = self._compute_buffers()
+        for n, slot in enumerate(self.slots):
+            slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers()
         self._next = 0
         self._prefetched: _Slot | None = None
         self._current = self.slots[0]
@@ -180,25 +184,30 @@ class StreamingModel:
         buffers: Params = {}
         for layout in self.layouts:
             for key, slot in layout.tensors.items():
-                if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
+                if key.endswith((SCALE_SUFFIX, MIN_SUFFIX)) or slot.dtype == self.dtype or key in buffers:
                     continue
-                buffers[key] = torch.empty(slot.shape, dtype=self.dtype, device=self.device)
+                buffers[key] = torch.empty(layout.shape(key), dtype=self.dtype, device=self.device)
         return buffers
 
     def buffer_pointers(self) -> list[int]:
         """data_ptr of every preallocated buffer (constant for the engine's lifetime)."""
         tensors = [t for s in self.slots for t in (s.host, s.device) if t is not None]
-        tensors += list(self.compute_buffers.values())
+        tensors += [t for s in self.slots for t in s.buffers.values()]
         return [t.data_ptr() for t in tensors]
 
     # ------------------------------------------------------------------ streaming
 
     def _fill(self, slot: _Slot, layer: int) -> int:
-        """Bring ``layer`` into ``slot`` (runs on the reader thread when prefetching)."""
-        if self.ram is not None and not self.cuda:
-            return 0  # RAM-homed layers are used in place by the CPU: nothing moves
-        started = time.perf_counter()
+        """Bring ``layer`` into ``slot`` (runs on the reader thread when prefetching).
+
+        On the CPU the slot ends with the layer's compute-dtype weights in ``slot.params``.
+        """
         layout = self.layouts[layer]
+        if self.ram is not None and not self.cuda:
+            # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
+            slot.params = self._to_compute(layout, self.ram[layer], slot.buffers)
+            return 0
+        started = time.perf_counter()
         size = layout.data_size
         if self.ram is None:
             assert slot.host is not None
@@ -218,6 +227,8 @@ class StreamingModel:
         self.stats.read_seconds += time.perf_counter() - started
         self.stats.bytes_read += size
         self.stats.layers_read += 1
+        if not self.cuda:
+            slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
         return size
 
     def _request(self, layer: int) -> _Slot:
@@ -239,25 +250,30 @@ class StreamingModel:
             slot.ready.result()
             self.stats.wait_seconds += time.perf_counter() - started
             slot.ready = None
+        if not self.cuda:
+            assert slot.params is not None
+            params, slot.params = slot.params, None
+            return params
+        assert slot.device is not None
         layout = self.layouts[layer]
-        if self.ram is not None and not self.cuda:
-            return self._to_compute(layout, self.ram[layer])
-        data = slot.device if self.cuda else slot.host
-        assert data is not None
-        return self._to_compute(layout, data[slot.offset : slot.offset + layout.data_size])
+        return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
 
-    def _to_compute(self, layout: FileLayout, data: Tensor) -> Params:
+    def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params) -> Params:
+        """The layer's weights in the compute dtype: views of ``data`` or conversions into ``buffers``."""
         raw = layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
-            if key.endswith(SCALE_SUFFIX):
+            if key.endswith((SCALE_SUFFIX, MIN_SUFFIX)):
                 continue
             if tensor.dtype == self.dtype:
                 params[key] = tensor
             elif tensor.dtype == torch.int8:
-                params[key] = dequantize_into(tensor, raw[key + SCALE_SUFFIX], self.compute_buffers[key])
+                params[key] = dequantize_into(tensor, raw[key + SCALE_SUFFIX], buffers[key])
+            elif tensor.dtype == torch.uint8:
+                step, minimum = raw[key + SCALE_SUFFIX], raw[key + MIN_SUFFIX]
+                params[key] = dequantize_int4_into(tensor, step, minimum, buffers[key])
             else:
-                params[key] = self.compute_buffers[key].copy_(tensor)
+                params[key] = buffers[key].copy_(tensor)
         return params
 
     # ------------------------------------------------------------------ ForwardModel
@@ -277,10 +293,10 @@ class StreamingModel:
     ) -> Tensor:
         """Run ``ids [B, T]``; returns fp32 CPU logits (see ``ForwardModel.forward``)."""
         started = time.perf_counter()
-        cfg = self.config
+        cfg, fam = self.config, self.family
         B, T = ids.shape
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        x = embed(ids.to(self.device), self.embedding, self.projector, cfg)
+        x = fam.embed(ids.to(self.device), self.resident, cfg)
         rows = B if T == 1 or not self.micro_batch else self.micro_batch
         if self._prefetched is None or self._prefetched.layer != 0:
             self._drain()  # an earlier step stopped midway (error): restart the stream at layer 0
@@ -295,7 +311,7 @@ class StreamingModel:
                 kv = None
                 if cache is not None:
                     kv = LayerKV(k=cache.k[i][a:b], v=cache.v[i][a:b], start=cache.length)
-                x[a:b] = transformer_layer(x[a:b], params, cfg, i, _rows(step, a, b), kv)
+                x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
             if self.cuda:
                 assert self._current.free is not None
                 self._current.free.record()
@@ -307,7 +323,7 @@ class StreamingModel:
             cache.advance(T)
         if last_only:
             x = x[:, -1:]
-        logits = output_head(x, self.output, self.embedding["word_embeddings.weight"], cfg).float().cpu()
+        logits = fam.head(x, self.resident, cfg).float().cpu()
         self.stats.forwards += 1
         self.stats.forward_seconds += time.perf_counter() - started
         log.debug(
@@ -335,10 +351,3 @@ class StreamingModel:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._prefetched = None
-
-
-def _rows(step: StepInfo, a: int, b: int) -> StepInfo:
-    """The step metadata of rows ``a:b``."""
-    if a == 0 and b == step.positions.shape[0]:
-        return step
-    return StepInfo(positions=step.positions[a:b], mask=step.mask[a:b], cos=step.cos[a:b], sin=step.sin[a:b])

@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import ForwardModel
+from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.tokenizer import Tokenizer
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -106,7 +106,7 @@ def choose_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def continuation_text(tokenizer: YalmTokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+def continuation_text(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
     """Text that ``new_ids`` add after the prompt.
 
     Decodes prompt + continuation together (so a piece's leading space is
@@ -132,7 +132,7 @@ class _Row:
     finish: FinishReason | None = None
     text: str = ""
 
-    def push(self, token: int, tokenizer: YalmTokenizer) -> None:
+    def push(self, token: int, tokenizer: Tokenizer) -> None:
         self.new_ids.append(token)
         if token == tokenizer.eos_id:
             self.finish = "eos"
@@ -147,7 +147,7 @@ class _Row:
         if len(self.new_ids) >= self.budget:
             self.finish = "length"
 
-    def completion(self, tokenizer: YalmTokenizer) -> Completion:
+    def completion(self, tokenizer: Tokenizer) -> Completion:
         text = self.text if self.finish == "stop" else continuation_text(tokenizer, self.prompt_ids, self.new_ids)
         return Completion(
             text=text,
@@ -158,9 +158,7 @@ class _Row:
         )
 
 
-def _run_batch(
-    model: ForwardModel, tokenizer: YalmTokenizer, rows: list[_Row], on_step: Callable[[], None] | None
-) -> None:
+def _run_batch(model: ForwardModel, tokenizer: Tokenizer, rows: list[_Row], on_step: Callable[[], None] | None) -> None:
     """Generate for ``rows`` (all with budget >= 1) in one left-padded batch."""
     width = max(len(r.prompt_ids) for r in rows)
     pad = torch.tensor([width - len(r.prompt_ids) for r in rows], dtype=torch.long)
@@ -190,7 +188,7 @@ def _run_batch(
 
 def generate(
     model: ForwardModel,
-    tokenizer: YalmTokenizer,
+    tokenizer: Tokenizer,
     prompts: Sequence[str],
     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     *,
@@ -238,7 +236,7 @@ def generate(
     return [r.completion(tokenizer) for r in rows]
 
 
-def continuation_ids(tokenizer: YalmTokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
+def continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
     """Token ids of ``continuation`` after ``prompt`` as the model would see them.
 
     Uses the joint tokenization of ``prompt + continuation`` when it starts
@@ -253,7 +251,7 @@ def continuation_ids(tokenizer: YalmTokenizer, prompt_ids: list[int], prompt: st
 
 def score(
     model: ForwardModel,
-    tokenizer: YalmTokenizer,
+    tokenizer: Tokenizer,
     prompt: str,
     continuations: Sequence[str],
     *,
@@ -294,7 +292,7 @@ class OriginalSample:
 
 def generate_original(
     model: ForwardModel,
-    tokenizer: YalmTokenizer,
+    tokenizer: Tokenizer,
     prompt: str,
     *,
     seq_length: int = 256,

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.config import ModelConfig, Shapes
+from robot_llm.llm.quant import int4_bytes
 
 GiB = 2**30
 GB = 1e9
@@ -141,44 +142,58 @@ def _dur(s: float) -> str:
 # --------------------------------------------------------------------------- sizes
 
 
-def layer_params(cfg: YalmConfig) -> int:
-    """Parameters of one transformer layer (with its input LayerNorm)."""
-    H, inter = cfg.hidden_size, cfg.intermediate_size
-    return 4 * H * H + 3 * H * inter + 3 * H + 2 * inter + 2 * H + 4 * H
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
 
 
-def layer_bytes(cfg: YalmConfig, weight_dtype: str, group_size: int = 64) -> int:
-    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales, the rest fp16)."""
-    H, inter = cfg.hidden_size, cfg.intermediate_size
-    matrices = 4 * H * H + 3 * H * inter
-    vectors = layer_params(cfg) - matrices
+def _largest_layer(cfg: ModelConfig) -> Shapes:
+    """Keys and shapes of the largest transformer layer (they differ by a norm at most)."""
+    return max((cfg.layer_shapes(i) for i in range(cfg.num_layers)), key=lambda s: sum(map(_numel, s.values())))
+
+
+def _is_matrix(key: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and key.endswith(".weight")
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of the largest transformer layer."""
+    return sum(_numel(s) for s in _largest_layer(cfg).values())
+
+
+def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = 64) -> int:
+    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales; int4: 4-bit codes +
+    fp16 step and minimum per group; the rest fp16)."""
+    shapes = _largest_layer(cfg)
+    if weight_dtype == "int4":
+        return sum(int4_bytes(_numel(s), group_size) if _is_matrix(k, s) else 2 * _numel(s) for k, s in shapes.items())
     if weight_dtype != "int8":
         return layer_params(cfg) * DTYPE_BYTES[weight_dtype]
-    rows_h, rows_i = 4 * H + 2 * inter, H  # rows of [.., H]-wide and [.., I]-wide matrices
-    scales = rows_h * _groups(H, group_size) + rows_i * _groups(inter, group_size)
-    return matrices + 4 * scales + 2 * vectors
+    matrices = {k: s for k, s in shapes.items() if _is_matrix(k, s)}
+    vectors = sum(_numel(s) for k, s in shapes.items() if k not in matrices)
+    scales = sum(rows * _groups(cols, group_size) for rows, cols in matrices.values())
+    return sum(map(_numel, matrices.values())) + 4 * scales + 2 * vectors
 
 
 def _groups(width: int, group: int) -> int:
     return width // group if group > 0 and width % group == 0 else 1
 
 
-def resident_params(cfg: YalmConfig) -> int:
-    """Parameters that stay resident: embedding (also the LM head), projector, output layer."""
-    V, E, H = cfg.vocab_size, cfg.embedding_size, cfg.hidden_size
-    return V * E + 2 * E + 2 * H + E * H + E + 2 * E + V
+def resident_params(cfg: ModelConfig) -> int:
+    """Parameters that stay resident: embedding (also a tied LM head), YaLM's projector, the output head."""
+    return sum(_numel(s) for module in cfg.resident_shapes().values() for s in module.values())
 
 
-def kv_bytes(cfg: YalmConfig, batch: int, slots: int, dtype_bytes: int) -> int:
+def kv_bytes(cfg: ModelConfig, batch: int, slots: int, dtype_bytes: int) -> int:
     """K and V of every layer for ``batch`` sequences of ``slots`` positions."""
-    return 2 * cfg.num_layers * batch * slots * cfg.hidden_size * dtype_bytes
+    return 2 * cfg.num_layers * batch * slots * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
-def activation_bytes(cfg: YalmConfig, batch: int, rows: int, tokens: int, slots: int, dtype_bytes: int) -> int:
+def activation_bytes(cfg: ModelConfig, batch: int, rows: int, tokens: int, slots: int, dtype_bytes: int) -> int:
     """Peak activations of one layer: the whole batch's residual stream plus one micro-batch's temporaries."""
     H, inter, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    kv_width = cfg.num_key_value_heads * cfg.head_dim
     stream = 2 * batch * tokens * H
-    temps = rows * tokens * (9 * H + 4 * inter) + 2 * rows * n * tokens * slots + 2 * rows * slots * H
+    temps = rows * tokens * (9 * H + 4 * inter) + 2 * rows * n * tokens * slots + 2 * rows * slots * kv_width
     return (stream + temps) * dtype_bytes
 
 
@@ -186,7 +201,7 @@ def activation_bytes(cfg: YalmConfig, batch: int, rows: int, tokens: int, slots:
 
 
 def plan(
-    cfg: YalmConfig,
+    cfg: ModelConfig,
     work: Work,
     machine: Machine,
     *,
@@ -247,7 +262,7 @@ def _descending(cap: int) -> list[int]:
     return sizes
 
 
-def _rebalance(cfg: YalmConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int, cap: int) -> Plan:
+def _rebalance(cfg: ModelConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int, cap: int) -> Plan:
     """Grow the batch between the found power of two and the cap, then even out the batches."""
     lo, hi = p.batch_size, min(cap, 2 * p.batch_size - 1)
     while lo < hi:
@@ -261,7 +276,7 @@ def _rebalance(cfg: YalmConfig, work: Work, machine: Machine, p: Plan, ram: int,
 
 
 def _try(
-    cfg: YalmConfig,
+    cfg: ModelConfig,
     work: Work,
     machine: Machine,
     weight_dtype: str,
@@ -294,7 +309,7 @@ def _try(
     # The largest prefill micro-batch whose activations fit next to everything else.
     fixed = sum(compute_tier.values())
     if cuda and kv_home == "cpu":
-        fixed += 2 * batch * slots * cfg.hidden_size * c  # one layer's K/V copied up for attention
+        fixed += 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim * c  # one layer's K/V copied up
     decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
     micro = 0
     for rows in range(batch, 0, -1):
@@ -339,7 +354,7 @@ def _try(
 
 
 def _times(
-    cfg: YalmConfig,
+    cfg: ModelConfig,
     work: Work,
     machine: Machine,
     lb: int,
@@ -350,7 +365,8 @@ def _times(
     c: int,
 ) -> tuple[float, float]:
     """(prefill seconds per batch, decode seconds per step): per layer max(I/O, compute), times layers."""
-    L, H = cfg.num_layers, cfg.hidden_size
+    L = cfg.num_layers
+    q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     cuda = machine.has_gpu
     io = 0.0
     if home == "disk":
@@ -363,11 +379,11 @@ def _times(
     mean_slots = P + work.max_new_tokens / 2
 
     def compute(tokens: int, slots: float) -> float:
-        return (2 * batch * tokens * layer_params(cfg) + 4 * batch * tokens * slots * H) / flops
+        return (2 * batch * tokens * layer_params(cfg) + 4 * batch * tokens * slots * q_width) / flops
 
     kv_move = 0.0
     if cuda and kv_home == "cpu":
-        kv_move = 2 * batch * mean_slots * H * c / machine.h2d_bps
+        kv_move = 2 * batch * mean_slots * kv_width * c / machine.h2d_bps
     prefill = L * max(io, compute(P, P) + convert)
     decode = L * max(io, compute(1, mean_slots) + convert + kv_move)
     return prefill, decode

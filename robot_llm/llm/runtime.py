@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import PRESETS, YalmConfig
+from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 
 if TYPE_CHECKING:
     from robot_llm.llm.generate import Completion, SamplingParams
@@ -76,14 +76,14 @@ class ModelSettings:
 class LoadedModel:
     """An open model: tokenizer, engine, and generation/scoring with planned batch sizes."""
 
-    def __init__(self, settings: ModelSettings, model: object, config: YalmConfig, model_id: str) -> None:
-        from robot_llm.llm.tokenizer import YalmTokenizer
+    def __init__(self, settings: ModelSettings, model: object, config: ModelConfig, model_id: str) -> None:
+        from robot_llm.llm.tokenizer import load_tokenizer
 
         self.settings = settings
         self.model = model
         self.config = config
         self.model_id = model_id
-        self.tokenizer = YalmTokenizer(settings.vocab)
+        self.tokenizer = load_tokenizer(settings.vocab)
 
     def generate(
         self,
@@ -150,7 +150,7 @@ def _dtype_name(dtype: object) -> str:
     return {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}[str(dtype)]
 
 
-def _config(settings: ModelSettings) -> YalmConfig:
+def _config(settings: ModelSettings) -> ModelConfig:
     if settings.store is not None:
         from robot_llm.llm.store import read_manifest
 
@@ -164,9 +164,9 @@ def _config(settings: ModelSettings) -> YalmConfig:
     raise RobotLLMError(f"{settings.checkpoint} has no config.json; set preset (e.g. yalm-100b)")
 
 
-def _model_id(config: YalmConfig, weights: Path, weights_dtype: str) -> str:
+def _model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
     """``<preset or yalm-custom>/<weights dtype>@<digest>``; the digest pins the exact weights when known."""
-    name = next((n for n, c in PRESETS.items() if c == config), "yalm-custom")
+    name = next((n for n, c in PRESETS.items() if c == config), f"{config.family}-custom")
     manifest = weights / "manifest.json"
     source = manifest.read_bytes() if manifest.is_file() else json.dumps(config.to_dict(), sort_keys=True).encode()
     return f"{name}/{weights_dtype}@{hashlib.sha256(source).hexdigest()[:12]}"
@@ -200,7 +200,7 @@ def open_model(settings: ModelSettings) -> LoadedModel:
     return LoadedModel(settings, model, config, _model_id(config, source, dtype))
 
 
-def _open_stream(settings: ModelSettings, config: YalmConfig) -> LoadedModel:
+def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
     from robot_llm.llm.engine import StreamingModel
     from robot_llm.llm.planner import Work, detect_machine, plan
     from robot_llm.llm.store import MANIFEST, Store, convert

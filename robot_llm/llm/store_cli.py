@@ -145,8 +145,12 @@ def add_engine_commands(model_sub: Any) -> None:
     conv = model_sub.add_parser("convert", help="convert a release checkpoint into a streaming weight store")
     conv.add_argument("release_dir", type=Path, help="release checkpoint folder")
     conv.add_argument("store_dir", type=Path, help="store folder to write (resumes an unfinished one)")
-    conv.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "int8"], default="fp16", help="default: %(default)s")
-    conv.add_argument("--group-size", type=int, default=64, help="int8 scale group (0 = per-channel; default 64)")
+    conv.add_argument(
+        "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="default: %(default)s"
+    )
+    conv.add_argument(
+        "--group-size", type=int, default=64, help="scale group (int8: 0 = per-channel; int4: 2..128; default 64)"
+    )
     conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
     conv.set_defaults(handler=_convert)
@@ -158,7 +162,9 @@ def add_engine_commands(model_sub: Any) -> None:
     pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")
     pl.add_argument("--preset", choices=sorted(PRESETS), help="model (or --store)")
     pl.add_argument("--store", type=Path, help="a converted store (its config; measures its read bandwidth)")
-    pl.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "int8"], default="fp16", help="stored weight dtype")
+    pl.add_argument(
+        "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="stored weight dtype"
+    )
     pl.add_argument("--prompts", type=int, default=300, help="number of prompts (default: %(default)s)")
     pl.add_argument(
         "--prompt-tokens", type=int, default=512, help="longest prompt, BOS included (default: %(default)s)"

@@ -13,8 +13,9 @@ import torch
 from robot_llm.llm.backends.deepspeed import DeepSpeedModel
 from robot_llm.llm.cli import check_fixture
 from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.family import random_weights
 from robot_llm.llm.store import write_store
-from robot_llm.llm.yalm import Yalm, random_weights
+from robot_llm.llm.yalm import Yalm
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -41,8 +42,8 @@ def test_nvme_offload_writes_swap_files_and_matches_the_model(tmp_path: Path) ->
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     weights = random_weights(NVME_CONFIG, seed=3)
-    modules = [("embedding", 0, weights.embedding), ("projector", 0, weights.projector)]
-    modules += [("layer", i, p) for i, p in enumerate(weights.layers)] + [("output", 0, weights.output)]
+    modules = [("embedding", 0, weights.resident["embedding"]), ("projector", 0, weights.resident["projector"])]
+    modules += [("layer", i, p) for i, p in enumerate(weights.layers)] + [("output", 0, weights.resident["output"])]
     write_store(tmp_path / "store", NVME_CONFIG, modules, dtype="fp32")
     model = DeepSpeedModel(tmp_path / "store", NVME_CONFIG, offload="nvme", dtype="fp32", offload_dir=tmp_path / "nvme")
     swapped = [p for p in model.engine.module.parameters() if p.ds_tensor.final_location == OffloadDeviceEnum.nvme]

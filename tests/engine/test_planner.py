@@ -19,6 +19,8 @@ def test_layer_sizes_match_the_release() -> None:
     # docs/yalm-model.md §8: 2,516,957,872 bytes per fp16 layer.
     assert layer_bytes(YALM, "fp16") == 2_516_957_872
     assert 0.5 < layer_bytes(YALM, "int8") / layer_bytes(YALM, "fp16") < 0.55
+    # int4 at group 64: 4 bits + 32 bits of fp16 step and minimum per 64 weights = 4.5 bits (anchors: 0.71 GB).
+    assert 0.705e9 < layer_bytes(YALM, "int4") < 0.712e9
 
 
 def test_refuses_a_machine_too_small_for_one_sequence() -> None:

@@ -39,9 +39,12 @@ def test_runtime_refuses_a_ram_home_over_budget(tiny_dir: Path, stores: dict[str
         open_model(settings)
 
 
-def test_convert_verify_commands(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_convert_verify_commands(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: str
+) -> None:
     store = tmp_path / "store"
-    assert main(["model", "convert", str(tiny_dir), str(store), "--dtype", "int8"]) == 0
+    assert main(["model", "convert", str(tiny_dir), str(store), "--dtype", dtype]) == 0
     assert main(["model", "verify", str(store)]) == 0
     assert "OK" in capsys.readouterr().out
     path = store / "output.safetensors"
@@ -58,3 +61,5 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     assert "batch size" in out and "weights homed in disk" in out and "estimated time" in out
     assert main(["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "4", "--ram-gb", "16"]) == 1
     assert "refused" in capsys.readouterr().out
+    assert main([*args, "--dtype", "int4"]) == 0
+    assert "weights stored as int4" in capsys.readouterr().out

@@ -114,11 +114,16 @@ def gzipped(body: bytes) -> bytes:
     return gzip.compress(body)
 
 
-def rss(*items: str, encoding: str = "utf-8", title: str = "Test feed") -> bytes:
-    """An RSS 2.0 document with the given ``<item>`` bodies, encoded as declared."""
+def rss(*items: str, encoding: str = "utf-8", title: str = "Test feed", declare: str | None = "") -> bytes:
+    """An RSS 2.0 document with the given ``<item>`` bodies in ``encoding``.
+
+    The XML declaration names ``declare``: by default ``encoding`` itself; None leaves the
+    encoding undeclared (feeds in the wild do both, and declare wrongly too).
+    """
     inner = "".join(f"<item>{i}</item>" for i in items)
+    declared = "" if declare is None else f' encoding="{declare or encoding}"'
     text = (
-        f'<?xml version="1.0" encoding="{encoding}"?>\n<rss version="2.0"><channel><title>{title}</title>'
+        f'<?xml version="1.0"{declared}?>\n<rss version="2.0"><channel><title>{title}</title>'
         f"<link>https://example.org/</link><description>d</description>{inner}</channel></rss>"
     )
     return text.encode(encoding)

@@ -13,34 +13,6 @@ TAGGER = Tagger.from_instruments(InstrumentConfig(**i) for i in INSTRUMENTS)
 FEED = FeedConfig(name="t", url="https://example.org/feed")
 
 
-def _undeclared_1251() -> bytes:
-    doc = rss(item("Акции Сбербанка выросли на новостях о дивидендах", guid="1", text="Подробности позже."))
-    return doc.decode("utf-8").replace(' encoding="utf-8"', "").encode("cp1251")
-
-
-@pytest.mark.parametrize("content_type", ["application/xml", "text/xml; charset=iso-8859-1"])
-def test_windows_1251_without_a_usable_declaration_is_not_mojibake(content_type: str) -> None:
-    parsed = parse_feed(_undeclared_1251(), {"content-type": content_type}, feed=FEED, tagger=TAGGER)
-    (entry,) = parsed.entries
-    assert entry.title == "Акции Сбербанка выросли на новостях о дивидендах"
-    assert entry.tickers == ("SBER",)
-    assert any("decoded as windows-1251" in w for w in parsed.warnings)
-
-
-def test_latin_1_french_is_left_as_latin_1() -> None:
-    title = "Les actions de la Société Générale ont progressé après les résultats"
-    doc = rss(item(title, guid="1"), encoding="iso-8859-1")
-    (entry,) = parse_feed(doc, {"content-type": "application/xml"}, feed=FEED, tagger=TAGGER).entries
-    assert entry.title == title
-
-
-def test_declared_windows_1251_with_a_wrong_http_charset() -> None:
-    doc = rss(item("«Газпром» и ЛУКОЙЛ", guid="1"), encoding="windows-1251")
-    parsed = parse_feed(doc, {"content-type": "text/xml; charset=utf-8"}, feed=FEED, tagger=TAGGER)
-    assert parsed.entries[0].title == "«Газпром» и ЛУКОЙЛ"
-    assert parsed.entries[0].tickers == ("GAZP", "LKOH")
-
-
 def test_atom_relative_links_title_from_summary_and_feed_tickers() -> None:
     doc = b"""<?xml version="1.0" encoding="utf-8"?>
 <feed xmlns="http://www.w3.org/2005/Atom"><title>t</title><id>urn:x</id><updated>2026-11-27T10:00:00Z</updated>

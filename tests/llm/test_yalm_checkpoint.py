@@ -20,7 +20,6 @@ from robot_llm.llm.checkpoint import (
     save_release,
 )
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.yalm import layer_shapes, release_shapes
 
 LAYER_04 = "layer_04-model_00-model_states.pt"
 
@@ -48,14 +47,14 @@ def test_plan_follows_release_numbering(tiny_config: YalmConfig) -> None:
     assert [n[6:8] for n in names] == ["00", "01", "03", "04", "06"]
     kinds = [(k, i) for k, i, _, _ in module_plan(tiny_config)]
     assert kinds == [("embedding", 0), ("projector", 0), ("layer", 0), ("layer", 1), ("output", 0)]
-    assert "input_layernorm.weight" not in layer_shapes(tiny_config, 0)
-    assert "input_layernorm.weight" in layer_shapes(tiny_config, 1)
+    assert "input_layernorm.weight" not in tiny_config.layer_shapes(0)
+    assert "input_layernorm.weight" in tiny_config.layer_shapes(1)
 
 
 def test_release_parameter_count() -> None:
     cfg = YalmConfig.preset("yalm-100b")
-    total = sum(torch.Size(s).numel() for m in release_shapes(cfg).values() for s in m.values())
-    total += sum(torch.Size(s).numel() for i in range(cfg.num_layers) for s in layer_shapes(cfg, i).values())
+    total = sum(torch.Size(s).numel() for m in cfg.resident_shapes().values() for s in m.values())
+    total += sum(torch.Size(s).numel() for i in range(cfg.num_layers) for s in cfg.layer_shapes(i).values())
     assert total == 100_961_568_640
 
 
@@ -64,7 +63,7 @@ def test_iterates_one_module_at_a_time(tiny_dir: Path, tiny_config: YalmConfig) 
     assert [s[:2] for s in seen] == [("embedding", 0), ("projector", 0), ("layer", 0), ("layer", 1), ("output", 0)]
     assert seen[0][2] == ["word_embeddings.weight"]
     loaded = load_release(tiny_dir / "weights", tiny_config)
-    assert loaded.embedding["word_embeddings.weight"].dtype == torch.float16
+    assert loaded.resident["embedding"]["word_embeddings.weight"].dtype == torch.float16
     assert len(loaded.layers) == 2
 
 

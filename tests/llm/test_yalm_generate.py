@@ -24,11 +24,11 @@ GREEDY12 = SamplingParams(max_new_tokens=12, greedy=True)
 
 def _eos_model(model: Yalm) -> Yalm:
     """The fixture model with a huge output bias on EOS, so that the first generated token is EOS."""
-    output = dict(model.weights.output)
+    output = dict(model.weights.resident["output"])
     bias = output["output_bias"].clone()
     bias[2] = 1000.0
     output["output_bias"] = bias
-    weights = dataclasses.replace(model.weights, output=output)
+    weights = dataclasses.replace(model.weights, resident={**model.weights.resident, "output": output})
     return Yalm(model.config, weights, dtype=model.dtype)
 
 

@@ -9,9 +9,10 @@ import torch
 
 from robot_llm.llm.checkpoint import save_release
 from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.family import random_weights
 from robot_llm.llm.generate import SamplingParams, generate, score
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm, random_weights
+from robot_llm.llm.yalm import Yalm
 
 SHAPES = {
     # E == H (no projector padding), 3 layers, 6 heads of 8, padded vocabulary rows beyond the 600 pieces.

@@ -20,7 +20,7 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import YalmConfig
 
 if TYPE_CHECKING:
-    from robot_llm.llm.yalm import ForwardModel
+    from robot_llm.llm.family import ForwardModel
 
 
 @dataclass(frozen=True)

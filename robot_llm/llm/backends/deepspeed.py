@@ -40,18 +40,9 @@ from torch import Tensor, nn
 from robot_llm.llm.backends import BackendError, ModelRequest
 from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.store import MANIFEST, Store
-from robot_llm.llm.yalm import (
-    KVCache,
-    Params,
-    Rope,
-    StepInfo,
-    embed,
-    output_head,
-    prepare_step,
-    resolve_dtype,
-    transformer_layer,
-)
+from robot_llm.llm.family import KVCache, Params, StepInfo, prepare_step, resolve_dtype
+from robot_llm.llm.store import MANIFEST, QUANTIZED, Store
+from robot_llm.llm.yalm import embed, output_head, rope, transformer_layer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +80,7 @@ class _Embedding(_Module):
         p = self.params()
         emb = {"word_embeddings.weight": p["embedding.word_embeddings.weight"]}
         proj = {k.removeprefix("projector."): t for k, t in p.items() if k.startswith("projector.")}
-        return embed(ids, emb, proj, self.cfg)
+        return embed(ids, {"embedding": emb, "projector": proj}, self.cfg)
 
 
 class _Layer(_Module):
@@ -109,7 +100,9 @@ class _Head(_Module):
         self.tied = [tied]  # a list keeps the shared weight out of this module's own parameters
 
     def forward(self, x: Tensor) -> Tensor:
-        return output_head(x, self.params(), self.tied[0], self.cfg)
+        return output_head(
+            x, {"output": self.params(), "embedding": {"word_embeddings.weight": self.tied[0]}}, self.cfg
+        )
 
 
 class YalmZero(nn.Module):
@@ -196,8 +189,10 @@ def _modules(checkpoint: Path, cfg: YalmConfig, trust_pickle: bool) -> Iterator[
         yield from iter_release_modules(checkpoint, cfg, trust_pickle=trust_pickle)
         return
     store = Store(checkpoint)
-    if store.manifest.dtype == "int8":
-        raise BackendError(f"{checkpoint}: the deepspeed engine needs a float store, this one is int8")
+    if store.manifest.dtype in QUANTIZED:
+        raise BackendError(
+            f"{checkpoint}: the deepspeed engine needs a float store, this one is {store.manifest.dtype}"
+        )
     for kind, index, _, _ in module_plan(cfg):
         yield kind, index, store.load(kind, index)
 
@@ -235,7 +230,7 @@ class DeepSpeedModel:
         self.ds_config = ds_config(
             cfg, offload=offload, dtype=self.dtype, nvme_path=nvme_path, pin_memory=self.device.type == "cuda"
         )
-        self.rope = Rope.build(cfg, self.device)
+        self.rope = rope(cfg)
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
             module = YalmZero(cfg, self.dtype)
         self._load(module, Path(checkpoint), trust_pickle)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from robot_llm.llm.backends import BackendError, ModelRequest
-from robot_llm.llm.yalm import DTYPES, Yalm
+from robot_llm.llm.family import DTYPES
+from robot_llm.llm.yalm import Yalm
 
 
 def create(request: ModelRequest) -> Yalm:
