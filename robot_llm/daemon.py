@@ -216,6 +216,10 @@ class Daemon:
 
     def build_scheduler(self, config: AppConfig) -> BlockingScheduler:
         """A (not yet started) scheduler with every job of ``config``, all in ``config.timezone``."""
+        if config.report.html_dir is not None:
+            from robot_llm.report_html import require_plotly
+
+            require_plotly()  # report.html_dir without the report extra: say so at start, not at 08:45
         scheduler = BlockingScheduler(
             timezone=config.tz,
             jobstores={"default": MemoryJobStore()},

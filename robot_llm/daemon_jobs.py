@@ -97,4 +97,9 @@ def morning_report(config: AppConfig, engine: Engine) -> None:
     """Log the morning report (``report_job`` records its own 'report' Run)."""
     from robot_llm.report import format_report, report_job
 
-    log.info("morning report:\n%s", format_report(report_job(config, engine), config))
+    report = report_job(config, engine)
+    log.info("morning report:\n%s", format_report(report, config))
+    if config.report.html_dir is not None:
+        from robot_llm.report_html import write_morning
+
+        log.info("morning report page: %s", write_morning(config, engine, report.day))

@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
 from robot_llm.llm.family import KVCache, LayerKV, Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.quant import dequantize_int4_into
 from robot_llm.llm.store import (
@@ -111,7 +112,10 @@ class StreamingModel:
     the KV cache on the compute device or in CPU RAM. ``micro_batch`` splits the
     rows of a multi-token (prefill) step so activations stay bounded while each
     layer is still read once for the whole batch. ``prefetch=False`` reads
-    synchronously (the naive schedule, for comparison).
+    synchronously (the naive schedule, for comparison). ``ram_layers`` splits
+    a disk home: the first that many layers are held in RAM, the rest streamed
+    (for RAM that holds part of the model). ``read_depth`` is how many large
+    reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
     """
 
     def __init__(
@@ -125,6 +129,8 @@ class StreamingModel:
         micro_batch: int | None = None,
         prefetch: bool = True,
         drop_cache: bool = True,
+        ram_layers: int = 0,
+        read_depth: int = DEFAULT_DEPTH,
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -138,7 +144,12 @@ class StreamingModel:
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
         self.micro_batch = micro_batch
         self.prefetch = prefetch
-        self.drop_cache = drop_cache and home == "disk"
+        if home not in ("disk", "ram"):
+            raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
+        self.ram_layers = cfg.num_layers if home == "ram" else max(0, min(ram_layers, cfg.num_layers))
+        streams = self.ram_layers < cfg.num_layers
+        self.drop_cache = drop_cache and streams
+        self.read_depth = read_depth
         self.stats = StreamStats()
         self.rope = self.family.rope(cfg)
         self.resident: Resident = {
@@ -147,18 +158,16 @@ class StreamingModel:
         }
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
+        self._io = io_pool(read_depth) if read_depth > 1 else None
         # Disk slots take whole files (O_DIRECT reads from offset 0); RAM-homed layers hold data sections.
-        slot_bytes = max(direct_span(layout) if home == "disk" else layout.data_size for layout in self.layouts)
-        # RAM home: every layer's bytes once in CPU memory (views are used in place on the CPU).
-        self.ram: list[Tensor] | None = None
-        if home == "ram":
-            self.ram = []
-            for path, layout in zip(self.paths, self.layouts, strict=True):
-                buf = torch.empty(layout.data_size, dtype=torch.uint8)
-                read_into(path, layout, buf)
-                self.ram.append(buf)
-        elif home != "disk":
-            raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
+        slot_bytes = max(
+            layout.data_size if i < self.ram_layers else direct_span(layout) for i, layout in enumerate(self.layouts)
+        )
+        # RAM-homed layers: their bytes once in CPU memory (views are used in place on the CPU).
+        self.ram: list[Tensor | None] = [None] * cfg.num_layers
+        for i in range(self.ram_layers):
+            held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
+            read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
         # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots.
         shared = self._compute_buffers()
@@ -174,7 +183,7 @@ class StreamingModel:
 
     def _new_slot(self, nbytes: int) -> _Slot:
         host = None
-        if self.home == "disk":
+        if self.ram_layers < self.config.num_layers:
             host = aligned_buffer(nbytes, pin_memory=self.cuda)
         device = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if self.cuda else None
         return _Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
@@ -202,20 +211,28 @@ class StreamingModel:
 
         On the CPU the slot ends with the layer's compute-dtype weights in ``slot.params``.
         """
-        layout = self.layouts[layer]
-        if self.ram is not None and not self.cuda:
+        layout, ram = self.layouts[layer], self.ram[layer]
+        if ram is not None and not self.cuda:
             # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
-            slot.params = self._to_compute(layout, self.ram[layer], slot.buffers)
+            slot.params = self._to_compute(layout, ram, slot.buffers)
             return 0
         started = time.perf_counter()
         size = layout.data_size
-        if self.ram is None:
+        if ram is None:
             assert slot.host is not None
-            slot.offset = read_into(self.paths[layer], layout, slot.host, direct=True, drop_cache=self.drop_cache)
+            slot.offset = read_into(
+                self.paths[layer],
+                layout,
+                slot.host,
+                direct=True,
+                drop_cache=self.drop_cache,
+                pool=self._io,
+                depth=self.read_depth,
+            )
             source = slot.host
         else:
             slot.offset = 0
-            source = self.ram[layer]
+            source = ram
         if self.cuda:
             assert self._copy_stream is not None and slot.device is not None and slot.free is not None
             with torch.cuda.stream(self._copy_stream):
@@ -346,8 +363,11 @@ class StreamingModel:
                 slot.ready = None
 
     def close(self) -> None:
-        """Finish the outstanding read and stop the reader thread."""
+        """Finish the outstanding read and stop the reader threads."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         self._prefetched = None

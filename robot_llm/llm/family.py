@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.config import ModelConfig, module_plan
+from robot_llm.llm.slots import SlotState, StepLayout
 
 Params = dict[str, Tensor]
 Resident = dict[str, Params]
@@ -75,14 +76,19 @@ class KVCache:
     """Per-layer rotated keys and values of every processed slot.
 
     ``k[i]``/``v[i]`` are preallocated ``[B, max_len, kv_heads, head_dim]`` tensors for
-    layer ``i``; slots ``0 .. length-1`` are filled. ``pad[b]`` (CPU long tensor) is the
+    layer ``i``; slots ``0 .. length-1`` are written. ``pad[b]`` (CPU long tensor) is the
     number of left-pad slots of row ``b``; those slots are never attended to.
+    ``slots`` says which written slots belong to their row and at which position (see
+    :mod:`robot_llm.llm.slots`): a finished row is masked rather than copied out, and
+    ``layout``, when set, is the layout of the next step instead of a plain append.
     """
 
     k: list[Tensor]
     v: list[Tensor]
     pad: Tensor
+    slots: SlotState
     length: int = 0
+    layout: StepLayout | None = None
 
     @classmethod
     def allocate(
@@ -102,7 +108,7 @@ class KVCache:
         pad_t = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to("cpu", torch.long)
         if pad_t.shape != (batch,):
             raise ValueError(f"pad must have shape ({batch},), got {tuple(pad_t.shape)}")
-        return cls(k=k, v=v, pad=pad_t, length=0)
+        return cls(k=k, v=v, pad=pad_t, slots=SlotState.empty(batch, max_len, pad_t), length=0)
 
     @property
     def batch(self) -> int:
@@ -118,20 +124,22 @@ class KVCache:
         """The cache view handed to a family's layer function for layer ``index``."""
         return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
 
-    def advance(self, steps: int) -> None:
-        """Record that every layer has written ``steps`` more slots."""
+    def step_layout(self, steps: int) -> StepLayout:
+        """The layout of the next step of ``steps`` tokens: the one set in ``layout``, else a plain append."""
         if self.length + steps > self.max_len:
             raise ValueError(f"KV cache overflow: {self.length} + {steps} > {self.max_len} slots")
-        self.length += steps
+        if self.layout is None:
+            return self.slots.append_layout(self.length, steps)
+        if tuple(self.layout.real.shape) != (self.batch, steps):
+            raise ValueError(
+                f"the step layout is for {tuple(self.layout.real.shape)} tokens, got {(self.batch, steps)}"
+            )
+        return self.layout
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed in ``rows`` (in that order); used when sequences finish."""
-        index = torch.tensor(rows, dtype=torch.long)
-        for i in range(len(self.k)):
-            dev = self.k[i].device
-            self.k[i] = self.k[i].index_select(0, index.to(dev))
-            self.v[i] = self.v[i].index_select(0, index.to(dev))
-        self.pad = self.pad.index_select(0, index)
+    def advance(self, steps: int) -> None:
+        """Record that every layer has written ``steps`` more slots (a step's unkept tail is reused)."""
+        self.length = self.slots.commit(self.length, self.step_layout(steps))
+        self.layout = None
 
 
 @dataclass(frozen=True)
@@ -199,36 +207,38 @@ def prepare_step(
 
     ``rope`` maps each rotary table's name to its float32 inverse frequencies
     ``[head_dim / 2]`` (:attr:`Family.rope`). With a cache, ``pad`` must be None (the
-    cache's pads are used) and the step covers slots ``cache.length ..
-    cache.length + num_tokens - 1``. Without a cache, ``pad`` (default: no padding)
-    describes the left padding of the ``batch`` rows.
+    cache's slot state is used) and the step covers slots ``cache.length ..
+    cache.length + num_tokens - 1``, laid out by :meth:`KVCache.step_layout`. Without
+    a cache, ``pad`` (default: no padding) describes the left padding of the ``batch`` rows.
     """
     if cache is not None:
         if pad is not None:
             raise ValueError("pass the padding through the cache, not both")
-        pad_t, start = cache.pad, cache.length
+        layout = cache.step_layout(num_tokens)
+        positions = layout.positions
+        mask = cache.slots.forbidden(cache.length, layout)
+        key_pos = cache.slots.key_positions(cache.length, layout)
     else:
         if pad is None:
             if batch is None:
                 raise ValueError("prepare_step needs pad or batch when there is no cache")
             pad = torch.zeros(batch, dtype=torch.long)
-        pad_t, start = pad.to("cpu", torch.long), 0
-    end = start + num_tokens
-    slots = torch.arange(start, end)
-    positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
+        pad_t = pad.to("cpu", torch.long)
+        slots = torch.arange(num_tokens)
+        positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
+        future = slots[None, :] > slots[:, None]  # [T, S]
+        padded = (slots[None, :] < pad_t[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        mask = future[None, None] | padded
+        key_pos = positions
     if int(positions.max()) >= cfg.max_position_embeddings:
         raise ValueError(
             f"position {int(positions.max())} exceeds max_position_embeddings {cfg.max_position_embeddings}"
         )
-    keys = torch.arange(end)
-    future = keys[None, :] > slots[:, None]  # [T, S]
-    padded = (keys[None, :] < pad_t[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    mask = future[None, None] | padded
     windows = {}
     for w in {cfg.sliding_window(i) for i in range(cfg.num_layers)} - {None}:
         assert w is not None
-        too_far = keys[None, :] <= slots[:, None] - w  # a key w or more positions back
-        windows[w] = (mask | too_far[None, None]).to(device)
+        too_far = key_pos[:, None, :] <= positions[:, :, None] - w  # a key w or more positions back
+        windows[w] = (mask | too_far[:, None]).to(device)
     positions = positions.to(device)
     rotary = {}
     for name, inv_freq in rope.items():

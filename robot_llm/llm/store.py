@@ -30,6 +30,7 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from torch import Tensor
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.checkpoint import iter_release_modules
 from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, config_from_dict, module_plan
+from robot_llm.llm.diskio import DEFAULT_DEPTH, MAX_CHUNK, io_pool, read_span
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import check_group_size, int4_bytes, int4_groups, quantize_int4
 
@@ -518,7 +520,14 @@ def aligned_buffer(nbytes: int, *, pin_memory: bool = False) -> Tensor:
 
 
 def read_into(
-    path: str | Path, layout: FileLayout, buffer: Tensor, *, direct: bool = False, drop_cache: bool = False
+    path: str | Path,
+    layout: FileLayout,
+    buffer: Tensor,
+    *,
+    direct: bool = False,
+    drop_cache: bool = False,
+    pool: Executor | None = None,
+    depth: int = 1,
 ) -> int:
     """Read a file's data section into the uint8 CPU ``buffer``; returns where the data starts in it.
 
@@ -528,7 +537,8 @@ def read_into(
     the same cores. The data then starts at ``layout.data_offset``. Where the file system
     refuses O_DIRECT (tmpfs) it falls back to a buffered read at offset 0. ``drop_cache``
     makes a buffered read forget the file's pages afterwards, so weights homed on disk
-    do not silently occupy RAM as page cache.
+    do not silently occupy RAM as page cache. With a ``pool`` of reader threads the
+    file is read as ``depth`` large requests in flight (:func:`robot_llm.llm.diskio.read_span`).
     """
     size = layout.data_size
     fd = -1
@@ -545,13 +555,7 @@ def read_into(
         os.posix_fadvise(fd, start, size, os.POSIX_FADV_SEQUENTIAL)
     view = memoryview(buffer.numpy()).cast("B")[:length]
     try:
-        pos = 0
-        while pos < length:
-            n = os.preadv(fd, [view[pos:]], start + pos)
-            if n <= 0:
-                break
-            pos += n
-        if pos < offset + size:
+        if read_span(fd, view, start, pool, depth) < offset + size:
             raise StoreError(f"{path}: file is shorter than its header says")
         if drop_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -570,24 +574,27 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def measure_read_bandwidth(path: str | Path, chunk: int = 64 << 20) -> float:
-    """Raw sequential read bandwidth of one file in bytes/s: O_DIRECT in large chunks (page cache
-    dropped first and after, buffered, where O_DIRECT is refused)."""
+def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH) -> float:
+    """Raw sequential read bandwidth of one file in bytes/s: O_DIRECT, ``depth`` large requests in
+    flight like fio's ``--iodepth`` (page cache dropped first and after; buffered where O_DIRECT is refused)."""
     path = Path(path)
     drop_page_cache([path])
-    view = memoryview(aligned_buffer(chunk).numpy()).cast("B")
+    window = min(depth * MAX_CHUNK, _round_up(path.stat().st_size))
+    view = memoryview(aligned_buffer(window).numpy()).cast("B")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         fd = os.open(path, os.O_RDONLY)
     total = 0
+    pool = io_pool(depth)
     try:
         started = time.perf_counter()
-        while n := os.preadv(fd, [view], total):
+        while n := read_span(fd, view, total, pool, depth):
             total += n
         elapsed = time.perf_counter() - started
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
+        pool.shutdown()
         os.close(fd)
     return total / max(elapsed, 1e-9)
 
