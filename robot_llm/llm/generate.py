@@ -201,8 +201,8 @@ class _Tree:
         return self.trunk + [t for branch in self.branches for t in branch]
 
 
-def _tree_width(tokenizer: Tokenizer, followup: Followup | None) -> int:
-    """The most step tokens a row's followup may take (0 without one)."""
+def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
+    """The most tokens (and KV slots) the step scoring a row's followup from its cache may take (0 without one)."""
     if followup is None:
         return 0
     pieces = [len(tokenizer.encode_pieces_ids(c)) for c in followup.continuations]
@@ -255,7 +255,7 @@ def _run_batch(model: ForwardModel, tokenizer: Tokenizer, rows: list[_Row], on_s
     ids = torch.full((len(rows), width), tokenizer.eos_id, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-    tree_width = max(_tree_width(tokenizer, r.followup) for r in rows)
+    tree_width = max(followup_slots(tokenizer, r.followup) for r in rows)
     max_pos = model.config.max_position_embeddings
     # The last token of a row is never fed back, hence width + budget - 1 slots, plus one tree step.
     cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1 + tree_width, pad)

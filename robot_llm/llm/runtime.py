@@ -23,7 +23,7 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 
 if TYPE_CHECKING:
-    from robot_llm.llm.generate import Completion, SamplingParams
+    from robot_llm.llm.generate import Completion, Followup, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +91,39 @@ class LoadedModel:
         params: SamplingParams | Sequence[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
         on_step: Callable[[], None] | None = None,
+        followups: Sequence[Followup | None] | None = None,
     ) -> list[Completion]:
-        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`."""
-        from robot_llm.llm.generate import SamplingParams, generate
+        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`.
+
+        ``on_step`` is called after every forward pass and, with the stream engine, after
+        every layer of it too (one pass of a big batch can outlast the watchdog's patience).
+        """
+        from robot_llm.llm.engine import StreamingModel
+        from robot_llm.llm.generate import SamplingParams, followup_slots, generate
 
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         prompt_tokens = max((len(self.tokenizer.encode(p)) for p in prompts), default=1)
         new_tokens = max((p.max_new_tokens for p in per_prompt), default=0)
-        batch = self._prepare(len(prompts), prompt_tokens, new_tokens)
-        return generate(
-            self.model, self.tokenizer, prompts, params, batch_size=batch, on_progress=on_progress, on_step=on_step
-        )
+        # The step that scores followups from the cache takes a few slots more per row.
+        extra = max((followup_slots(self.tokenizer, f) for f in followups or ()), default=0)
+        batch = self._prepare(len(prompts), prompt_tokens, new_tokens + extra)
+        streaming = isinstance(self.model, StreamingModel)
+        if streaming:
+            self.model.on_layer = on_step
+        try:
+            return generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                params,
+                batch_size=batch,
+                on_progress=on_progress,
+                on_step=on_step,
+                followups=followups,
+            )
+        finally:
+            if streaming:
+                self.model.on_layer = None
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
         """Sum of log-probabilities of each continuation after ``prompt``."""
