@@ -279,7 +279,7 @@ def stance_from_logprobs(labels: Sequence[tuple[str, float]], logprobs: Sequence
     best = max(range(len(labels)), key=lambda i: probs[i])
     return StanceResult(
         stance=sum(p * value for p, (_, value) in zip(probs, labels, strict=True)),
-        label=labels[best][0],
+        label=labels[best][0].strip(),  # the word; the scored continuation keeps its space in label_logprobs
         score=probs[best],
         label_logprobs={name: lp for (name, _), lp in zip(labels, logprobs, strict=True)},
     )

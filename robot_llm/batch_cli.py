@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from datetime import date
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,9 +114,17 @@ def _status(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from robot_llm.report import format_report, report_job
 
+    if args.html:
+        from robot_llm.report_html import require_plotly
+
+        require_plotly()  # before anything is recorded
     config, engine = _open(args)
     try:
         report = report_job(config, engine, args.date)
+        if args.html:
+            from robot_llm.report_html import write_report
+
+            print(f"wrote {write_report(config, engine, report.day, args.html)}", file=sys.stderr)
     finally:
         engine.dispose()
     if args.json:
@@ -160,6 +169,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "--date", type=_parse_day, help="local day (YYYY-MM-DD); default: the day of the latest plan/generate run"
     )
     report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument(
+        "--html", type=Path, metavar="FILE", help="also write the morning as a self-contained HTML page with charts"
+    )
     report.set_defaults(handler=_report)
 
     doctor = sub.add_parser("doctor", parents=[common], help="preflight: check everything the night needs")

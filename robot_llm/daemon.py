@@ -674,6 +674,10 @@ class Daemon:
 
     def build_scheduler(self, config: AppConfig) -> BlockingScheduler:
         """A (not yet started) scheduler with every job of ``config``, all in ``config.timezone``."""
+        if config.report.html_dir is not None:
+            from robot_llm.report_html import require_plotly
+
+            require_plotly()  # report.html_dir without the report extra: say so at start, not at 08:45
         scheduler = BlockingScheduler(
             timezone=config.tz,
             jobstores={"default": MemoryJobStore()},
@@ -829,7 +833,12 @@ class Daemon:
         config = self.config
         from robot_llm.report import format_report, report_job
 
-        log.info("morning report:\n%s", format_report(report_job(config, self._engine), config))
+        report = report_job(config, self._engine)
+        log.info("morning report:\n%s", format_report(report, config))
+        if config.report.html_dir is not None:
+            from robot_llm.report_html import write_morning
+
+            log.info("morning report page: %s", write_morning(config, self._engine, report.day))
 
     def _nightly(self) -> None:
         config = self.config

@@ -50,7 +50,7 @@ def _run(args: argparse.Namespace) -> int:
     # JSON when either the flag or logging.format in the config asks for it.
     fmt = "json" if "json" in (getattr(args, "log_format", "text"), config.logging.format) else "text"
     level = "DEBUG" if (getattr(args, "verbose", 0) or 0) >= 2 else config.logging.level
-    setup_logging(level=level, fmt=fmt, file=config.logging.file)
+    setup_logging(level=level, fmt=fmt, file=config.logging.file, tz=config.tz)
     if level != "DEBUG":
         # APScheduler logs every job start and end at INFO; our own lines say what each job did.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)

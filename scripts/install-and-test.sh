@@ -9,7 +9,8 @@ VENV="${VENV:-.venv}"
 export VENV
 cd "$(dirname "$0")/.."
 
-bash scripts/install.sh
+# --deepspeed-ops: compile DeepSpeed's ops now, so the DeepSpeed tests do not compile them inside pytest.
+bash scripts/install.sh --deepspeed-ops
 lint=0
 "$VENV/bin/ruff" check . || lint=$?
 status=0

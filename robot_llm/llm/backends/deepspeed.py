@@ -38,6 +38,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 
 from robot_llm.llm.backends import BackendError, ModelRequest
+from robot_llm.llm.backends.deepspeed_ops import prepare_ops
 from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.family import KVCache, Params, StepInfo, prepare_step, resolve_dtype
@@ -217,6 +218,7 @@ class DeepSpeedModel:
         accel = get_accelerator()
         if self.dtype == torch.float16 and not accel.is_fp16_supported():
             raise BackendError(f"fp16 is not supported by DeepSpeed on {accel.device_name()}; use fp32 or bf16")
+        prepare_ops(offload)
         init_distributed()
         self.device = torch.device(accel.current_device_name())
         self._owned_dir = None
