@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
-from robot_llm.llm.family import KVCache, LayerKV, Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.quant import dequantize_int4_into
 from robot_llm.llm.store import (
     MIN_SUFFIX,
@@ -330,9 +330,7 @@ class StreamingModel:
             params = self._acquire(i)
             for a in range(0, B, rows):
                 b = min(a + rows, B)
-                kv = None
-                if cache is not None:
-                    kv = LayerKV(k=cache.k[i][a:b], v=cache.v[i][a:b], start=cache.length)
+                kv = cache.layer(i).rows(a, b) if cache is not None else None
                 x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
                 if self.on_layer is not None:
                     self.on_layer()
