@@ -40,19 +40,20 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from robot_llm.config import InstrumentConfig
 from robot_llm.errors import RobotLLMError
 
 __all__ = ["Tagger", "TaggingError", "word_forms"]
 
-# Not preceded / not followed by a word character of any script.
+# Not preceded / not followed by a word character of any script; a word is a run of them.
 _START = r"(?<!\w)"
 _END = r"(?!\w)"
-_STEM_ENDING = r"\w{0,3}"
+_WORD = re.compile(r"\w+")
+_STEM_LETTERS = 3  # a stem takes at most this many more letters: a Russian case ending
 _RUSSIAN_WORD = re.compile(r"[А-Яа-яЁё]+")
 # pymorphy3's grammemes for proper nouns: a reading with one of them is a name, not a word.
 _PROPER = frozenset({"Name", "Surn", "Patr", "Geox", "Orgn", "Trad"})
@@ -108,78 +109,140 @@ def _alternatives(spellings: Iterable[str]) -> str:
     return re.escape(prefix) + "(?:" + "|".join(re.escape(s[len(prefix) :]) for s in spellings) + ")"
 
 
-def _alias_rule(alias: str) -> tuple[str, bool]:
-    """The regular expression for one name or alias, boundaries included, and whether it is case-sensitive."""
+class _Rule(NamedTuple):
+    """How one ticker, name or alias is looked for.
+
+    Most are single words: looked up among the text's words as a set (``exact``: as written,
+    ``word``: lower case, ``stem``: the lower-case stem), so a text is read once whatever the
+    number of instruments. Phrases are looked for only when their first word occurs;
+    ``re:`` patterns and whatever else is not a plain word are searched in full.
+    """
+
+    kind: Literal["exact", "word", "stem", "phrase", "pattern"]
+    keys: frozenset[str] = frozenset()  # the spellings (a phrase's first word's; a stem's stem)
+    pattern: re.Pattern[str] | None = None  # phrase and pattern: the whole regular expression
+
+
+def _is_word(text: str) -> bool:
+    return _WORD.fullmatch(text) is not None
+
+
+def _alias_rule(alias: str) -> _Rule:
+    """The rule for one name or alias; re.error when it cannot be one."""
     alias = _fold_yo(alias.strip())
     if alias.startswith("re:"):
-        body = alias[3:]
-        re.compile(body)  # raises re.error for the caller to report
-        return f"{_START}(?:{body}){_END}", False
+        return _Rule("pattern", pattern=re.compile(f"{_START}(?:{alias[3:]}){_END}", re.IGNORECASE))
     if alias.endswith("*"):
         stem = alias[:-1].rstrip()
         if not stem:
             raise re.error("a stem needs at least one letter before '*'")
-        return f"{_START}{_words(stem.split(), inflect=False)}{_STEM_ENDING}{_END}", False
+        if _is_word(stem):
+            return _Rule("stem", frozenset({stem.lower()}))
+        body = _words(stem.split(), inflect=False)
+        return _Rule("pattern", pattern=re.compile(rf"{_START}{body}\w{{0,{_STEM_LETTERS}}}{_END}", re.IGNORECASE))
     words = alias.split()
     if not words:
         raise re.error("empty alias")
-    if len(words) == 1 and _RUSSIAN_WORD.fullmatch(alias):
-        if len(alias) > 1 and alias.isupper():
-            return f"{_START}{re.escape(alias)}{_END}", True
+    if len(words) > 1:
+        pattern = re.compile(f"{_START}{_words(words, inflect=True)}{_END}", re.IGNORECASE)
+        if _is_word(words[0]):
+            return _Rule("phrase", frozenset(_spellings(words[0])), pattern)
+        return _Rule("pattern", pattern=pattern)
+    if _RUSSIAN_WORD.fullmatch(alias) and not _is_abbreviation(alias):
         forms, ordinary = word_forms(alias)
         if ordinary:
-            spellings = [s for f in forms for s in (f[:1].upper() + f[1:], f.upper())]
-            return f"{_START}{_alternatives(spellings)}{_END}", True
-        return f"{_START}{_alternatives(forms)}{_END}", False
-    return f"{_START}{_words(words, inflect=True)}{_END}", False
+            return _Rule("exact", frozenset(s for f in forms for s in (f[:1].upper() + f[1:], f.upper())))
+        return _Rule("word", frozenset(forms))
+    if _is_abbreviation(alias):
+        return _Rule("exact", frozenset({alias}))
+    if _is_word(alias):
+        return _Rule("word", frozenset({alias.lower()}))
+    return _Rule("pattern", pattern=re.compile(f"{_START}{re.escape(alias)}{_END}", re.IGNORECASE))
+
+
+def _is_abbreviation(word: str) -> bool:
+    return len(word) > 1 and word.isupper() and _RUSSIAN_WORD.fullmatch(word) is not None
+
+
+def _spellings(word: str) -> tuple[str, ...]:
+    """A word of a phrase in lower case: a Russian word in its case forms, others as written."""
+    if _RUSSIAN_WORD.fullmatch(word) and not _is_abbreviation(word):
+        return word_forms(word)[0]
+    return (word.lower(),)
 
 
 def _words(words: list[str], *, inflect: bool) -> str:
     """The words in sequence, any run of whitespace between them; with ``inflect``, a Russian word in its case forms."""
-    parts = []
-    for word in words:
-        if inflect and _RUSSIAN_WORD.fullmatch(word) and not (len(word) > 1 and word.isupper()):
-            parts.append(_alternatives(word_forms(word)[0]))
-        else:
-            parts.append(re.escape(word))
-    return r"\s+".join(parts)
+    return r"\s+".join(_alternatives(_spellings(w)) if inflect else re.escape(w) for w in words)
 
 
-@dataclass(frozen=True)
-class _Matcher:
-    ticker: str
-    exact: re.Pattern[str]  # the ticker and the names that must keep their capitals, case-sensitive
-    words: re.Pattern[str] | None  # the other names and aliases, case-insensitive
+def _index(rules: Iterable[tuple[int, _Rule]], kind: str) -> dict[str, frozenset[int]]:
+    """Spelling -> the instruments whose ``kind`` rules have it."""
+    index: dict[str, set[int]] = {}
+    for i, rule in rules:
+        if rule.kind == kind:
+            for key in rule.keys:
+                index.setdefault(key, set()).add(i)
+    return {key: frozenset(found) for key, found in index.items()}
 
 
 @dataclass(frozen=True)
 class Tagger:
     """Finds instrument tickers in text; build once per ingest run with :meth:`from_instruments`."""
 
-    matchers: tuple[_Matcher, ...]
+    tickers: tuple[str, ...]
+    exact: Mapping[str, frozenset[int]]  # a word as written -> instruments (tickers, names that keep capitals)
+    words: Mapping[str, frozenset[int]]  # a lower-case word -> instruments
+    stems: Mapping[str, frozenset[int]]  # a lower-case stem -> instruments
+    phrases: Mapping[str, tuple[tuple[re.Pattern[str], int], ...]]  # lower-case first word -> (phrase, instrument)
+    patterns: tuple[tuple[re.Pattern[str], int], ...]  # searched in every text
 
     @classmethod
     def from_instruments(cls, instruments: Iterable[InstrumentConfig]) -> Tagger:
         """Compile every instrument's ticker, name and aliases; TaggingError names a bad alias."""
-        matchers = []
-        for inst in instruments:
-            exact = [f"{_START}{re.escape(inst.ticker)}{_END}"]
-            parts = []
+        tickers = []
+        rules: list[tuple[int, _Rule]] = []
+        for i, inst in enumerate(instruments):
+            tickers.append(inst.ticker)
+            if _is_word(inst.ticker):
+                rules.append((i, _Rule("exact", frozenset({inst.ticker}))))
+            else:  # "BRK.B": not one word, but still whole
+                rules.append((i, _Rule("pattern", pattern=re.compile(f"{_START}{re.escape(inst.ticker)}{_END}"))))
             for alias in (inst.name, *inst.aliases):
                 try:
-                    pattern, case_sensitive = _alias_rule(alias)
+                    rules.append((i, _alias_rule(alias)))
                 except re.error as exc:
                     raise TaggingError(f"instruments[{inst.ticker}].aliases: cannot use {alias!r}: {exc}") from None
-                (exact if case_sensitive else parts).append(pattern)
-            words = re.compile("|".join(parts), re.IGNORECASE) if parts else None
-            matchers.append(_Matcher(inst.ticker, re.compile("|".join(exact)), words))
-        return cls(tuple(matchers))
+        phrases: dict[str, list[tuple[re.Pattern[str], int]]] = {}
+        for i, rule in rules:
+            if rule.kind == "phrase":
+                assert rule.pattern is not None
+                for key in rule.keys:
+                    phrases.setdefault(key, []).append((rule.pattern, i))
+        return cls(
+            tickers=tuple(tickers),
+            exact=_index(rules, "exact"),
+            words=_index(rules, "word"),
+            stems=_index(rules, "stem"),
+            phrases={key: tuple(found) for key, found in phrases.items()},
+            patterns=tuple((r.pattern, i) for i, r in rules if r.kind == "pattern" and r.pattern is not None),
+        )
 
     def tag(self, *texts: str) -> tuple[str, ...]:
         """The tickers mentioned in any of ``texts``, in config order."""
         joined = _fold_yo("\n".join(t for t in texts if t))
-        found = []
-        for m in self.matchers:
-            if m.exact.search(joined) or (m.words is not None and m.words.search(joined)):
-                found.append(m.ticker)
-        return tuple(found)
+        words = set(_WORD.findall(joined))
+        lower = set(_WORD.findall(joined.lower()))
+        found: set[int] = set()
+        for word in words & self.exact.keys():
+            found |= self.exact[word]
+        for word in lower & self.words.keys():
+            found |= self.words[word]
+        if self.stems:
+            for word in lower:
+                for cut in range(max(1, len(word) - _STEM_LETTERS), len(word) + 1):
+                    found |= self.stems.get(word[:cut], frozenset())
+        for word in lower & self.phrases.keys():
+            found.update(i for pattern, i in self.phrases[word] if i not in found and pattern.search(joined))
+        found.update(i for pattern, i in self.patterns if i not in found and pattern.search(joined))
+        return tuple(self.tickers[i] for i in sorted(found))

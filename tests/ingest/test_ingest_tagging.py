@@ -135,3 +135,20 @@ def test_word_forms_of_known_and_unknown_names() -> None:
     assert set(word_forms("Волков")[0]) == {"волков", "волкова", "волкову", "волковым", "волкове"}
     # The dictionary reads "Алроса" only as a genitive (of "алрос"): kept as written; "Алрос*" is the way
     assert word_forms("Алроса") == (("алроса",), False)
+
+
+def test_tickers_and_aliases_that_are_not_one_plain_word() -> None:
+    """Dots, several words with a stem, a phrase whose first word occurs alone: still whole, still exact."""
+    tagger = Tagger.from_instruments(
+        [
+            InstrumentConfig(ticker="BRK.B", name="Berkshire Hathaway"),
+            InstrumentConfig(ticker="MVID", name="М.Видео", aliases=("Эльдорадо Групп*",)),
+            InstrumentConfig(ticker="MOEX", name="Московская биржа"),
+        ]
+    )
+    assert tagger.tag("BRK.B up 2%") == ("BRK.B",)
+    assert tagger.tag("BRK.BX and brk.b") == ()
+    assert tagger.tag("Продажи М.Видео и Эльдорадо Группы") == ("MVID",)
+    assert tagger.tag("ММ.Видео") == ()
+    assert tagger.tag("Московская погода, биржа закрыта") == ()  # the first word alone is not the phrase
+    assert tagger.tag("berkshire  hathaway") == ("BRK.B",)
