@@ -132,14 +132,14 @@ def _store(store: Path, deep: bool) -> Check:
 
 
 def _checkpoint(config: AppConfig) -> Check:
-    from robot_llm.batch import BatchError, model_shape
+    from robot_llm.configured_model import ModelConfigError, model_shape
     from robot_llm.llm.checkpoint import CheckpointError, module_plan, resolve_weights_dir
 
     assert config.model.checkpoint is not None
     try:
         shape = model_shape(config)
         folder = resolve_weights_dir(config.model.checkpoint)
-    except (BatchError, CheckpointError) as exc:
+    except (ModelConfigError, CheckpointError) as exc:
         return Check("weights", False, f"model.checkpoint: {exc}")
     names = [name for _, _, name, _ in module_plan(shape)]
     missing = [name for name in names if not (folder / name).is_file()]
@@ -180,7 +180,7 @@ def _max_new_tokens(config: AppConfig) -> int:
 def _memory(config: AppConfig) -> Check:
     from dataclasses import replace
 
-    from robot_llm.batch import model_shape
+    from robot_llm.configured_model import model_shape
     from robot_llm.llm.planner import PlanError, Work, detect_machine, plan
 
     m = config.model
