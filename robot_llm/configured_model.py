@@ -167,6 +167,7 @@ def model_settings(config: AppConfig) -> ModelSettings:
         # int8/int4 are how a store keeps its weights, not compute dtypes: the plan picks one.
         dtype="auto" if m.dtype in ("int8", "int4") else m.dtype,
         threads=m.threads,
+        micro_batch=m.micro_batch,
         device=m.device,
         max_batch_size=m.max_batch_size,
         memory_budget_bytes=m.memory_budget,

@@ -190,9 +190,28 @@ def _memory(config: AppConfig) -> Check:
         chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype)
     except PlanError as exc:
         return Check("memory", False, f"the model does not fit: {exc}".replace("\n", " "))
+    if chosen.batch_size < m.max_batch_size:
+        return Check(
+            "memory",
+            False,
+            f"model.max_batch_size {m.max_batch_size} does not fit, at most {chosen.batch_size} does "
+            f"(weights in {chosen.weight_home}): lower model.max_batch_size",
+        )
+    # The watchdog hears from the engine after every layer: one layer of the longest pass
+    # (a batch's prefill) must fit in batch.stall_timeout, or every batch is killed midway.
+    layer_s = chosen.prefill_seconds / shape.num_layers
+    stall_s = config.batch.stall_timeout.total_seconds()
+    if layer_s > stall_s:
+        return Check(
+            "memory",
+            False,
+            f"one layer of a batch's prefill takes an estimated {layer_s:.0f}s (batch {chosen.batch_size} on "
+            f"{chosen.device}), longer than batch.stall_timeout {stall_s:.0f}s: the watchdog would end every "
+            "batch; lower model.max_batch_size or raise batch.stall_timeout",
+        )
     summary = (
-        f"batch {chosen.batch_size} of at most {m.max_batch_size} fits on {chosen.device} "
-        f"(weights in {chosen.weight_home}, estimated {chosen.tokens_per_second:.3g} tokens/s); the night's plan:"
+        f"batch {chosen.batch_size} fits on {chosen.device} (weights in {chosen.weight_home}, "
+        f"estimated {chosen.tokens_per_second:.3g} tokens/s); the night's plan:"
     )
     return Check("memory", True, summary + "".join(f"\n       {line}" for line in chosen.describe().splitlines()))
 

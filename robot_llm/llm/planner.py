@@ -51,6 +51,9 @@ class PlanError(RobotLLMError):
 class Work:
     """The batch job: ``num_prompts`` prompts of up to ``prompt_tokens`` tokens (BOS included).
 
+    ``shared_prefix_tokens`` of every prompt are a common head (a template's) whose KV is
+    stored once per batch, not once per row.
+
     ``stance_labels`` > 0 means every request's stance is then scored the way
     the night does it today: one more forward pass per request over prompt +
     thesis + cue (``stance_tokens``, default prompt + new + 8), batched over
@@ -60,6 +63,7 @@ class Work:
     num_prompts: int
     prompt_tokens: int
     max_new_tokens: int
+    shared_prefix_tokens: int = 0
     stance_labels: int = 0
     stance_tokens: int = 0
 
@@ -70,8 +74,8 @@ class Work:
 
     @property
     def seq_slots(self) -> int:
-        """KV slots per sequence (the last generated token is never fed back)."""
-        return self.prompt_tokens + max(self.max_new_tokens, 1) - 1
+        """KV slots per sequence of its own (the last generated token is never fed back; the shared head is not)."""
+        return self.prompt_tokens - self.shared_prefix_tokens + max(self.max_new_tokens, 1) - 1
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,7 @@ def _try(
     # CPU: the reader converts the next layer while this one computes, one buffer set per slot.
     compute_buffers = layer_params(cfg) * c * (1 if cuda else 2) if converts else 0
     slots = work.seq_slots
-    kv = kv_bytes(cfg, batch, slots, c)
+    kv = kv_bytes(cfg, batch, slots, c) + kv_bytes(cfg, 1, work.shared_prefix_tokens, c)
     ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if cuda else 0)}
     gpu: dict[str, int] = {"cuda context": CUDA_CONTEXT_BYTES} if cuda else {}
     compute_tier = gpu if cuda else ram

@@ -32,9 +32,13 @@ from robot_llm.llm.machine import Machine, detect_machine
 from robot_llm.llm.planner import Plan, Work, auto_compute_dtype, plan
 
 if TYPE_CHECKING:
-    from robot_llm.llm.generate import Completion, SamplingParams
+    from robot_llm.llm.generate import Completion, Followup, SamplingParams
 
 log = logging.getLogger(__name__)
+
+#: Common head (tokens) of a batch's prompts from which their KV is shared: below it, the head's
+#: own weight pass costs more than the prefill and the memory it saves.
+SHARE_PREFIX_MIN = 16
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class ModelSettings:
       the run may use (the planner keeps within both).
     * ``threads``: intra-op compute threads (None: the cores not busy with
       other work, :func:`robot_llm.llm.machine.free_cores`).
+    * ``micro_batch``: most rows of a prefill pass at once (None: planned; a
+      pin lowers the planned one, never raises it).
     * ``max_new_tokens`` / ``stance_labels``: the night's work per request, for
       the plan made when the model opens (longest prompts the window allows,
       ``max_positions`` when it is shorter than the model's).
@@ -77,6 +83,7 @@ class ModelSettings:
     memory_budget_bytes: int | None = None
     gpu_memory_budget_bytes: int | None = None
     threads: int | None = None
+    micro_batch: int | None = None
     max_new_tokens: int = 128
     stance_labels: int = 3
     max_positions: int | None = None
@@ -113,17 +120,44 @@ class LoadedModel:
         params: SamplingParams | Sequence[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
         on_step: Callable[[], None] | None = None,
+        followups: Sequence[Followup | None] | None = None,
     ) -> list[Completion]:
-        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`."""
-        from robot_llm.llm.generate import SamplingParams, generate
+        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`.
+
+        ``on_step`` is called after every forward pass and, with the stream engine, after
+        every layer of it too (one pass of a big batch can outlast the watchdog's patience).
+        """
+        from robot_llm.llm.engine import StreamingModel
+        from robot_llm.llm.generate import SamplingParams, followup_slots, generate, shared_prefix_length
 
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        prompt_tokens = max((len(self.tokenizer.encode(p)) for p in prompts), default=1)
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        prompt_tokens = max((len(ids) for ids in encoded), default=1)
         new_tokens = max((p.max_new_tokens for p in per_prompt), default=0)
-        batch = self._prepare(len(prompts), prompt_tokens, new_tokens)
-        return generate(
-            self.model, self.tokenizer, prompts, params, batch_size=batch, on_progress=on_progress, on_step=on_step
-        )
+        # The step that scores followups from the cache takes a few slots more per row.
+        extra = max((followup_slots(self.tokenizer, f) for f in followups or ()), default=0)
+        # Every batch shares at least the head all the prompts share (a batch of one template shares more).
+        shared = shared_prefix_length(encoded) if len(encoded) > 1 else 0
+        shared = shared if shared >= SHARE_PREFIX_MIN else 0
+        batch = self._prepare(len(prompts), prompt_tokens, new_tokens + extra, shared)
+        streaming = isinstance(self.model, StreamingModel)
+        if streaming:
+            self.model.on_layer = on_step
+        try:
+            return generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                params,
+                batch_size=batch,
+                on_progress=on_progress,
+                on_step=on_step,
+                followups=followups,
+                share_prefix=SHARE_PREFIX_MIN,
+            )
+        finally:
+            if streaming:
+                self.model.on_layer = None
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
         """Sum of log-probabilities of each continuation after ``prompt``."""
@@ -133,7 +167,7 @@ class LoadedModel:
         batch = self._prepare(len(continuations), longest, 0)
         return score(self.model, self.tokenizer, prompt, continuations, batch_size=batch)
 
-    def _prepare(self, count: int, prompt_tokens: int, new_tokens: int) -> int:
+    def _prepare(self, count: int, prompt_tokens: int, new_tokens: int, shared: int = 0) -> int:
         """Batch size for this job: with the stream engine, planned for the engine as it is (or refused)."""
         import torch
 
@@ -144,8 +178,9 @@ class LoadedModel:
             return self.settings.max_batch_size
         home = "ram" if model.home == "ram" else "split" if model.ram_layers else "disk"
         settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype))
-        job = plan_run(settings, self.config, Work(count, prompt_tokens, new_tokens), model.store.manifest.dtype)
-        model.micro_batch = job.micro_batch
+        work = Work(count, prompt_tokens, new_tokens, shared)
+        job = plan_run(settings, self.config, work, model.store.manifest.dtype)
+        model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
         model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
         log.info("plan: batch %d, micro-batch %d, KV on %s", job.batch_size, job.micro_batch, job.kv_home)
         return job.batch_size
@@ -279,6 +314,6 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
         device=night.device,
         dtype=night.compute_dtype,
         kv_home=night.kv_home,
-        micro_batch=night.micro_batch,
+        micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
     )
     return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype))
