@@ -221,6 +221,18 @@ def _memory(config: AppConfig) -> Check:
             f"model.max_batch_size {m.max_batch_size} does not fit, at most {chosen.batch_size} does "
             f"(weights in {chosen.weight_home}): lower model.max_batch_size",
         )
+    # The watchdog hears from the engine after every layer: one layer of the longest pass
+    # (a batch's prefill) must fit in batch.stall_timeout, or every batch is killed midway.
+    layer_s = chosen.prefill_seconds / shape.num_layers
+    stall_s = config.batch.stall_timeout.total_seconds()
+    if layer_s > stall_s:
+        return Check(
+            "memory",
+            False,
+            f"one layer of a batch's prefill takes an estimated {layer_s:.0f}s (batch {chosen.batch_size} on "
+            f"{chosen.device}), longer than batch.stall_timeout {stall_s:.0f}s: the watchdog would end every "
+            "batch; lower model.max_batch_size or raise batch.stall_timeout",
+        )
     return Check(
         "memory",
         True,

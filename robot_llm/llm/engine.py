@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
-from robot_llm.llm.family import KVCache, LayerKV, Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.quant import dequantize_int4_into
 from robot_llm.llm.store import (
     MIN_SUFFIX,
@@ -127,6 +128,7 @@ class StreamingModel:
     a disk home: the first that many layers are held in RAM, the rest streamed
     (for RAM that holds part of the model). ``read_depth`` is how many large
     reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
+    ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
     def __init__(
@@ -154,6 +156,9 @@ class StreamingModel:
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
         self.micro_batch = micro_batch
+        # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
+        # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
+        self.on_layer: Callable[[], None] | None = None
         self.prefetch = prefetch
         if home not in ("disk", "ram"):
             raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
@@ -355,10 +360,10 @@ class StreamingModel:
             params = self._acquire(i)
             for a in range(0, B, rows):
                 b = min(a + rows, B)
-                kv = None
-                if cache is not None:
-                    kv = LayerKV(k=cache.k[i][a:b], v=cache.v[i][a:b], start=cache.length)
+                kv = cache.layer(i).rows(a, b) if cache is not None else None
                 x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
+                if self.on_layer is not None:
+                    self.on_layer()
             if self.cuda:
                 assert self._current.free is not None
                 self._current.free.record()

@@ -64,16 +64,21 @@ class Machine:
 
 @dataclass(frozen=True)
 class Work:
-    """The batch job: ``num_prompts`` prompts of up to ``prompt_tokens`` tokens (BOS included)."""
+    """The batch job: ``num_prompts`` prompts of up to ``prompt_tokens`` tokens (BOS included).
+
+    ``shared_prefix_tokens`` of every prompt are a common head (a template's) whose KV is
+    stored once per batch, not once per row.
+    """
 
     num_prompts: int
     prompt_tokens: int
     max_new_tokens: int
+    shared_prefix_tokens: int = 0
 
     @property
     def seq_slots(self) -> int:
-        """KV slots per sequence (the last generated token is never fed back)."""
-        return self.prompt_tokens + max(self.max_new_tokens, 1) - 1
+        """KV slots per sequence of its own (the last generated token is never fed back; the shared head is not)."""
+        return self.prompt_tokens - self.shared_prefix_tokens + max(self.max_new_tokens, 1) - 1
 
 
 @dataclass(frozen=True)
@@ -294,7 +299,7 @@ def _try(
     compute_buffers = layer_params(cfg) * c if converts else 0
     resident = resident_params(cfg) * c
     slots = work.seq_slots
-    kv = kv_bytes(cfg, batch, slots, c)
+    kv = kv_bytes(cfg, batch, slots, c) + kv_bytes(cfg, 1, work.shared_prefix_tokens, c)
     cuda = machine.has_gpu
     ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if machine.has_gpu else 0)}
     gpu: dict[str, int] = {"cuda context": CUDA_CONTEXT_BYTES} if cuda else {}

@@ -23,9 +23,13 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 
 if TYPE_CHECKING:
-    from robot_llm.llm.generate import Completion, SamplingParams
+    from robot_llm.llm.generate import Completion, Followup, SamplingParams
 
 log = logging.getLogger(__name__)
+
+#: Common head (tokens) of a batch's prompts from which their KV is shared: below it, the head's
+#: own weight pass costs more than the prefill and the memory it saves.
+SHARE_PREFIX_MIN = 16
 
 
 @dataclass(frozen=True)
@@ -91,17 +95,44 @@ class LoadedModel:
         params: SamplingParams | Sequence[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
         on_step: Callable[[], None] | None = None,
+        followups: Sequence[Followup | None] | None = None,
     ) -> list[Completion]:
-        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`."""
-        from robot_llm.llm.generate import SamplingParams, generate
+        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`.
+
+        ``on_step`` is called after every forward pass and, with the stream engine, after
+        every layer of it too (one pass of a big batch can outlast the watchdog's patience).
+        """
+        from robot_llm.llm.engine import StreamingModel
+        from robot_llm.llm.generate import SamplingParams, followup_slots, generate, shared_prefix_length
 
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        prompt_tokens = max((len(self.tokenizer.encode(p)) for p in prompts), default=1)
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        prompt_tokens = max((len(ids) for ids in encoded), default=1)
         new_tokens = max((p.max_new_tokens for p in per_prompt), default=0)
-        batch = self._prepare(len(prompts), prompt_tokens, new_tokens)
-        return generate(
-            self.model, self.tokenizer, prompts, params, batch_size=batch, on_progress=on_progress, on_step=on_step
-        )
+        # The step that scores followups from the cache takes a few slots more per row.
+        extra = max((followup_slots(self.tokenizer, f) for f in followups or ()), default=0)
+        # Every batch shares at least the head all the prompts share (a batch of one template shares more).
+        shared = shared_prefix_length(encoded) if len(encoded) > 1 else 0
+        shared = shared if shared >= SHARE_PREFIX_MIN else 0
+        batch = self._prepare(len(prompts), prompt_tokens, new_tokens + extra, shared)
+        streaming = isinstance(self.model, StreamingModel)
+        if streaming:
+            self.model.on_layer = on_step
+        try:
+            return generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                params,
+                batch_size=batch,
+                on_progress=on_progress,
+                on_step=on_step,
+                followups=followups,
+                share_prefix=SHARE_PREFIX_MIN,
+            )
+        finally:
+            if streaming:
+                self.model.on_layer = None
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
         """Sum of log-probabilities of each continuation after ``prompt``."""
@@ -111,7 +142,7 @@ class LoadedModel:
         batch = self._prepare(len(continuations), longest, 0)
         return score(self.model, self.tokenizer, prompt, continuations, batch_size=batch)
 
-    def _prepare(self, count: int, prompt_tokens: int, new_tokens: int) -> int:
+    def _prepare(self, count: int, prompt_tokens: int, new_tokens: int, shared: int = 0) -> int:
         """Batch size for this job; with the stream engine and a budget, plan it (or refuse it)."""
         import torch
 
@@ -126,7 +157,7 @@ class LoadedModel:
         machine = detect_machine()
         job = plan(
             self.config,
-            Work(count, prompt_tokens, new_tokens),
+            Work(count, prompt_tokens, new_tokens, shared),
             machine,
             weight_dtype=model.store.manifest.dtype,
             compute_dtype=_dtype_name(model.dtype),

@@ -65,3 +65,21 @@ def test_describe_shows_every_tier_and_the_estimate() -> None:
     text = plan(YALM, JOB, Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB))).describe()
     for word in ("batch size", "gpu:", "ram:", "disk:", "KV cache", "estimated time"):
         assert word in text
+
+
+def _kv(p) -> int:
+    return sum(items.get("KV cache", 0) for items in p.memory.values())
+
+
+def test_a_shared_prefix_is_counted_once_per_batch() -> None:
+    # Rows that share a P-token template head keep (T - P) slots of their own; the head is stored once.
+    machine = Machine(ram_bytes=int(512 * GB), gpu_bytes=int(80 * GB))
+    alone = plan(YALM, Work(32, 512, 128), machine, max_batch_size=32)
+    shared = plan(YALM, Work(32, 512, 128, shared_prefix_tokens=384), machine, max_batch_size=32)
+    assert alone.batch_size == shared.batch_size == 32
+    slots = 512 + 128 - 1
+    want = (32 * (slots - 384) + 384) / (32 * slots)
+    assert _kv(shared) / _kv(alone) == pytest.approx(want)
+    # More rows fit in the same memory when they share their head.
+    tight = Machine(ram_bytes=int(200 * GB), gpu_bytes=int(24 * GB))
+    assert plan(YALM, Work(300, 512, 128, 384), tight).batch_size > plan(YALM, Work(300, 512, 128), tight).batch_size

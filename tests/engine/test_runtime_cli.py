@@ -63,3 +63,29 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     assert "refused" in capsys.readouterr().out
     assert main([*args, "--dtype", "int4"]) == 0
     assert "weights stored as int4" in capsys.readouterr().out
+
+
+def test_the_stream_engine_reports_liveness_after_every_layer(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    # The watchdog's unit of liveness is one layer (of one prefill micro-batch), not a whole forward pass.
+    vocab = tiny_dir / "vocab" / "voc_tiny.sp"
+    loaded = open_model(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu"))
+    model = loaded.model
+    layers = loaded.config.num_layers
+    forwards: list[int] = []
+    beats: list[int] = []
+    inner = model.forward
+
+    def counted(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        forwards.append(len(beats))
+        return inner(ids, *args, **kwargs)
+
+    model.forward = counted  # type: ignore[method-assign]
+    model.micro_batch = 2
+    try:
+        loaded.generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True), on_step=lambda: beats.append(1))
+    finally:
+        loaded.close()
+    # Prefill of 3 rows in micro-batches of 2: 2 beats per layer; 2 decode steps: 1 per layer; +1 per pass.
+    assert len(forwards) == 3
+    assert len(beats) == layers * 2 + 1 + 2 * (layers + 1)
+    assert model.on_layer is None
