@@ -18,9 +18,17 @@ from robot_llm.errors import RobotLLMError
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
     from robot_llm.llm.generate import Completion, Followup, SamplingParams
+    from robot_llm.llm.runtime import ModelSettings
     from robot_llm.llm.tokenizer import Tokenizer
 
-__all__ = ["BatchModel", "ConfiguredModel", "ModelConfigError", "model_shape", "open_configured_model"]
+__all__ = [
+    "BatchModel",
+    "ConfiguredModel",
+    "ModelConfigError",
+    "model_settings",
+    "model_shape",
+    "open_configured_model",
+]
 
 
 class ModelConfigError(RobotLLMError):
@@ -139,32 +147,55 @@ def model_shape(config: AppConfig) -> Any:
         raise ModelConfigError(f"{found}: {exc}") from None
 
 
-def open_configured_model(config: AppConfig) -> BatchModel:
-    """Load the model ``config.model`` describes; the one place that maps the config onto the runtime.
+def night_max_new_tokens(config: AppConfig) -> int:
+    """The most tokens any template generates (the night's plan is made for it)."""
+    from robot_llm.prompting import load_templates
 
-    Raises the runtime's user-facing errors (RobotLLMError) with a one-line reason when the
-    weights, the vocabulary or the backend are not usable.
-    """
-    from robot_llm.llm.runtime import ModelSettings, open_model
+    try:
+        templates = load_templates(config)
+    except RobotLLMError:  # doctor's templates check reports it
+        return config.prompts.generation.max_new_tokens
+    return max(t.generation_for(config).max_new_tokens for t in templates.values())
+
+
+def model_settings(config: AppConfig) -> ModelSettings:
+    """The runtime settings ``config.model`` means; the worker and doctor's plan both start here."""
+    from robot_llm.llm.runtime import ModelSettings
 
     m = config.model
     assert m.vocab is not None  # required by the config validator
-    settings = ModelSettings(
+    return ModelSettings(
         vocab=m.vocab,
         backend=m.backend,
         checkpoint=m.checkpoint,
         store=m.store,
         home=m.home,
-        # int8/int4 are how a store keeps its weights, not compute dtypes: the engine picks one.
+        # int8/int4 are how a store keeps its weights, not compute dtypes: the plan picks one.
         dtype="auto" if m.dtype in ("int8", "int4") else m.dtype,
+        threads=m.threads,
+        micro_batch=m.micro_batch,
         device=m.device,
         max_batch_size=m.max_batch_size,
         memory_budget_bytes=m.memory_budget,
+        gpu_memory_budget_bytes=m.gpu_memory_budget,
         offload_dir=m.offload_dir,
         offload=m.offload,
         preset="yalm-100b" if m.store is None and release_config_file(config) is None else None,
+        max_new_tokens=night_max_new_tokens(config),
+        max_positions=m.max_positions,
     )
-    loaded = open_model(settings)
+
+
+def open_configured_model(config: AppConfig) -> BatchModel:
+    """Load the model ``config.model`` describes, placed as the night's plan says.
+
+    Raises the runtime's user-facing errors (RobotLLMError) with a one-line reason when the
+    weights, the vocabulary or the backend are not usable, or the night cannot fit.
+    """
+    from robot_llm.llm.runtime import open_model
+
+    m = config.model
+    loaded = open_model(model_settings(config))
     return ConfiguredModel(
         loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings), name=m.id
     )

@@ -171,51 +171,27 @@ def _vocab(config: AppConfig) -> Check:
     return Check("vocab", True, f"{config.model.vocab}: {tokenizer.vocab_size} pieces")
 
 
-def _max_new_tokens(config: AppConfig) -> int:
-    from robot_llm.prompting import load_templates
-
-    try:
-        templates = load_templates(config)
-    except RobotLLMError:  # the templates check reports it
-        return config.prompts.generation.max_new_tokens
-    return max(t.generation_for(config).max_new_tokens for t in templates.values())
-
-
 def _memory(config: AppConfig) -> Check:
+    """The plan the night will use (made as the batch worker makes it when it opens the model), or why none fits."""
     from dataclasses import replace
 
-    from robot_llm.configured_model import model_shape
-    from robot_llm.llm.planner import PlanError, Work, detect_machine, plan
+    from robot_llm.configured_model import model_settings, model_shape
+    from robot_llm.llm.planner import PlanError
+    from robot_llm.llm.runtime import night_work, plan_run
 
     m = config.model
     shape = model_shape(config)
-    window = min(m.max_positions, shape.max_position_embeddings)
-    max_new = min(_max_new_tokens(config), window - 1)
-    # The worst batch: max_batch_size prompts that fill the window.
-    work = Work(num_prompts=m.max_batch_size, prompt_tokens=window - max_new, max_new_tokens=max_new)
-    machine = detect_machine()
-    if m.device == "cpu":
-        machine = replace(machine, gpu_bytes=0)
-    elif m.gpu_memory_budget is not None and machine.has_gpu:
-        machine = replace(machine, gpu_bytes=min(machine.gpu_bytes, m.gpu_memory_budget))
+    settings = model_settings(config)
     if m.store is not None:  # the runtime reads the store whenever one is set
         from robot_llm.llm.store import read_manifest
 
         weight_dtype = read_manifest(m.store).dtype
-    else:
-        weight_dtype = m.dtype
+    else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
+        weight_dtype = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
+    if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
+        settings = replace(settings, home="ram")
     try:
-        chosen = plan(
-            shape,
-            work,
-            machine,
-            weight_dtype=weight_dtype,
-            compute_dtype=None if m.dtype in ("int8", "int4") else m.dtype,
-            max_batch_size=m.max_batch_size,
-            memory_budget_bytes=m.memory_budget,
-            # The memory backend holds every layer in RAM, like the stream engine homed in RAM.
-            weight_home="ram" if m.backend == "memory" else m.home,
-        )
+        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype)
     except PlanError as exc:
         return Check("memory", False, f"the model does not fit: {exc}".replace("\n", " "))
     if chosen.batch_size < m.max_batch_size:
@@ -237,12 +213,11 @@ def _memory(config: AppConfig) -> Check:
             f"{chosen.device}), longer than batch.stall_timeout {stall_s:.0f}s: the watchdog would end every "
             "batch; lower model.max_batch_size or raise batch.stall_timeout",
         )
-    return Check(
-        "memory",
-        True,
+    summary = (
         f"batch {chosen.batch_size} fits on {chosen.device} (weights in {chosen.weight_home}, "
-        f"estimated {chosen.tokens_per_second:.3g} tokens/s)",
+        f"estimated {chosen.tokens_per_second:.3g} tokens/s); the night's plan:"
     )
+    return Check("memory", True, summary + "".join(f"\n       {line}" for line in chosen.describe().splitlines()))
 
 
 def _templates(config: AppConfig) -> Check:
