@@ -43,7 +43,8 @@ import torch
 from robot_llm.llm.checkpoint import ModuleKind, module_plan
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.family import Params
-from robot_llm.llm.planner import Machine, Work, detect_machine, plan
+from robot_llm.llm.machine import Machine, detect_machine
+from robot_llm.llm.planner import Work, plan
 from robot_llm.llm.store import Store, drop_page_cache, measure_read_bandwidth, write_store
 
 SIZES: dict[str, dict[str, Any]] = {

@@ -39,8 +39,9 @@ def _open(args: argparse.Namespace) -> tuple[AppConfig, Any]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from robot_llm.clock import night_as_of, parse_as_of
     from robot_llm.db import utcnow
-    from robot_llm.plan import night_as_of, parse_as_of, plan_night
+    from robot_llm.plan import plan_night
 
     config, engine = _open(args)
     try:
@@ -60,7 +61,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from robot_llm.batch import run_queue, summary_line
-    from robot_llm.plan import parse_as_of
+    from robot_llm.clock import parse_as_of
 
     config, engine = _open(args)
     as_of = parse_as_of(args.as_of, config.tz) if args.as_of else None

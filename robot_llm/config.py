@@ -408,10 +408,12 @@ class ModelConfig(_Section):
     checkpoint: Path | None = None
     store: Path | None = None
     vocab: Path | None = None
-    home: Literal["disk", "ram"] = "disk"
+    home: Literal["auto", "disk", "ram", "split"] = "auto"
     offload: Literal["cpu", "nvme"] = "cpu"
     offload_dir: Path | None = None
-    dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "fp16"
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "int8", "int4"] = "auto"
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    micro_batch: int | None = Field(default=None, ge=1, le=4096)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     memory_budget: Size | None = None

@@ -87,8 +87,9 @@ def format_status(config: AppConfig, engine: Engine, now: datetime) -> str:
     """The text of ``robot-llm status``: lease holder, last run per job kind, next fire times."""
     from sqlalchemy import func, select
 
-    from robot_llm.daemon import read_lease, upcoming_fires
+    from robot_llm.clock import upcoming_fires
     from robot_llm.db import Run, session_scope
+    from robot_llm.lease import read_lease
 
     tz = config.tz
     lines: list[str] = []

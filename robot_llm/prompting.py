@@ -22,7 +22,7 @@ import sys
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 from zoneinfo import ZoneInfo
@@ -33,6 +33,7 @@ from jinja2 import Template as JinjaTemplate
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from robot_llm.clock import aware_utc
 from robot_llm.config import (
     AppConfig,
     Duration,
@@ -597,12 +598,6 @@ def _news_view(entry: NewsEntry, template: Template, tz: ZoneInfo, markers: Sequ
     )
 
 
-def _require_aware(value: datetime, what: str) -> datetime:
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{what} must be timezone-aware, got naive {value!r}")
-    return value.astimezone(timezone.utc)
-
-
 # --------------------------------------------------------------------------- the budget
 
 
@@ -628,6 +623,7 @@ class RenderResult:
     news_ids: tuple[int, ...]
     signal_ids: tuple[int, ...]
     dropped: tuple[DroppedNews, ...]
+    calibration: str | None = None  # the content-free stance context, when the template calibrates
 
     @property
     def prompt_sha256(self) -> str:
@@ -665,7 +661,7 @@ def render_within_budget(
     renders again. News appear oldest first; signals newest first, at most ``signals.max``.
     Raises PromptTooLong when even no news does not fit.
     """
-    as_of = _require_aware(as_of, "as_of")
+    as_of = aware_utc(as_of, "as_of")
     tz = config.tz
     markers = template.section_markers()
     ranked = sorted(news, key=NewsEntry.relevance, reverse=True)  # most relevant first
@@ -704,6 +700,11 @@ def render_within_budget(
                 news_ids=tuple(e.id for e in shown),
                 signal_ids=tuple(s.id for s in chosen_signals),
                 dropped=tuple(dropped),
+                calibration=(
+                    content_free_context(template, as_of, tz)
+                    if template.stance is not None and template.stance.calibrate
+                    else None
+                ),
             )
         if not kept:
             raise PromptTooLong(
@@ -729,7 +730,7 @@ def content_free_context(template: Template, as_of: datetime, tz: ZoneInfo) -> s
     nothing = InstrumentView(CONTENT_FREE, CONTENT_FREE, (), None)
     context = RenderContext(
         instrument=nothing,
-        as_of=_require_aware(as_of, "as_of").astimezone(tz),
+        as_of=aware_utc(as_of, "as_of").astimezone(tz),
         language=template.language,
         news=(),
         signals=(),

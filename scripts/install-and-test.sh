@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 
 # --deepspeed-ops: compile DeepSpeed's ops now, so the DeepSpeed tests do not compile them inside pytest.
 bash scripts/install.sh --deepspeed-ops
+# freqtrade, for the test that runs the example adapter inside freqtrade's own backtesting.
+"$VENV/bin/pip" install --quiet -e ".[freqtrade]"
 lint=0
 "$VENV/bin/ruff" check . || lint=$?
 status=0

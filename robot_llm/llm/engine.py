@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +32,14 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
-from robot_llm.llm.family import KVCache, LayerKV, Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.quant import dequantize_int4_into
 from robot_llm.llm.store import (
     MIN_SUFFIX,
     SCALE_SUFFIX,
     FileLayout,
     Store,
+    StoreError,
     aligned_buffer,
     dequantize_into,
     direct_span,
@@ -48,6 +50,15 @@ log = logging.getLogger(__name__)
 
 WeightHome = Literal["disk", "ram"]
 KVHome = Literal["device", "cpu"]
+
+#: Tries of one layer read before the forward pass fails (a transient EIO or short read is retried).
+READ_ATTEMPTS = 4
+#: Wait before the first retry; doubled before each next one.
+READ_BACKOFF_S = 0.05
+
+
+class LayerReadError(StoreError):
+    """A layer file stayed unreadable through every retry: that forward pass fails, the engine stays usable."""
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -70,6 +81,7 @@ class StreamStats:
     layers_read: int = 0
     read_seconds: float = 0.0
     wait_seconds: float = 0.0
+    read_retries: int = 0
     forward_seconds: float = 0.0
     forwards: int = 0
 
@@ -116,6 +128,7 @@ class StreamingModel:
     a disk home: the first that many layers are held in RAM, the rest streamed
     (for RAM that holds part of the model). ``read_depth`` is how many large
     reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
+    ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
     def __init__(
@@ -143,6 +156,9 @@ class StreamingModel:
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
         self.micro_batch = micro_batch
+        # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
+        # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
+        self.on_layer: Callable[[], None] | None = None
         self.prefetch = prefetch
         if home not in ("disk", "ram"):
             raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
@@ -219,16 +235,8 @@ class StreamingModel:
         started = time.perf_counter()
         size = layout.data_size
         if ram is None:
+            slot.offset = self._read_layer(layer, slot)
             assert slot.host is not None
-            slot.offset = read_into(
-                self.paths[layer],
-                layout,
-                slot.host,
-                direct=True,
-                drop_cache=self.drop_cache,
-                pool=self._io,
-                depth=self.read_depth,
-            )
             source = slot.host
         else:
             slot.offset = 0
@@ -248,6 +256,32 @@ class StreamingModel:
             slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
         return size
 
+    def _read_layer(self, layer: int, slot: _Slot) -> int:
+        """Read a disk-homed layer into ``slot.host``, retrying transient failures with backoff."""
+        assert slot.host is not None
+        path = self.paths[layer]
+        delay, attempt = READ_BACKOFF_S, 1
+        while True:
+            try:
+                return read_into(
+                    path,
+                    self.layouts[layer],
+                    slot.host,
+                    direct=True,
+                    drop_cache=self.drop_cache,
+                    pool=self._io,
+                    depth=self.read_depth,
+                )
+            except (OSError, StoreError) as exc:  # EIO, a short read of a file being rewritten...
+                if attempt == READ_ATTEMPTS:
+                    raise LayerReadError(
+                        f"{path}: reading layer {layer} failed {READ_ATTEMPTS} times, last: {exc}"
+                    ) from exc
+                self.stats.read_retries += 1
+                log.warning("%s: reading layer %d failed (%s); retry %d in %.2fs", path, layer, exc, attempt, delay)
+                time.sleep(delay)
+                delay, attempt = delay * 2, attempt + 1
+
     def _request(self, layer: int) -> _Slot:
         slot = self.slots[self._next % len(self.slots)]
         self._next += 1
@@ -263,10 +297,11 @@ class StreamingModel:
         """Wait for ``layer`` and return its weights as compute-dtype tensors on the compute device."""
         slot = self._current
         if slot.ready is not None:
+            # Cleared before waiting: a failed read is raised once (this pass), not on every later one.
+            ready, slot.ready = slot.ready, None
             started = time.perf_counter()
-            slot.ready.result()
+            ready.result()
             self.stats.wait_seconds += time.perf_counter() - started
-            slot.ready = None
         if not self.cuda:
             assert slot.params is not None
             params, slot.params = slot.params, None
@@ -315,8 +350,8 @@ class StreamingModel:
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
         x = fam.embed(ids.to(self.device), self.resident, cfg)
         rows = B if T == 1 or not self.micro_batch else self.micro_batch
-        if self._prefetched is None or self._prefetched.layer != 0:
-            self._drain()  # an earlier step stopped midway (error): restart the stream at layer 0
+        if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
+            self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
             self._prefetched = self._request(0)
         for i in range(cfg.num_layers):
             self._current = self._prefetched
@@ -325,10 +360,10 @@ class StreamingModel:
             params = self._acquire(i)
             for a in range(0, B, rows):
                 b = min(a + rows, B)
-                kv = None
-                if cache is not None:
-                    kv = LayerKV(k=cache.k[i][a:b], v=cache.v[i][a:b], start=cache.length)
+                kv = cache.layer(i).rows(a, b) if cache is not None else None
                 x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
+                if self.on_layer is not None:
+                    self.on_layer()
             if self.cuda:
                 assert self._current.free is not None
                 self._current.free.record()
@@ -357,10 +392,12 @@ class StreamingModel:
     __call__ = forward
 
     def _drain(self) -> None:
+        """Wait for every read in flight; their results are discarded (the stream restarts), errors too."""
         for slot in self.slots:
-            if slot.ready is not None:
-                slot.ready.result()
-                slot.ready = None
+            ready, slot.ready = slot.ready, None
+            if ready is not None:
+                ready.exception()  # waits; the error, if any, belonged to a pass that already failed
+            slot.params = None
 
     def close(self) -> None:
         """Finish the outstanding read and stop the reader threads."""
@@ -371,3 +408,8 @@ class StreamingModel:
             self._io.shutdown(wait=True)
             self._io = None
         self._prefetched = None
+
+
+def _failed(slot: _Slot) -> bool:
+    """The slot's read finished with an error (e.g. layer 0 prefetched at the end of a pass)."""
+    return slot.ready is not None and slot.ready.done() and slot.ready.exception() is not None

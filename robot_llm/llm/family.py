@@ -81,6 +81,8 @@ class KVCache:
     ``slots`` says which written slots belong to their row and at which position (see
     :mod:`robot_llm.llm.slots`): a finished row is masked rather than copied out, and
     ``layout``, when set, is the layout of the next step instead of a plain append.
+    ``prefix``, when set (:meth:`share_prefix`), is a one-row cache of the tokens every
+    row starts with: stored once, attended by every row, whose own tokens follow it.
     """
 
     k: list[Tensor]
@@ -89,6 +91,7 @@ class KVCache:
     slots: SlotState
     length: int = 0
     layout: StepLayout | None = None
+    prefix: KVCache | None = None
 
     @classmethod
     def allocate(
@@ -122,7 +125,17 @@ class KVCache:
 
     def layer(self, index: int) -> LayerKV:
         """The cache view handed to a family's layer function for layer ``index``."""
-        return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
+        if self.prefix is None:
+            return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
+        p = self.prefix
+        return LayerKV(self.k[index], self.v[index], self.length, p.k[index][:, : p.length], p.v[index][:, : p.length])
+
+    def share_prefix(self, prefix: KVCache) -> None:
+        """Let every row continue ``prefix`` (a filled one-row cache) before its own tokens; call before any step."""
+        if self.length or prefix.batch != 1 or not bool(prefix.slots.valid[0, : prefix.length].all()):
+            raise ValueError("a shared prefix is a filled one-row cache, shared before the first step")
+        self.prefix = prefix
+        self.slots.share_prefix(prefix.length)
 
     def step_layout(self, steps: int) -> StepLayout:
         """The layout of the next step of ``steps`` tokens: the one set in ``layout``, else a plain append."""
@@ -149,13 +162,28 @@ class LayerKV:
     k: Tensor
     v: Tensor
     start: int
+    prefix_k: Tensor | None = None
+    prefix_v: Tensor | None = None
+
+    def rows(self, a: int, b: int) -> LayerKV:
+        """The view of rows ``a:b`` (the shared prefix stays whole)."""
+        return LayerKV(self.k[a:b], self.v[a:b], self.start, self.prefix_k, self.prefix_v)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this step's ``k``/``v`` ``[B, T, kv, hd]`` into the cache; return all filled slots."""
+        """Write this step's ``k``/``v`` ``[B, T, kv, hd]`` into the cache; return every key/value to attend.
+
+        With a shared prefix, its slots come first, broadcast to every row for this step only.
+        """
         end = self.start + k.shape[1]
         self.k[:, self.start : end] = k.to(self.k.device, self.k.dtype)
         self.v[:, self.start : end] = v.to(self.v.device, self.v.dtype)
-        return self.k[:, :end].to(k.device, k.dtype), self.v[:, :end].to(v.device, v.dtype)
+        keys, values = self.k[:, :end].to(k.device, k.dtype), self.v[:, :end].to(v.device, v.dtype)
+        if self.prefix_k is None or self.prefix_v is None:
+            return keys, values
+        shape = (k.shape[0], *self.prefix_k.shape[1:])
+        pk = self.prefix_k.to(k.device, k.dtype).expand(shape)
+        pv = self.prefix_v.to(v.device, v.dtype).expand(shape)
+        return torch.cat((pk, keys), dim=1), torch.cat((pv, values), dim=1)
 
 
 # --------------------------------------------------------------------------- step metadata

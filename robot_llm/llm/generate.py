@@ -201,15 +201,15 @@ class _Tree:
         return self.trunk + [t for branch in self.branches for t in branch]
 
 
-def _tree_width(tokenizer: Tokenizer, followup: Followup | None) -> int:
-    """The most step tokens a row's followup may take (0 without one)."""
+def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
+    """The most tokens (and KV slots) the step scoring a row's followup from its cache may take (0 without one)."""
     if followup is None:
         return 0
     pieces = [len(tokenizer.encode_pieces_ids(c)) for c in followup.continuations]
     return len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
 
 
-def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, width: int) -> _Tree | None:
+def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, width: int, shared: int) -> _Tree | None:
     """The step that scores ``row``'s followup from its cache, or None when it must be re-prefilled."""
     assert row.followup is not None
     context = row.followup_context(tokenizer)
@@ -222,6 +222,8 @@ def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, width: int) -> _Tr
     limit = min(len(fed), len(ctx) - 1)  # the context's last token must be fed: its logits predict the labels
     while keep < limit and fed[keep] == ctx[keep]:
         keep += 1
+    if keep < shared:  # the context parts from the prompt inside the shared prefix
+        return None
     tree = _Tree(keep=keep, trunk=ctx[keep:], branches=[t[:-1] for t in targets], targets=targets)
     return tree if len(tree.tokens) <= width else None
 
@@ -243,22 +245,49 @@ def _score_trees(logits: Tensor, trees: dict[int, _Tree], rows: list[_Row]) -> N
         rows[b].followup_logprobs = tuple(scores)
 
 
-def _run_batch(model: ForwardModel, tokenizer: Tokenizer, rows: list[_Row], on_step: Callable[[], None] | None) -> None:
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least one token of its own (its logits come from it)."""
+    if not prompts:
+        return 0
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+def _run_batch(
+    model: ForwardModel,
+    tokenizer: Tokenizer,
+    rows: list[_Row],
+    on_step: Callable[[], None] | None,
+    share_prefix: int,
+) -> None:
     """Generate for ``rows`` (all with budget >= 1) in one left-padded batch, and score their followups.
 
     A finished row stays in the cache, masked (no copy); the step after it finished
     scores its followup as a tree of tokens from its cache, alongside the other rows'
     decode tokens, so followups cost no weight pass of their own except after the last row.
     """
-    width = max(len(r.prompt_ids) for r in rows)
-    pad = torch.tensor([width - len(r.prompt_ids) for r in rows], dtype=torch.long)
+    shared = shared_prefix_length([r.prompt_ids for r in rows]) if len(rows) > 1 else 0
+    if not share_prefix or shared < share_prefix:
+        shared = 0
+    width = max(len(r.prompt_ids) for r in rows) - shared
+    pad = torch.tensor([width + shared - len(r.prompt_ids) for r in rows], dtype=torch.long)
     ids = torch.full((len(rows), width), tokenizer.eos_id, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-    tree_width = max(_tree_width(tokenizer, r.followup) for r in rows)
+        ids[b, width + shared - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids[shared:])
+    tree_width = max(followup_slots(tokenizer, r.followup) for r in rows)
     max_pos = model.config.max_position_embeddings
     # The last token of a row is never fed back, hence width + budget - 1 slots, plus one tree step.
     cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1 + tree_width, pad)
+    if shared:
+        # The template's common head: one row of KV, computed once, attended by every row.
+        prefix = model.new_cache(1, shared)
+        model.forward(torch.tensor([rows[0].prompt_ids[:shared]]), prefix, last_only=True)
+        if on_step is not None:
+            on_step()
+        cache.share_prefix(prefix)
     logits = model.forward(ids, cache, last_only=True)[:, -1]
     if on_step is not None:
         on_step()
@@ -271,7 +300,7 @@ def _run_batch(model: ForwardModel, tokenizer: Tokenizer, rows: list[_Row], on_s
             if r.finish is None:
                 continue
             cache.slots.active[b] = False
-            tree = _plan_tree(r, tokenizer, max_pos, tree_width) if r.followup is not None else None
+            tree = _plan_tree(r, tokenizer, max_pos, tree_width, shared) if r.followup is not None else None
             if tree is not None:
                 cache.slots.rewind(b, tree.keep)
                 trees[b] = tree
@@ -304,6 +333,7 @@ def generate(
     on_progress: Callable[[int, int], None] | None = None,
     on_step: Callable[[], None] | None = None,
     followups: Sequence[Followup | None] | None = None,
+    share_prefix: int = 0,
 ) -> list[Completion]:
     """Continue every prompt; returns one :class:`Completion` per prompt, in order.
 
@@ -318,6 +348,10 @@ def generate(
     into ``Completion.followup_logprobs``, from the row's KV cache when they fit the
     step reserved for them, else by a re-prefill (:func:`score_pieces`); they stay None
     when the context does not fit the model's window.
+
+    ``share_prefix`` (0 = off): when the prompts of a batch start with at least that many
+    common tokens (a template's head), their KV is computed once in a pass of its own,
+    stored once and attended by every row; each row's logits stay what they would be alone.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -346,7 +380,7 @@ def generate(
     done = len(rows) - len(todo)
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        _run_batch(model, tokenizer, chunk, on_step)
+        _run_batch(model, tokenizer, chunk, on_step, share_prefix)
         done += len(chunk)
         if on_progress is not None:
             on_progress(done, len(rows))

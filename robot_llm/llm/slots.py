@@ -50,6 +50,7 @@ class SlotState:
     next_pos: Tensor
     active: Tensor
     pad: Tensor
+    prefix: int = 0
 
     @classmethod
     def empty(cls, batch: int, max_len: int, pad: Tensor) -> SlotState:
@@ -61,6 +62,11 @@ class SlotState:
             active=torch.ones(batch, dtype=torch.bool),
             pad=pad,
         )
+
+    def share_prefix(self, tokens: int) -> None:
+        """Every row continues a shared prefix of ``tokens`` tokens (positions 0 .. tokens-1, keys before slot 0)."""
+        self.prefix = tokens
+        self.next_pos += tokens
 
     def append_layout(self, start: int, num_tokens: int) -> StepLayout:
         """The ordinary step: every active row appends ``num_tokens`` tokens (slots under ``pad`` excepted)."""
@@ -74,14 +80,16 @@ class SlotState:
         return StepLayout(real=real, positions=positions, attend=attend, keep=real)
 
     def forbidden(self, start: int, layout: StepLayout) -> Tensor:
-        """``[B, 1, T, start + T]`` bool, True where attention is forbidden."""
+        """``[B, 1, T, prefix + start + T]`` bool, True where attention is forbidden."""
         batch, steps = layout.real.shape
+        shared = torch.ones(batch, steps, self.prefix, dtype=torch.bool)
         before = self.valid[:, None, :start].expand(batch, steps, start)
-        return ~torch.cat((before, layout.attend), dim=2)[:, None]
+        return ~torch.cat((shared, before, layout.attend), dim=2)[:, None]
 
     def key_positions(self, start: int, layout: StepLayout) -> Tensor:
-        """``[B, start + T]``: the position of every key this step may see."""
-        return torch.cat((self.pos[:, :start], layout.positions), dim=1)
+        """``[B, prefix + start + T]``: the position of every key this step may see."""
+        shared = torch.arange(self.prefix).expand(layout.positions.shape[0], self.prefix)
+        return torch.cat((shared, self.pos[:, :start], layout.positions), dim=1)
 
     def commit(self, start: int, layout: StepLayout) -> int:
         """Record the step's kept slots; returns the new length (the step's unkept tail is given back)."""
@@ -93,11 +101,12 @@ class SlotState:
         return start + (int(kept[-1]) + 1 if kept.numel() else 0)
 
     def rewind(self, row: int, tokens: int) -> None:
-        """Keep only the first ``tokens`` valid slots of ``row``; its next token gets position ``tokens``."""
+        """Keep the first ``tokens`` tokens of ``row`` (shared prefix included); the next gets position ``tokens``."""
         held = torch.nonzero(self.valid[row]).flatten()
-        if tokens > held.numel():
-            raise ValueError(f"row {row} holds {held.numel()} tokens, cannot rewind to {tokens}")
-        self.valid[row, held[tokens:]] = False
+        own = tokens - self.prefix
+        if not 0 <= own <= held.numel():
+            raise ValueError(f"row {row} holds {self.prefix} + {held.numel()} tokens, cannot rewind to {tokens}")
+        self.valid[row, held[own:]] = False
         self.next_pos[row] = tokens
 
 

@@ -84,7 +84,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from robot_llm.llm.planner import Machine, PlanError, Work, detect_machine, plan
+    from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
+    from robot_llm.llm.planner import PlanError, Work, plan
 
     if args.preset:
         config = YalmConfig.preset(args.preset)
@@ -105,24 +106,30 @@ def _plan(args: argparse.Namespace) -> int:
         machine = Machine(
             ram_bytes=int(args.ram_gb * GB),
             gpu_bytes=int(args.gpu_gb * GB),
+            cpu_bf16=cpu_has_native_bf16() if args.cpu_bf16 is None else args.cpu_bf16 == "yes",
+            cores=args.cores,
             **({"disk_read_bps": disk_bps} if disk_bps else {}),
         )
     overrides = {
         "h2d_bps": args.h2d_gbps and args.h2d_gbps * GB,
         "gpu_flops": args.gpu_tflops and args.gpu_tflops * 1e12,
         "cpu_flops": args.cpu_tflops and args.cpu_tflops * 1e12,
+        "cpu_bf16_flops": args.cpu_bf16_tflops and args.cpu_bf16_tflops * 1e12,
     }
     from dataclasses import replace
 
     machine = replace(machine, **{k: v for k, v in overrides.items() if v})
-    work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens)
+    work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens, stance_labels=args.stance_labels)
     print(
         f"model: {args.preset or args.store} ({config.num_layers} layers, hidden {config.hidden_size}); "
         f"work: {work.num_prompts} prompts x {work.prompt_tokens} tokens + {work.max_new_tokens} new"
+        + (f", stance over {work.stance_labels} labels" if work.stance_labels else "")
     )
     print(
         f"machine: GPU {machine.gpu_bytes / GB:.0f} GB, RAM {machine.ram_bytes / GB:.0f} GB, "
-        f"disk {machine.disk_read_bps / GB:.1f} GB/s, host-to-GPU {machine.h2d_bps / GB:.0f} GB/s"
+        f"disk {machine.disk_read_bps / GB:.1f} GB/s, host-to-GPU {machine.h2d_bps / GB:.0f} GB/s, "
+        f"CPU {machine.cores} cores, {machine.cpu_flops / 1e12:.2g} TFLOP/s fp32"
+        + (f", {machine.cpu_bf16_flops / 1e12:.2g} bf16" if machine.cpu_bf16 else ", no native bf16")
     )
     try:
         result = plan(
@@ -178,6 +185,19 @@ def add_engine_commands(model_sub: Any) -> None:
     )
     pl.add_argument("--h2d-gbps", type=float, help="host-to-GPU copy bandwidth, GB/s (default 12)")
     pl.add_argument("--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default 30)")
-    pl.add_argument("--cpu-tflops", type=float, help="sustained CPU TFLOP/s (default 0.5)")
+    pl.add_argument("--cpu-tflops", type=float, help="sustained CPU fp32 TFLOP/s (default 0.5)")
+    pl.add_argument("--cpu-bf16-tflops", type=float, help="sustained CPU bf16 TFLOP/s (default 1.0)")
+    pl.add_argument(
+        "--cpu-bf16", choices=["yes", "no"], help="the CPU has native bf16 (default: as this machine's CPU)"
+    )
+    pl.add_argument(
+        "--cores", type=int, default=8, help="CPU cores of a machine given by --ram-gb (default: %(default)s)"
+    )
+    pl.add_argument(
+        "--stance-labels",
+        type=int,
+        default=3,
+        help="stance labels scored per request, one pass each request (0 = no stance; default: %(default)s)",
+    )
     pl.add_argument("--max-batch-size", type=int, help="upper bound on the batch size")
     pl.set_defaults(handler=_plan)

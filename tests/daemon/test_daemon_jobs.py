@@ -18,9 +18,11 @@ from sqlalchemy.engine import Engine
 
 from robot_llm.cli import main
 from robot_llm.config import AppConfig, load_config
-from robot_llm.daemon import NIGHTLY_KIND, Daemon, acquire_lease, read_lease
+from robot_llm.daemon import Daemon
 from robot_llm.daemon_cli import format_status
 from robot_llm.db import GenerationRequest, Run, Thesis, make_engine, session_scope
+from robot_llm.lease import acquire_lease, read_lease
+from robot_llm.runs import NIGHTLY_KIND
 
 
 class Running:

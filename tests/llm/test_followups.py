@@ -151,3 +151,70 @@ def test_slot_state_masks_rewinds_and_gives_back_unkept_slots() -> None:
     assert state.commit(5, state.append_layout(5, 3)) == 5
     with pytest.raises(ValueError, match="cannot rewind"):
         state.rewind(0, 3)
+
+
+HEAD = "### Обзор аналитика\nИнструмент: Северный Лес (SVLS), биржа MOEX\nТезис: рост экспорта.\n\nИнструмент:"
+TAILS = [" Сбербанк (SBER)\nТезис:", " Apple\nТезис:", " Газпром, биржа MOEX, новостей нет\nТезис:"]
+
+
+def _shared_vs_unshared(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str]) -> None:
+    """Prefill and three decode steps with the common head shared, against the plain left-padded path."""
+    from robot_llm.llm.generate import shared_prefix_length
+
+    ids = [tokenizer.encode(p) for p in prompts]
+    shared = shared_prefix_length(ids)
+    assert shared >= 8
+    width = max(len(x) for x in ids)
+    pad = torch.tensor([width - len(x) for x in ids])
+    full = torch.tensor([[tokenizer.eos_id] * (width - len(x)) + x for x in ids])
+    plain = model.new_cache(len(ids), width + 3, pad)
+    want = [model.forward(full, plain)]
+    prefix = model.new_cache(1, shared)
+    model.forward(torch.tensor([ids[0][:shared]]), prefix)
+    cache = model.new_cache(len(ids), width - shared + 3, pad)
+    cache.share_prefix(prefix)
+    got = [model.forward(full[:, shared:], cache)]
+    for step in range(3):
+        token = torch.full((len(ids), 1), 5 + step)
+        want.append(model.forward(token, plain))
+        got.append(model.forward(token, cache))
+    for b, n in enumerate(len(x) for x in ids):
+        # Row b's own tokens: the last n - shared prefill slots, then every decode step.
+        assert (got[0][b, -(n - shared) :] - want[0][b, -(n - shared) :]).abs().max() <= 1e-4
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert (g - w).abs().max() <= 1e-4
+    assert cache.k[0].shape[1] == plain.k[0].shape[1] - shared  # the head is stored once, not per row
+
+
+def test_shared_prefix_logits_equal_the_unshared_path_on_the_tiny_fixture(
+    tiny_model: Yalm, tokenizer: YalmTokenizer
+) -> None:
+    _shared_vs_unshared(tiny_model, tokenizer, ["Рубль ослаб к доллару, а" + t[:6] for t in TAILS])
+
+
+def test_shared_prefix_logits_equal_the_unshared_path_on_the_demo_store(
+    demo: tuple[StreamingModel, YalmTokenizer],
+) -> None:
+    model, tokenizer = demo
+    _shared_vs_unshared(model, tokenizer, [HEAD + t for t in TAILS])
+
+
+def test_shared_prefix_in_generation_changes_no_result(demo: tuple[StreamingModel, YalmTokenizer]) -> None:
+    model, tokenizer = demo
+    prompts = [HEAD + t for t in TAILS]
+    params = PARAMS[:3]
+    followups = [RU, RU, EN]
+    passes = Counting(model, [])
+    shared = generate(passes, tokenizer, prompts, params, followups=followups, share_prefix=8)  # type: ignore[arg-type]
+    alone = generate(model, tokenizer, prompts, params, followups=followups, batch_size=1)
+    from robot_llm.llm.generate import shared_prefix_length
+
+    head = shared_prefix_length([tokenizer.encode(p) for p in prompts])
+    assert head >= 8 and passes.calls[0] == (1, head, True)  # the head's own pass, one row
+    assert passes.calls[1][:2] == (3, max(len(tokenizer.encode(p)) for p in prompts) - head)
+    assert all(cached for _, _, cached in passes.calls)
+    for s, a in zip(shared, alone, strict=True):
+        assert replace(s, followup_logprobs=None) == replace(a, followup_logprobs=None)
+        assert s.followup_logprobs is not None and a.followup_logprobs is not None
+        for x, y in zip(s.followup_logprobs, a.followup_logprobs, strict=True):
+            assert x == pytest.approx(y, abs=1e-4)
