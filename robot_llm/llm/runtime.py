@@ -64,6 +64,8 @@ class ModelSettings:
       other work, :func:`robot_llm.llm.machine.free_cores`).
     * ``micro_batch``: most rows of a prefill pass at once (None: planned; a
       pin lowers the planned one, never raises it).
+    * ``kv_dtype``: the KV cache's dtype (``auto``: planned; ``int8``/``int4``
+      compressed, :mod:`robot_llm.llm.kvquant`; or a float dtype).
     * ``max_new_tokens`` / ``stance_labels``: the night's work per request, for
       the plan made when the model opens (longest prompts the window allows,
       ``max_positions`` when it is shorter than the model's).
@@ -84,6 +86,7 @@ class ModelSettings:
     gpu_memory_budget_bytes: int | None = None
     threads: int | None = None
     micro_batch: int | None = None
+    kv_dtype: str = "auto"
     max_new_tokens: int = 128
     stance_labels: int = 3
     max_positions: int | None = None
@@ -177,7 +180,8 @@ class LoadedModel:
         if not isinstance(model, StreamingModel) or count == 0:
             return self.settings.max_batch_size
         home = "ram" if model.home == "ram" else "split" if model.ram_layers else "disk"
-        settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype))
+        kv_dtype = model.kv_dtype or _dtype_name(model.dtype)
+        settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype), kv_dtype=kv_dtype)
         work = Work(count, prompt_tokens, new_tokens, shared)
         job = plan_run(settings, self.config, work, model.store.manifest.dtype)
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
@@ -222,6 +226,7 @@ def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dt
         max_batch_size=settings.max_batch_size,
         memory_budget_bytes=settings.memory_budget_bytes,
         weight_home=None if settings.home == "auto" else settings.home,
+        kv_dtype=settings.kv_dtype,
     )
 
 
@@ -315,5 +320,6 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
         dtype=night.compute_dtype,
         kv_home=night.kv_home,
         micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
+        kv_dtype=night.kv_dtype if night.kv_dtype in ("int8", "int4") else None,
     )
     return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype))

@@ -50,11 +50,15 @@ def test_the_stream_engine_opens_as_planned(tiny_dir: Path, stores: dict[str, Pa
     finally:
         auto.close()
     pinned = open_model(
-        ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", home="split", dtype="fp32", threads=1)
+        ModelSettings(
+            vocab=vocab, store=stores["fp16"], device="cpu", home="split", dtype="fp32", threads=1, kv_dtype="int8"
+        )
     )
     try:
         assert (pinned.model.home, pinned.model.ram_layers, pinned.model.dtype) == ("disk", 1, torch.float32)
-        assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1 and pinned.model.kv_dtype == "int8"
+        completions = pinned.generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True))
+        assert all(c.new_token_count == 3 for c in completions)
     finally:
         pinned.close()
         torch.set_num_threads(threads)
