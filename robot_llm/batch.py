@@ -31,7 +31,7 @@ from robot_llm.configured_model import BatchModel, open_configured_model
 from robot_llm.db import error_line
 from robot_llm.errors import RobotLLMError
 from robot_llm.request_queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
-from robot_llm.stance import StanceResult, StanceSpec, parse_stance_spec, score_stance
+from robot_llm.stance import Calibration, StanceResult, StanceSpec, parse_stance_spec, score_stance
 from robot_llm.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class _Progress:
 
 
 def _run_batch(
-    model: BatchModel, batch: list[ClaimedRequest], on_progress: Callable[[], None]
+    model: BatchModel, batch: list[ClaimedRequest], on_progress: Callable[[], None], calibration: Calibration
 ) -> tuple[list[dict[str, Any]], dict[int, str], int]:
     """Generate and score ``batch``; returns (thesis rows, errors by request id, new tokens).
 
@@ -156,15 +156,17 @@ def _run_batch(
         group = groups.pop(0)
         started = time.monotonic()
         try:
+            # The labels are scored from each row's KV cache as it finishes: no pass of their own.
             completions = model.generate(
                 [req.prompt for req, _, _ in group],
                 [params for _, params, _ in group],
                 on_progress=lambda _done, _total: on_progress(),
+                followups=[spec.followup() if spec is not None else None for _, _, spec in group],
             )
             on_progress()
             stances: list[StanceResult | None] = []
             for (req, _, spec), c in zip(group, completions, strict=True):
-                stances.append(score_stance(model, req.prompt, c.text, spec) if spec is not None else None)
+                stances.append(score_stance(model, req.prompt, c, spec, calibration) if spec is not None else None)
                 on_progress()
         except Exception as exc:  # the model's failure is this batch's, not the run's
             if len(group) > 1:
@@ -271,6 +273,7 @@ def _work(
     watchdog = Watchdog(config, engine.url.render_as_string(hide_password=False), queue, tick)
     watchdog.start()
     bar = _Progress(progress, total)
+    calibration = Calibration()  # content-free label priors, once per template per night
     blocked_by: str | None = None
     status, error = "ok", None
     drained = False
@@ -283,7 +286,7 @@ def _work(
                 break
             watchdog.progress([r.id for r in claimed])
             started = time.monotonic()
-            rows, errors, new_tokens = _run_batch(model, claimed, watchdog.progress)
+            rows, errors, new_tokens = _run_batch(model, claimed, watchdog.progress, calibration)
             tally.seconds += time.monotonic() - started
             tally.new_tokens += new_tokens
             tally.batches += 1

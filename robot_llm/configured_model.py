@@ -17,7 +17,7 @@ from robot_llm.errors import RobotLLMError
 
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
-    from robot_llm.llm.generate import Completion, SamplingParams
+    from robot_llm.llm.generate import Completion, Followup, SamplingParams
     from robot_llm.llm.runtime import ModelSettings
     from robot_llm.llm.tokenizer import Tokenizer
 
@@ -47,12 +47,13 @@ class BatchModel(Protocol):
         prompts: list[str],
         params: list[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
+        followups: list[Followup | None] | None = None,
     ) -> list[Completion]:
-        """One completion per prompt, in order."""
+        """One completion per prompt, in order (followups scored into ``followup_logprobs``)."""
         ...
 
-    def score(self, prompt: str, continuations: list[str]) -> list[float]:
-        """Sum of log-probabilities of each continuation after ``prompt``."""
+    def score_pieces(self, prompt: str, continuations: list[str]) -> list[list[float]]:
+        """Log-probability of every token of each continuation after ``prompt``."""
         ...
 
     def close(self) -> None:
@@ -83,23 +84,28 @@ class ConfiguredModel:
         prompts: list[str],
         params: list[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
+        followups: list[Followup | None] | None = None,
     ) -> list[Completion]:
         if on_progress is None:
-            return self.loaded.generate(prompts, params)
+            return self.loaded.generate(prompts, params, followups=followups)
         done = [0]
 
         def batch_done(finished: int, total: int) -> None:
             done[0] = finished
             on_progress(finished, total)
 
-        # Every forward pass counts as liveness for the watchdog: one batch of the 100B model
-        # streamed from disk can outlast batch.stall_timeout, one decode step cannot.
+        # Every forward pass (and every layer of one, with the stream engine) counts as liveness for
+        # the watchdog: one batch of the 100B model streamed from disk can outlast batch.stall_timeout.
         return self.loaded.generate(
-            prompts, params, on_progress=batch_done, on_step=lambda: on_progress(done[0], len(prompts))
+            prompts,
+            params,
+            on_progress=batch_done,
+            on_step=lambda: on_progress(done[0], len(prompts)),
+            followups=followups,
         )
 
-    def score(self, prompt: str, continuations: list[str]) -> list[float]:
-        return self.loaded.score(prompt, continuations)
+    def score_pieces(self, prompt: str, continuations: list[str]) -> list[list[float]]:
+        return self.loaded.score_pieces(prompt, continuations)
 
     def close(self) -> None:
         self.loaded.close()

@@ -82,12 +82,21 @@ def request_params(result: RenderResult, seed: int) -> dict[str, Any]:
         "top_p": float(gen.top_p),
         "seed": int(seed),
         "stop": list(result.template.stop),
-        "stance": (
-            {"cue": stance.cue, "labels": {k: float(v) for k, v in stance.labels.items()}}
-            if stance is not None
-            else None
-        ),
+        "stance": _stance_params(result) if stance is not None else None,
     }
+
+
+def _stance_params(result: RenderResult) -> dict[str, Any]:
+    stance = result.template.stance
+    assert stance is not None
+    out: dict[str, Any] = {
+        "cue": stance.cue,
+        "labels": {k: float(v) for k, v in stance.labels.items()},
+        "method": stance.method,
+    }
+    if result.calibration is not None:
+        out["calibration"] = result.calibration
+    return out
 
 
 # --------------------------------------------------------------------------- gathering

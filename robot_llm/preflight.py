@@ -33,15 +33,19 @@ THESIS_BYTES = 64 * 2**10
 
 @dataclass(frozen=True)
 class Check:
-    """One preflight check: ``ok`` is True (passed), False (failed) or None (not applicable / skipped)."""
+    """One preflight check: ``ok`` is True (passed), False (failed) or None (not applicable / skipped).
+
+    ``warning``: passed, but with something the user should fix (the night still runs).
+    """
 
     name: str
     ok: bool | None
     message: str
+    warning: bool = False
 
     def line(self) -> str:
-        """``ok   name: message`` / ``FAIL name: message`` / ``skip name: message``."""
-        tag = "ok  " if self.ok else "FAIL" if self.ok is False else "skip"
+        """``ok   name: message`` / ``warn name: message`` / ``FAIL name: message`` / ``skip name: message``."""
+        tag = ("warn" if self.warning else "ok  ") if self.ok else "FAIL" if self.ok is False else "skip"
         return f"{tag} {self.name}: {self.message}"
 
 
@@ -221,7 +225,13 @@ def _templates(config: AppConfig) -> Check:
 
     from robot_llm.db import utcnow
     from robot_llm.llm.tokenizer import load_tokenizer
-    from robot_llm.prompting import NewsEntry, SignalEntry, load_templates, render_within_budget
+    from robot_llm.prompting import (
+        NewsEntry,
+        SignalEntry,
+        load_templates,
+        render_within_budget,
+        stance_label_problems,
+    )
 
     assert config.model.vocab is not None
     try:
@@ -255,11 +265,19 @@ def _templates(config: AppConfig) -> Check:
                 render_within_budget(template, config, instrument, now, news, signals, tokenizer)
             except RobotLLMError as exc:
                 problems.append(f"{template.name} for {instrument.ticker}: {exc}")
+    warnings: list[str] = []
+    for template in templates.values():
+        errors, uneven = stance_label_problems(template, tokenizer)
+        problems.extend(errors)
+        warnings.extend(uneven)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         return Check("templates", False, shown)
     n = len(templates) * len(config.instruments)
-    return Check("templates", True, f"all {n} template x instrument prompts render and fit the window")
+    message = f"all {n} template x instrument prompts render and fit the window"
+    if warnings:
+        return Check("templates", True, f"{message}; warning: {'; '.join(warnings)}", warning=True)
+    return Check("templates", True, message)
 
 
 def _guarded(name: str, fn: Callable[[], Check]) -> Check:

@@ -623,6 +623,7 @@ class RenderResult:
     news_ids: tuple[int, ...]
     signal_ids: tuple[int, ...]
     dropped: tuple[DroppedNews, ...]
+    calibration: str | None = None  # the content-free stance context, when the template calibrates
 
     @property
     def prompt_sha256(self) -> str:
@@ -699,6 +700,11 @@ def render_within_budget(
                 news_ids=tuple(e.id for e in shown),
                 signal_ids=tuple(s.id for s in chosen_signals),
                 dropped=tuple(dropped),
+                calibration=(
+                    content_free_context(template, as_of, tz)
+                    if template.stance is not None and template.stance.calibrate
+                    else None
+                ),
             )
         if not kept:
             raise PromptTooLong(

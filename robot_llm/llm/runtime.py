@@ -164,11 +164,15 @@ class LoadedModel:
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
         """Sum of log-probabilities of each continuation after ``prompt``."""
-        from robot_llm.llm.generate import score
+        return [float(sum(p)) for p in self.score_pieces(prompt, continuations)]
+
+    def score_pieces(self, prompt: str, continuations: Sequence[str]) -> list[list[float]]:
+        """Log-probability of every token of each continuation after ``prompt`` (a re-prefill)."""
+        from robot_llm.llm.generate import score_pieces
 
         longest = max((len(self.tokenizer.encode(prompt + c)) for c in continuations), default=1)
         batch = self._prepare(len(continuations), longest, 0)
-        return score(self.model, self.tokenizer, prompt, continuations, batch_size=batch)
+        return score_pieces(self.model, self.tokenizer, prompt, continuations, batch_size=batch)
 
     def _prepare(self, count: int, prompt_tokens: int, new_tokens: int, shared: int = 0) -> int:
         """Batch size for this job: with the stream engine, planned for the engine as it is (or refused)."""
