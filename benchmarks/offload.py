@@ -5,8 +5,8 @@ dtype (fp32, bf16, int8, int4). Every configuration then runs **in its own
 fresh process**, with the same intra-op thread count, an untimed warm-up pass
 first, the store's page cache dropped, and the night's work inside the timed
 region: greedy generation of ``new`` tokens for every prompt, then the stance
-of every request scored the way the night does it (one forward pass per
-request over prompt + thesis + cue, batched over 3 label continuations).
+of every row scored the way the worker does it now, from the row's KV cache
+(one more pass of the batch over the cue and the label pieces).
 
 Rows: the engine with weights cold on disk at batch 1 and 32 for each dtype
 (fp32 computed in fp32; bf16/int8/int4 in bf16 where the CPU has it natively,
@@ -16,7 +16,10 @@ bandwidth measured right before it with 16 requests in flight (fio's queue
 depth), the measured decode step and its roofline (max of the step's bytes
 over that bandwidth and its FLOPs over the GEMM rate measured in the same
 setting), and peak RSS against the planner's estimate for that row. Headline
-ratios come from these fresh processes only. The last line is one JSON object.
+ratios come from these fresh processes only. Two more rows time a night's real
+work (:mod:`night`: thesis_ru prompts, stance re-prefilled per thesis as before
+vs scored from the KV cache as now) and count its weight passes. The last line
+is one JSON object.
 
     python benchmarks/offload.py [--quick] [--dir WORK_DIR] [--threads N]
 """
@@ -43,11 +46,15 @@ from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
 from robot_llm.llm.store import Store, drop_page_cache, measure_read_bandwidth, write_store
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from night import run_night, vocabulary  # the benchmarks folder is no package
+
 _MID = {"hidden_size": 1024, "embedding_size": 256, "intermediate_size": 2730, "num_attention_heads": 16}
 SIZES: dict[str, dict[str, Any]] = {
     "full": {"layers": 12, "prompt": 8, "new": 32, "batches": (1, 32), "dtypes": ("fp32", "bf16", "int8", "int4")},
     "quick": {"layers": 4, "prompt": 4, "new": 8, "batches": (1, 32), "dtypes": ("fp32", "int4")},
 }
+NIGHT_BATCH = {"full": 8, "quick": 4}
 LABELS = 3  # stance continuations per request (рост / падение / нейтрально)
 CUE = 6  # tokens of the stance cue appended to prompt + thesis
 
@@ -76,33 +83,26 @@ def compute_dtype(store_dtype: str) -> str:
 
 
 def night(model: Any, cfg: YalmConfig, prompts: int, prompt: int, new: int, batch: int) -> dict[str, float]:
-    """The timed work: generate, then score every request's stance. Returns the phase times."""
+    """The timed work: generate, then score every row's stance from its cache. Returns the phase times."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(5, cfg.vocab_size, (prompts, prompt), generator=g)
     started = time.perf_counter()
-    decode, steps, theses = 0.0, 0, []
+    decode, steps, stance = 0.0, 0, 0.0
     for start in range(0, prompts, batch):
         chunk = ids[start : start + batch]
-        cache = model.new_cache(chunk.shape[0], prompt + new - 1)
+        cache = model.new_cache(chunk.shape[0], prompt + new - 1 + CUE + LABELS)
         logits = model.forward(chunk, cache, last_only=True)
-        out = [logits[:, -1].argmax(-1, keepdim=True)]
         for _ in range(new - 1):
             t = time.perf_counter()
-            logits = model.forward(out[-1], cache, last_only=True)
+            logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache, last_only=True)
             decode, steps = decode + time.perf_counter() - t, steps + 1
-            out.append(logits[:, -1].argmax(-1, keepdim=True))
-        theses.append(torch.cat([chunk, *out], dim=1))
-    generated = time.perf_counter() - started
-    for row in torch.cat(theses):  # one pass per request, like the night's stance scoring
-        context = torch.cat([row, torch.randint(5, cfg.vocab_size, (CUE,), generator=g)])
-        width = context.numel() + LABELS
-        rows = torch.full((LABELS, width), 1)
-        pad = torch.tensor([LABELS - n for n in range(1, LABELS + 1)])
-        for b in range(LABELS):
-            rows[b, int(pad[b]) :] = torch.cat([context, torch.randint(5, cfg.vocab_size, (b + 1,), generator=g)])
-        torch.log_softmax(model.forward(rows, None, pad), dim=-1)
+        # The cue and the label pieces ride on the rows' caches: one more pass of the batch.
+        t = time.perf_counter()
+        cue = torch.randint(5, cfg.vocab_size, (chunk.shape[0], CUE + LABELS), generator=g)
+        torch.log_softmax(model.forward(cue, cache), dim=-1)
+        stance += time.perf_counter() - t
     total = time.perf_counter() - started
-    return {"seconds": total, "generate_s": generated, "stance_s": total - generated, "step_s": decode / steps}
+    return {"seconds": total, "stance_s": stance, "step_s": decode / steps}
 
 
 def gemm_rate(cfg: YalmConfig, batch: int, dtype: str) -> float:
@@ -122,6 +122,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     store = Store(spec["store"])
     cfg = store.config
+    if spec["kind"].startswith("night"):  # a night's real work, passes counted (benchmarks/night.py)
+        drop_page_cache([store.path / f.name for f in store.manifest.files])
+        result = run_night(store.path, spec, Path(spec["vocab"]))
+        result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return result
     if spec["kind"] == "deepspeed":
         from robot_llm.llm.backends.deepspeed import DeepSpeedModel
 
@@ -155,7 +160,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     if out.returncode != 0:
         raise SystemExit(f"benchmark child failed (exit {out.returncode}): {spec['label']}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    log(f"{spec['label']}: {spec['prompts'] * spec['new'] / result['seconds']:.2f} tok/s")
+    log(f"{spec['label']}: {spec['prompts'] * spec['new'] / result['seconds']:.2f} tok/s, {result['seconds']:.1f} s")
     return result
 
 
@@ -177,16 +182,17 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     threads = args.threads or detect_machine().compute_threads
     try:
-        report = benchmark(size, work, threads)
+        report = benchmark(size, work, threads, NIGHT_BATCH["quick" if args.quick else "full"])
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report))
 
 
-def benchmark(size: dict[str, Any], work: Path, threads: int) -> dict[str, Any]:
+def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) -> dict[str, Any]:
     started = time.perf_counter()
-    cfg = YalmConfig(num_layers=size["layers"], max_position_embeddings=256, vocab_size=4000, **_MID)
+    # 1024 positions: room for the night rows' thesis prompts.
+    cfg = YalmConfig(num_layers=size["layers"], max_position_embeddings=1024, vocab_size=4000, **_MID)
     stores = {}
     for dtype in size["dtypes"]:
         stores[dtype] = work / f"store-{dtype}"
@@ -221,17 +227,37 @@ def benchmark(size: dict[str, Any], work: Path, threads: int) -> dict[str, Any]:
             }
     runs = {key: run_child(spec) for key, spec in specs.items()}
     shutil.rmtree(work / "nvme", ignore_errors=True)
-    return report(cfg, specs, runs, threads, time.perf_counter() - started)
+    nights = {}
+    for kind, label in (("night-rescore", "stance re-prefilled (before)"), ("night", "stance from the cache (now)")):
+        shape = {"prompt": 0, "new": N, "batch": night_batch, "prompts": 2 * night_batch, "threads": threads}
+        spec = shape | {"label": f"night, {label}", "kind": kind, "store": str(stores["fp32"])}
+        nights[label] = run_child(spec | {"vocab": str(vocabulary(work))})
+    result = report(cfg, specs, runs, threads)
+    for label, r in nights.items():
+        print(
+            f"night, {label}: {r['theses']} theses in {r['batches']} batches, {r['generation_passes']} generation + "
+            f"{r['stance_passes']} stance weight passes ({r['passes_per_thesis']:.2f} per thesis, "
+            f"{r['stance_passes_per_batch']:.2f} stance per batch), "
+            f"{r['bytes_streamed_per_thesis'] / 2**20:.0f} MiB streamed per thesis, {r['seconds']:.1f} s"
+        )
+    now, before = nights["stance from the cache (now)"], nights["stance re-prefilled (before)"]
+    result |= {
+        "passes_per_thesis": round(now["passes_per_thesis"], 3),
+        "stance_passes_per_batch": round(now["stance_passes_per_batch"], 3),
+        "bytes_streamed_per_thesis": int(now["bytes_streamed_per_thesis"]),
+        "passes_per_thesis_rescore": round(before["passes_per_thesis"], 3),
+        "stance_passes_per_batch_rescore": round(before["stance_passes_per_batch"], 3),
+    }
+    print(f"total benchmark time {time.perf_counter() - started:.0f} s")
+    return result
 
 
-def report(
-    cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], threads: int, elapsed: float
-) -> dict[str, Any]:
+def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], threads: int) -> dict:
     L, params = cfg.num_layers, layer_params(cfg)
     ram = detect_machine().ram_bytes
     print(
         f"model: {L} layers, hidden {cfg.hidden_size}, {params / 1e6:.1f} M parameters per layer; "
-        f"{threads} intra-op thread(s) in every row; the stance of every request scored inside the timed work"
+        f"{threads} intra-op thread(s) in every row; the stance of every row scored inside the timed work"
     )
     print(
         f"{'configuration':<38} {'tok/s':>7} {'stance':>7} {'step s':>7} {'roofline':>8} {'raw GB/s':>8} "
@@ -247,7 +273,7 @@ def report(
         r["roofline_s"] = max(step_bytes / r["raw_bps"], 2 * spec["batch"] * params * L / r["gemm"])
         est = plan(
             cfg,
-            Work(spec["batch"], spec["prompt"], spec["new"], stance_labels=LABELS),
+            Work(spec["batch"], spec["prompt"], spec["new"] + CUE + LABELS),
             Machine(ram_bytes=ram),
             weight_dtype=weight_dtype,
             compute_dtype=spec["dtype"],
@@ -279,7 +305,6 @@ def report(
     print("headline ratios (fresh processes only): " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
     print("decode step / roofline: " + ", ".join(f"{k} {v}x" for k, v in steps.items()))
     print("peak RSS / planner estimate: " + ", ".join(f"{k} {v}x" for k, v in rss.items()))
-    print(f"total benchmark time {elapsed:.0f} s")
     return {"ratios": ratios, "step_vs_roofline": steps, "rss_vs_estimate": rss, "threads": threads}
 
 

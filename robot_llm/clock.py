@@ -1,39 +1,41 @@
 """Time logic of the night, as pure functions of ``(config, now)``: cron fire times, which
 night it is, its cut-off, trading days and catch-up.
 
-Everything here steps in UTC. A cron line is evaluated in the config's zone (APScheduler's
-CronTrigger), but its fire times are compared and stepped as UTC instants: on a DST fall-back
-a local wall time such as 02:30 happens twice, and a local-zone datetime loses which of the
-two it was (``fold``) as soon as one adds a timedelta to it, so stepping in local time can
-walk back to the first 02:30 for ever. A wall time that happens twice fires once, at its
-first occurrence; one that does not exist (spring forward) fires at the instant the clock
-jumps over it, shifted by the gap (02:30 in Berlin on the spring-forward day is 03:30 CEST).
+Everything here steps in UTC. A cron line is matched against local dates in the config's
+zone (:class:`CronSchedule`), and its fires are compared and stepped as UTC instants: on a
+DST fall-back a local wall time such as 02:30 happens twice, and a local-zone datetime loses
+which of the two it was (``fold``) as soon as one adds a timedelta to it. (The old loop did
+exactly that, stepping ``fire + timedelta(seconds=1)`` in local time: the second 02:30 became
+the first again, and ``night_as_of`` never returned.) A wall time that happens twice fires
+once, at its first occurrence; one that a spring-forward skips fires shifted by the gap
+(02:30 in Berlin on that Sunday is 03:30 CEST).
 
-The nightly plan (:func:`robot_llm.plan.plan_night`), ``batch plan`` and the daemon all use
-:func:`night_as_of`, so they always agree on which night it is.
-
-This module imports only the standard library at import time (APScheduler is loaded on the
-first cron evaluation), so the read API and ``robot-llm status`` stay light.
+The nightly plan (:func:`robot_llm.plan.plan_night`), ``batch plan`` and the daemon (its
+triggers are :class:`ClockTrigger`) all use these fire times, so they always agree on which
+night it is. Imports stay light (no SQLAlchemy, no torch): the read API and ``status`` use it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta, timezone, tzinfo
+from datetime import date, datetime, time, timedelta, timezone, tzinfo
 from typing import TYPE_CHECKING
+from zoneinfo import ZoneInfo
+
+from apscheduler.triggers.base import BaseTrigger
 
 from robot_llm.errors import RobotLLMError
 
 if TYPE_CHECKING:
-    from apscheduler.triggers.cron import CronTrigger
-
     from robot_llm.config import AppConfig
 
 __all__ = [
+    "ClockTrigger",
+    "CronSchedule",
     "ScheduledFire",
     "aware_utc",
     "cron_trigger",
-    "next_fire_after",
     "next_nightly_fire",
     "night_as_of",
     "night_cutoff",
@@ -59,97 +61,139 @@ def aware_utc(value: datetime, name: str) -> datetime:
 
 # --------------------------------------------------------------------------- cron
 
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+# A cron that matches no day for this long never fires (e.g. "0 0 30 2 *").
+_MAX_IDLE_DAYS = 366 * 8
 
-def _crontab_weekdays(field: str) -> str:
-    """Translate a crontab day-of-week field (0 or 7 = Sunday) to APScheduler 3 names.
 
-    APScheduler 3's ``from_crontab`` counts 0 as *Monday* (its issue #286), so ``0-4``
-    would silently mean Mon–Fri instead of the Sun–Thu a crontab user wrote.
-    """
-    if field == "*":
-        return field
-    days: set[int] = set()
+def _cron_field(text: str, lo: int, hi: int, names: tuple[str, ...] = (), base: int = 0) -> frozenset[int]:
+    """The values of one crontab field: ``*``, ``a``, ``a-b``, any of them ``/step``, comma lists."""
 
-    def day(token: str) -> int:
-        token = token.lower()
-        if token.isdigit() and 0 <= int(token) <= 7:
-            return int(token) % 7
-        if token[:3] in _CRON_DAYS:
-            return _CRON_DAYS.index(token[:3])
-        raise ValueError(f"invalid day of week {token!r} in {field!r}")
+    def value(token: str) -> int:
+        token = token.strip().lower()
+        if token[:3] in names:
+            return names.index(token[:3]) + base
+        if not token.isdigit():
+            raise ValueError(f"invalid value {token!r} in {text!r}")
+        return int(token)
 
-    for part in field.split(","):
+    out: set[int] = set()
+    for part in text.split(","):
         rng, _, step_text = part.partition("/")
-        step = int(step_text) if step_text else 1
-        if step < 1:
-            raise ValueError(f"invalid step in day of week {field!r}")
+        step = int(step_text) if step_text.isdigit() else 0
+        if step_text and step < 1:
+            raise ValueError(f"invalid step in {text!r}")
         if rng == "*":
-            first, last = 0, 6
+            first, last = lo, hi
         elif "-" in rng:
-            a, b = rng.split("-", 1)
-            first, last = day(a), day(b)
-            if b.strip() == "7":
-                last = 7  # "1-7" is Monday through Sunday
+            first, last = (value(x) for x in rng.split("-", 1))
         else:
-            first = last = day(rng)
-            if step_text:
-                last = 6
+            first = value(rng)
+            last = hi if step_text else first
+        if not lo <= first <= hi or not lo <= last <= hi:
+            raise ValueError(f"{rng!r} is outside {lo}-{hi} in {text!r}")
         if last < first:
-            raise ValueError(f"day-of-week range {rng!r} runs backwards in {field!r}")
-        days.update(d % 7 for d in range(first, last + 1, step))
-    return ",".join(_CRON_DAYS[d] for d in sorted(days))
+            raise ValueError(f"range {rng!r} runs backwards in {text!r}")
+        out.update(range(first, last + 1, step or 1))
+    return frozenset(out)
 
 
-def cron_trigger(expr: str, tz: tzinfo | str) -> CronTrigger:
-    """An APScheduler CronTrigger for a standard crontab line, evaluated in ``tz``.
+class CronSchedule:
+    """A standard crontab line evaluated in a zone; its fires are aware UTC instants.
 
-    Use this (not ``CronTrigger.from_crontab``) wherever a config cron is scheduled, so
-    the daemon's fire times and :func:`night_as_of` agree on weekdays.
+    Weekdays use crontab numbering (0 or 7 = Sunday; APScheduler 3's own ``from_crontab``
+    counts 0 as Monday, its issue #286). A day must match the day-of-month, month *and*
+    weekday fields (APScheduler's reading, which the daemon always had). The wall times of a
+    matching day are read with ``fold=0``: a time a DST fall-back repeats fires once, at its
+    first occurrence, and a time a spring-forward skips fires shifted by the gap (02:30 in
+    Berlin on that Sunday is 03:30 CEST). APScheduler's own CronTrigger gets both wrong in
+    places (it fires a repeated time twice and, stepping from just after a fall-back
+    midnight, skips the next day), so the daemon schedules with :class:`ClockTrigger`.
     """
-    from apscheduler.triggers.cron import CronTrigger
 
-    fields = expr.split()
-    if len(fields) != 5:
-        raise RobotLLMError(f"invalid cron expression {expr!r}: expected 5 fields")
-    minute, hour, day, month, weekdays = fields
-    try:
-        return CronTrigger(
-            minute=minute, hour=hour, day=day, month=month, day_of_week=_crontab_weekdays(weekdays), timezone=tz
-        )
-    except ValueError as exc:
-        raise RobotLLMError(f"invalid cron expression {expr!r}: {exc}") from None
+    def __init__(self, expr: str, tz: tzinfo | str) -> None:
+        fields = expr.split()
+        if len(fields) != 5:
+            raise RobotLLMError(f"invalid cron expression {expr!r}: expected 5 fields")
+        try:
+            self.minutes = _cron_field(fields[0], 0, 59)
+            self.hours = _cron_field(fields[1], 0, 23)
+            self.days = _cron_field(fields[2], 1, 31)
+            self.months = _cron_field(fields[3], 1, 12, _MONTHS, base=1)
+            self.weekdays = frozenset(d % 7 for d in _cron_field(fields[4], 0, 7, _CRON_DAYS))
+        except ValueError as exc:
+            raise RobotLLMError(f"invalid cron expression {expr!r}: {exc}") from None
+        self.expr = expr
+        self.tz = ZoneInfo(tz) if isinstance(tz, str) else tz
+        self._times = sorted(time(h, m) for h in self.hours for m in self.minutes)
+
+    def _matches(self, day: date) -> bool:
+        return day.month in self.months and day.day in self.days and (day.isoweekday() % 7) in self.weekdays
+
+    def fires(self, after: datetime) -> Iterator[datetime]:
+        """Every fire strictly after ``after``, as aware UTC instants in increasing order."""
+        after = aware_utc(after, "after")
+        day = after.astimezone(self.tz).date() - timedelta(days=1)  # a gap can shift a fire past midnight
+        idle = 0
+        while idle < _MAX_IDLE_DAYS:
+            if self._matches(day):
+                idle = 0
+                for fire in sorted({datetime.combine(day, t, tzinfo=self.tz).astimezone(UTC) for t in self._times}):
+                    if fire > after:
+                        yield fire
+                        after = fire
+            else:
+                idle += 1
+            day += timedelta(days=1)
+
+    def next_after(self, after: datetime) -> datetime | None:
+        """The first fire strictly after ``after`` (aware UTC), or None when it never fires again."""
+        return next(self.fires(after), None)
+
+    def __repr__(self) -> str:
+        return f"CronSchedule({self.expr!r}, {self.tz})"
 
 
-def next_fire_after(trigger: CronTrigger, after: datetime) -> datetime | None:
-    """The first fire of ``trigger`` strictly after ``after``, as aware UTC (None: it never fires again).
+def cron_trigger(expr: str, tz: tzinfo | str) -> ClockTrigger:
+    """An APScheduler trigger firing at the :class:`CronSchedule` times of ``expr`` in ``tz``.
 
-    APScheduler builds a candidate from local wall-clock fields with ``fold=0``; inside the
-    hour a fall-back repeats, that candidate can be the *first* occurrence of a wall time
-    we are already past. Such a candidate is a wall time that already fired: skip to its
-    second occurrence and search on from there, so every step moves forward in UTC.
+    Use this (not ``CronTrigger.from_crontab``) wherever a config cron is scheduled, so the
+    daemon's fire times and :func:`night_as_of` agree, weekdays and DST changes included.
     """
-    start = aware_utc(after, "after")
-    while True:
-        fire = trigger.get_next_fire_time(None, start + _TICK)
-        if fire is None:
-            return None
-        fire_utc = fire.astimezone(UTC)
-        if fire_utc > start:
-            return fire_utc
-        # The repeated hour: the same wall time a second time (fold=1) is later than `start`.
-        start = max(start + _TICK, fire.replace(fold=1).astimezone(UTC))
+    return ClockTrigger(CronSchedule(expr, tz))
+
+
+class ClockTrigger(BaseTrigger):
+    """APScheduler's trigger interface over a :class:`CronSchedule`."""
+
+    def __init__(self, schedule: CronSchedule) -> None:
+        self.schedule = schedule
+        self.timezone = schedule.tz
+        self.jitter = None
+
+    def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime | None:
+        """The next fire after ``previous_fire_time``, or the first at or after ``now``, in the trigger's zone."""
+        after = previous_fire_time if previous_fire_time is not None else aware_utc(now, "now") - _TICK
+        fire = self.schedule.next_after(after)
+        return fire.astimezone(self.timezone) if fire is not None else None
+
+    def __str__(self) -> str:
+        return f"cron[{self.schedule.expr}, {self.timezone}]"
+
+    def __repr__(self) -> str:
+        return f"<ClockTrigger {self.schedule.expr!r} {self.timezone}>"
 
 
 def night_as_of(config: AppConfig, now: datetime) -> datetime:
     """The most recent fire time of ``schedule.nightly`` (in ``config.timezone``) at or before ``now``, in UTC."""
     now = aware_utc(now, "now")
-    trigger = cron_trigger(config.schedule.nightly, config.tz)
+    schedule = CronSchedule(config.schedule.nightly, config.tz)
     for window in (timedelta(days=2), timedelta(days=8), timedelta(days=32), timedelta(days=367 * 5)):
         last = None
-        fire = next_fire_after(trigger, now - window)
-        while fire is not None and fire <= now:
+        for fire in schedule.fires(now - window):
+            if fire > now:
+                break
             last = fire
-            fire = next_fire_after(trigger, fire)
         if last is not None:
             return last
     raise RobotLLMError(f"schedule.nightly {config.schedule.nightly!r} has not fired in the last five years")
@@ -157,7 +201,7 @@ def night_as_of(config: AppConfig, now: datetime) -> datetime:
 
 def next_nightly_fire(config: AppConfig, now: datetime) -> datetime | None:
     """The first ``schedule.nightly`` fire at or after ``now`` (aware UTC), in the config's zone."""
-    return next_fire_after(cron_trigger(config.schedule.nightly, config.tz), aware_utc(now, "now") - _TICK)
+    return CronSchedule(config.schedule.nightly, config.tz).next_after(aware_utc(now, "now") - _TICK)
 
 
 def parse_as_of(text: str, tz: tzinfo) -> datetime:
@@ -238,7 +282,7 @@ def upcoming_fires(config: AppConfig, now: datetime) -> tuple[ScheduledFire, ...
             note += f"; will be skipped: {reason}"
     out.append(ScheduledFire("nightly", nightly, note))
     for job, expr in (("signals", config.schedule.signals), ("morning_report", config.schedule.morning_report)):
-        fire = next_fire_after(cron_trigger(expr, tz), now - _TICK)
+        fire = CronSchedule(expr, tz).next_after(now - _TICK)
         out.append(ScheduledFire(job, fire, f"cron {expr!r}"))
     for feed in config.feeds:
         if feed.enabled:

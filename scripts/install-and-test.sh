@@ -9,8 +9,9 @@ VENV="${VENV:-.venv}"
 export VENV
 cd "$(dirname "$0")/.."
 
-# --deepspeed-ops: compile DeepSpeed's ops now, so the DeepSpeed tests do not compile them inside pytest.
-bash scripts/install.sh --deepspeed-ops
+# --dev: the test tools. --deepspeed-ops: compile DeepSpeed's ops now, so the DeepSpeed tests do not
+# compile them inside pytest.
+bash scripts/install.sh --dev --deepspeed-ops
 # freqtrade, for the test that runs the example adapter inside freqtrade's own backtesting.
 "$VENV/bin/pip" install --quiet -e ".[freqtrade]"
 lint=0

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install robot-llm with its model stack into a virtual environment (default: .venv).
 #
-#   bash scripts/install.sh [--deepspeed-ops] [--system-deps]
+#   bash scripts/install.sh [--dev] [--deepspeed-ops] [--system-deps]
 #
+#   --dev            also the test tools (pytest, ruff, playwright, ...): the test command uses it.
 #   --deepspeed-ops  compile DeepSpeed's C++ ops (async_io for NVMe offload, shm_comm) now,
 #                    about 13 minutes on 2 cores. Without it DeepSpeed compiles the ops it needs
 #                    the first time the deepspeed backend runs (robot-llm logs that it does, and
@@ -13,16 +14,18 @@
 # The order is load-bearing (see README, "Installing"):
 #   1. torch is pinned and installed first, so pip never resolves a multi-GB CUDA build;
 #   2. DeepSpeed is built against that torch;
-#   3. robot-llm itself, editable, with the model, report and dev extras.
+#   3. robot-llm itself, editable, with the model and report extras (and dev with --dev).
 set -euo pipefail
 
 ops=0
 system_deps=0
+extras="model,report"
 for arg in "$@"; do
     case "$arg" in
+        --dev) extras="$extras,dev" ;;
         --deepspeed-ops) ops=1 ;;
         --system-deps) system_deps=1 ;;
-        -h | --help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "install.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -73,5 +76,5 @@ else
     # Python only: the ops it needs are compiled on first use of the deepspeed backend.
     PATH="$VENV/bin:$PATH" DS_BUILD_OPS=0 "$VENV/bin/pip" install --quiet --no-build-isolation deepspeed==0.19.8
 fi
-"$VENV/bin/pip" install --quiet -e ".[model,report,dev]"
+"$VENV/bin/pip" install --quiet -e ".[$extras]"
 echo "robot-llm installed in $VENV"

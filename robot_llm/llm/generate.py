@@ -139,7 +139,7 @@ class Followup:
 
 
 #: Tokens a re-tokenised thesis may differ by from what the row fed (plus the cue) and still be scored from the cache.
-TRUNK_SLACK = 8
+TRUNK_SLACK = 16
 
 
 @dataclass
@@ -209,7 +209,7 @@ def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
     return len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
 
 
-def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, width: int, shared: int) -> _Tree | None:
+def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, room: int, shared: int) -> _Tree | None:
     """The step that scores ``row``'s followup from its cache, or None when it must be re-prefilled."""
     assert row.followup is not None
     context = row.followup_context(tokenizer)
@@ -225,7 +225,7 @@ def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, width: int, shared
     if keep < shared:  # the context parts from the prompt inside the shared prefix
         return None
     tree = _Tree(keep=keep, trunk=ctx[keep:], branches=[t[:-1] for t in targets], targets=targets)
-    return tree if len(tree.tokens) <= width else None
+    return tree if len(tree.tokens) <= room else None
 
 
 def _score_trees(logits: Tensor, trees: dict[int, _Tree], rows: list[_Row]) -> None:
@@ -300,7 +300,8 @@ def _run_batch(
             if r.finish is None:
                 continue
             cache.slots.active[b] = False
-            tree = _plan_tree(r, tokenizer, max_pos, tree_width, shared) if r.followup is not None else None
+            room = cache.max_len - cache.length
+            tree = _plan_tree(r, tokenizer, max_pos, room, shared) if r.followup is not None else None
             if tree is not None:
                 cache.slots.rewind(b, tree.keep)
                 trees[b] = tree

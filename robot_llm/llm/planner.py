@@ -55,28 +55,23 @@ class Work:
     ``shared_prefix_tokens`` of every prompt are a common head (a template's) whose KV is
     stored once per batch, not once per row.
 
-    ``stance_labels`` > 0 means every request's stance is then scored the way
-    the night does it today: one more forward pass per request over prompt +
-    thesis + cue (``stance_tokens``, default prompt + new + 8), batched over
-    the labels, with full-vocabulary fp32 logits and their log-softmax.
+    ``stance_tokens`` > 0 means every row's stance is then scored the way the
+    worker does it: from the row's own KV cache, the cue and the label pieces
+    (that many tokens per row) in one more pass of the batch, whose fp32
+    logits come back for every one of those positions.
     """
 
     num_prompts: int
     prompt_tokens: int
     max_new_tokens: int
     shared_prefix_tokens: int = 0
-    stance_labels: int = 0
     stance_tokens: int = 0
 
     @property
-    def score_tokens(self) -> int:
-        """Tokens of one stance-scoring pass."""
-        return self.stance_tokens or self.prompt_tokens + self.max_new_tokens + 8
-
-    @property
     def seq_slots(self) -> int:
-        """KV slots per sequence of its own (the last generated token is never fed back; the shared head is not)."""
-        return self.prompt_tokens - self.shared_prefix_tokens + max(self.max_new_tokens, 1) - 1
+        """KV slots per sequence of its own (the last generated token is never fed back; the shared head is not;
+        the stance's cue and labels are)."""
+        return self.prompt_tokens - self.shared_prefix_tokens + max(self.max_new_tokens, 1) - 1 + self.stance_tokens
 
 
 @dataclass(frozen=True)
@@ -110,8 +105,8 @@ class Plan:
     @property
     def total_seconds(self) -> float:
         """Estimated wall time of the whole job (stance scoring included)."""
-        per_batch = self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds
-        return self.num_batches * per_batch + self.work.num_prompts * self.stance_seconds
+        per_batch = self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds + self.stance_seconds
+        return self.num_batches * per_batch
 
     @property
     def tokens_per_second(self) -> float:
@@ -140,7 +135,7 @@ class Plan:
             lines.extend(f"    {name:<22} {_fmt(size)}" for name, size in items.items() if size)
         lines.append(
             f"estimated time: prefill {_dur(self.prefill_seconds)}/batch, decode {self.decode_seconds:.2f} s/step"
-            + (f", stance {self.stance_seconds:.2f} s/request" if self.stance_seconds else "")
+            + (f", stance {self.stance_seconds:.2f} s/batch" if self.stance_seconds else "")
             + f", total {_dur(self.total_seconds)} ({self.tokens_per_second:.3g} tok/s)"
         )
         lines.extend(f"note: {n}" for n in self.notes)
@@ -345,19 +340,19 @@ def _try(
     (compute_tier if kv_home == "device" else ram)["KV cache"] = kv_total
     # Logits come back to RAM in fp32: the last position per row while generating; every position of
     # every label continuation (plus its log-softmax) while scoring a stance.
-    ram["logits"] = max(2 * batch * cfg.vocab_size * 4, 2 * work.stance_labels * work.score_tokens * cfg.vocab_size * 4)
+    ram["logits"] = 2 * batch * max(1, work.stance_tokens) * cfg.vocab_size * 4
     cap = gpu_cap if cuda else ram_cap
     # The largest prefill micro-batch whose activations fit next to everything else.
     fixed = sum(compute_tier.values())
     if (cuda and kv_home == "cpu") or kv_dtype in KV_QUANTIZED:
         # One layer's K/V in the compute dtype for attention (copied up, dequantized, or both).
         fixed += 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim * c
-    P, labels, T = work.prompt_tokens, work.stance_labels, work.score_tokens
+    P, T = work.prompt_tokens, work.stance_tokens
     decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
 
     def activations(rows: int) -> int:
-        # Prefill and the stance passes are split into micro-batches of ``rows`` rows alike.
-        scoring = activation_bytes(cfg, labels, min(rows, labels), T, T, c) if labels else 0
+        # Prefill and the stance pass are split into micro-batches of ``rows`` rows alike.
+        scoring = activation_bytes(cfg, batch, rows, T, slots, c) if T else 0
         return max(activation_bytes(cfg, batch, rows, P, P, c), scoring, decode_act)
 
     micro = next((rows for rows in range(batch, 0, -1) if fixed + activations(rows) <= cap), 0)
@@ -381,16 +376,13 @@ def _try(
     mean_slots = P + work.max_new_tokens / 2
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
-    stance = timing.pass_seconds(work.stance_labels, work.score_tokens, work.score_tokens) if work.stance_labels else 0
+    stance = timing.pass_seconds(batch, T, slots) if T else 0.0
     notes = []
     if ram_layers < L:
         streamed = (L - ram_layers) * lb
         notes.append(f"streams {_fmt(streamed)} of weights from disk per pass at {machine.disk_read_bps / GB:.1f} GB/s")
-    if work.stance_labels:
-        notes.append(
-            f"stance: one {work.stance_labels}-row pass of {work.score_tokens} tokens per request "
-            f"({_dur(work.num_prompts * stance)} of the total)"
-        )
+    if T:
+        notes.append(f"stance: from each row's KV cache, one more pass of the batch over {T} cue and label tokens")
     return Plan(
         device="cuda" if cuda else "cpu",
         weight_dtype=weight_dtype,

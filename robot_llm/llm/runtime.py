@@ -66,7 +66,7 @@ class ModelSettings:
       pin lowers the planned one, never raises it).
     * ``kv_dtype``: the KV cache's dtype (``auto``: planned; ``int8``/``int4``
       compressed, :mod:`robot_llm.llm.kvquant`; or a float dtype).
-    * ``max_new_tokens`` / ``stance_labels``: the night's work per request, for
+    * ``max_new_tokens`` / ``stance_tokens``: the night's work per request, for
       the plan made when the model opens (longest prompts the window allows,
       ``max_positions`` when it is shorter than the model's).
     * ``offload_dir``: DeepSpeed NVMe swap folder / converted store folder.
@@ -88,7 +88,7 @@ class ModelSettings:
     micro_batch: int | None = None
     kv_dtype: str = "auto"
     max_new_tokens: int = 128
-    stance_labels: int = 3
+    stance_tokens: int = 16
     max_positions: int | None = None
     offload_dir: Path | None = None
     offload: Literal["cpu", "nvme"] = "nvme"
@@ -213,10 +213,11 @@ def machine_for(settings: ModelSettings) -> Machine:
 
 
 def night_work(settings: ModelSettings, config: ModelConfig) -> Work:
-    """The worst batch of a night: ``max_batch_size`` prompts that fill the window, then their stance."""
+    """The worst batch of a night: ``max_batch_size`` prompts that fill the window with their thesis and stance."""
     window = min(settings.max_positions or config.max_position_embeddings, config.max_position_embeddings)
     new = min(settings.max_new_tokens, window - 1)
-    return Work(settings.max_batch_size, window - new, new, stance_labels=settings.stance_labels)
+    stance = min(settings.stance_tokens, window - new - 1)
+    return Work(settings.max_batch_size, window - new - stance, new, stance_tokens=stance)
 
 
 def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dtype: str) -> Plan:

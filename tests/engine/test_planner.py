@@ -87,13 +87,17 @@ def test_cpu_compute_dtype_is_bf16_where_native_and_never_fp16() -> None:
 
 def test_stance_scoring_and_logits_are_counted() -> None:
     machine = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB)
-    without = plan(YALM, JOB, machine, weight_dtype="int4")
-    scored = plan(YALM, replace(JOB, stance_labels=3), machine, weight_dtype="int4")
-    # Today's stance is one more pass per request over prompt + thesis + cue: a full weight stream each.
-    assert scored.stance_seconds >= scored.decode_seconds
-    assert scored.total_seconds - without.total_seconds >= 300 * scored.stance_seconds * 0.99
-    # 3 labels x 648 positions x 128k vocabulary of fp32 logits, and their log-softmax.
-    assert scored.memory["ram"]["logits"] == 2 * 3 * 648 * YALM.vocab_size * 4
+    without = plan(YALM, JOB, machine, weight_dtype="int4", kv_dtype="int4", max_batch_size=30)
+    scored = plan(
+        YALM, replace(JOB, stance_tokens=16), machine, weight_dtype="int4", kv_dtype="int4", max_batch_size=30
+    )
+    # The stance rides on each row's cache: one more weight stream per batch, not per request.
+    assert scored.decode_seconds <= scored.stance_seconds < 2 * scored.prefill_seconds
+    extra = scored.total_seconds - without.total_seconds
+    assert scored.num_batches * scored.stance_seconds * 0.99 <= extra < 300 * scored.decode_seconds
+    # Every row keeps 16 more slots, and the pass's fp32 logits (and their log-softmax) come back to RAM.
+    assert scored.memory["ram"]["KV cache"] > without.memory["ram"]["KV cache"]
+    assert scored.memory["ram"]["logits"] == 2 * scored.batch_size * 16 * YALM.vocab_size * 4
     assert "stance" in scored.describe()
 
 

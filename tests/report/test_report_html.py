@@ -96,6 +96,18 @@ def test_without_plotly_the_error_names_the_extra(engine: Engine, month, tmp_pat
     assert not (tmp_path / "x.html").exists()
 
 
+def test_daemon_with_html_dir_refuses_to_start_without_plotly(engine: Engine, month, monkeypatch) -> None:
+    import sys
+
+    from robot_llm.daemon import Daemon
+
+    config_path, _ = month
+    config = load_config(config_path)
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    with pytest.raises(ReportExtraMissing, match=re.escape("pip install 'robot-llm[report]'")):
+        Daemon(config, engine, install_signals=False).build_scheduler(config)  # at start, not at 08:45
+
+
 def test_index_reads_each_pages_counts(tmp_path: Path) -> None:
     meta = json.dumps({"day": "2026-11-20", "theses": 5, "failed": 1}).replace('"', "&#34;")
     (tmp_path / "morning-2026-11-20.html").write_text(
