@@ -205,7 +205,8 @@ def _check_fixture(args: argparse.Namespace) -> int:
 def _check_reference(args: argparse.Namespace) -> int:
     import tempfile
 
-    from robot_llm.llm.reference import check_gemma, gemma_gguf, passed
+    from robot_llm.llm.demo_checkpoint import gemma_gguf
+    from robot_llm.llm.reference import check_gemma, passed
 
     gguf = args.gguf or gemma_gguf()
     if gguf is None:

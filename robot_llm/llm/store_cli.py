@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import PRESETS, YalmConfig
+from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
+from robot_llm.llm.config_hf import HF_PRESETS
 
 GB = 1e9
 
@@ -99,8 +100,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from robot_llm.llm.planner import Machine, PlanError, Work, detect_machine, plan
 
+    config: ModelConfig
     if args.preset:
-        config = YalmConfig.preset(args.preset)
+        config = HF_PRESETS[args.preset] if args.preset in HF_PRESETS else YalmConfig.preset(args.preset)
     elif args.store:
         from robot_llm.llm.store import read_manifest
 
@@ -177,7 +179,7 @@ def add_engine_commands(model_sub: Any) -> None:
     ver.set_defaults(handler=_verify)
 
     pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")
-    pl.add_argument("--preset", choices=sorted(PRESETS), help="model (or --store)")
+    pl.add_argument("--preset", choices=sorted([*PRESETS, *HF_PRESETS]), help="model (or --store)")
     pl.add_argument("--store", type=Path, help="a converted store (its config; measures its read bandwidth)")
     pl.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "int8"], default="fp16", help="stored weight dtype")
     pl.add_argument("--prompts", type=int, default=300, help="number of prompts (default: %(default)s)")

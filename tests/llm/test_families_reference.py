@@ -161,3 +161,52 @@ def _tiny_tokenizer(vocab_size: int, folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+
+
+def test_cli_generates_from_an_imported_store(
+    reference: tuple[Any, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from robot_llm.llm.cli import main
+
+    model, folder = reference
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    _tiny_tokenizer(model.config.vocab_size, tokenizer_dir)
+    assert (
+        main(
+            [
+                "model",
+                "convert",
+                str(folder),
+                str(tmp_path / "store"),
+                "--dtype",
+                "fp32",
+                "--tokenizer",
+                str(tokenizer_dir / "tokenizer.json"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "model",
+                "generate",
+                "--store",
+                str(tmp_path / "store"),
+                "--greedy",
+                "--max-new-tokens",
+                "4",
+                "--json",
+                "w5 w6 w7",
+            ]
+        )
+        == 0
+    )
+    import json
+
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = [2, 5, 6, 7]  # BOS then the three words
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, eos_token_id=None)[0, 4:]
+    assert record["token_ids"] == want.tolist()
