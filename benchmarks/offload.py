@@ -43,8 +43,12 @@ import torch
 from robot_llm.llm.checkpoint import ModuleKind, module_plan
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.family import Params
-from robot_llm.llm.planner import Machine, Work, detect_machine, plan
+from robot_llm.llm.machine import Machine, detect_machine
+from robot_llm.llm.planner import Work, plan
 from robot_llm.llm.store import Store, drop_page_cache, measure_read_bandwidth, write_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from night import run_night, vocabulary  # the benchmarks folder is no package
 
 SIZES: dict[str, dict[str, Any]] = {
     "full": {
@@ -54,7 +58,7 @@ SIZES: dict[str, dict[str, Any]] = {
             embedding_size=256,
             intermediate_size=2730,
             num_attention_heads=16,
-            max_position_embeddings=256,
+            max_position_embeddings=1024,  # room for the night's thesis prompts
             vocab_size=4000,
         ),
         "prompt": 8,
@@ -62,6 +66,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "naive_prompts": 2,
         "budget_layers": 48,
         "budget_new": 4,
+        "night_batch": 8,
         "fp16_rows": True,
     },
     "quick": {
@@ -71,7 +76,7 @@ SIZES: dict[str, dict[str, Any]] = {
             embedding_size=256,
             intermediate_size=2730,
             num_attention_heads=16,
-            max_position_embeddings=256,
+            max_position_embeddings=1024,  # room for the night's thesis prompts
             vocab_size=4000,
         ),
         "prompt": 4,
@@ -79,6 +84,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "naive_prompts": 1,
         "budget_layers": 36,
         "budget_new": 2,
+        "night_batch": 4,
         "fp16_rows": False,
     },
 }
@@ -134,6 +140,17 @@ def child(spec: dict[str, Any]) -> list[dict[str, Any]]:
     results = []
     for run in spec["runs"]:
         log(f"{run['label']}: {run['prompts']} prompts x {run['new']} tokens, batch {run['batch']} ...")
+        if run["kind"].startswith("night"):
+            drop_page_cache([store.path / f.name for f in store.manifest.files])
+            night = run_night(store.path, run, Path(run["vocab"]))
+            night["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            night["tok_s"] = run["prompts"] * run["new"] / night["seconds"]
+            log(
+                f"{run['label']}: {night['passes_per_thesis']:.2f} passes per thesis, "
+                f"{night['stance_passes_per_batch']:.2f} stance passes per batch, {night['seconds']:.1f} s"
+            )
+            results.append(night)
+            continue
         ids = torch.randint(
             5, cfg.vocab_size, (run["prompts"], run["prompt"]), generator=torch.Generator().manual_seed(1)
         )
@@ -303,6 +320,14 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
     }
     runs["budget"] = run_child(big_store, [budget_run])[0]
 
+    # A night's work, generation plus stance: as the worker did it before, and as it does it now.
+    night_shape = {"prompt": 0, "new": N, "batch": size["night_batch"], "prompts": 2 * size["night_batch"]}
+    night_runs = [
+        night_shape | {"label": f"night, {label}", "kind": kind, "vocab": str(vocabulary(work))}
+        for kind, label in (("night-rescore", "stance re-prefilled"), ("night", "stance from the KV cache"))
+    ]
+    runs["night_rescore"], runs["night"] = run_child(main_store, night_runs)
+
     b32 = runs["b32"]
     result = {
         "naive_tok_s": round(runs["naive"]["tok_s"], 3),
@@ -314,6 +339,11 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
         "io_hidden_fraction": round(b32["io_hidden"], 3),
         "peak_rss_vs_estimate": round(b32["peak_rss"] / estimated_rss, 3),
         "peak_rss_vs_budget": round(runs["budget"]["peak_rss"] / budget, 3),
+        "passes_per_thesis": round(runs["night"]["passes_per_thesis"], 3),
+        "stance_passes_per_batch": round(runs["night"]["stance_passes_per_batch"], 3),
+        "bytes_streamed_per_thesis": int(runs["night"]["bytes_streamed_per_thesis"]),
+        "passes_per_thesis_rescore": round(runs["night_rescore"]["passes_per_thesis"], 3),
+        "stance_passes_per_batch_rescore": round(runs["night_rescore"]["stance_passes_per_batch"], 3),
     }
     print(
         f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, fp32 store {store_bytes / 2**20:.0f} MiB "
@@ -372,6 +402,14 @@ def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, An
         f"peak RSS under budget: {runs['budget']['peak_rss'] / 2**20:.0f} MiB vs budget {budget / 2**20:.0f} MiB "
         f"({result['peak_rss_vs_budget']:.2f}x) with a store of {big_bytes / 2**20:.0f} MiB"
     )
+    for key, label in (("night_rescore", "stance re-prefilled (before)"), ("night", "stance from the cache (now)")):
+        r = runs[key]
+        print(
+            f"night, {label}: {r['theses']} theses in {r['batches']} batches, {r['generation_passes']} generation + "
+            f"{r['stance_passes']} stance weight passes ({r['passes_per_thesis']:.2f} per thesis, "
+            f"{r['stance_passes_per_batch']:.2f} stance per batch), "
+            f"{r['bytes_streamed_per_thesis'] / 2**20:.0f} MiB streamed per thesis, {r['seconds']:.1f} s"
+        )
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")
     return result
 

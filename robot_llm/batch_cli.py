@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from datetime import date
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,8 +39,9 @@ def _open(args: argparse.Namespace) -> tuple[AppConfig, Any]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from robot_llm.clock import night_as_of, parse_as_of
     from robot_llm.db import utcnow
-    from robot_llm.plan import night_as_of, parse_as_of, plan_night
+    from robot_llm.plan import plan_night
 
     config, engine = _open(args)
     try:
@@ -59,7 +61,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from robot_llm.batch import run_queue, summary_line
-    from robot_llm.plan import parse_as_of
+    from robot_llm.clock import parse_as_of
 
     config, engine = _open(args)
     as_of = parse_as_of(args.as_of, config.tz) if args.as_of else None
@@ -113,9 +115,17 @@ def _status(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from robot_llm.report import format_report, report_job
 
+    if args.html:
+        from robot_llm.report_html import require_plotly
+
+        require_plotly()  # before anything is recorded
     config, engine = _open(args)
     try:
         report = report_job(config, engine, args.date)
+        if args.html:
+            from robot_llm.report_html import write_report
+
+            print(f"wrote {write_report(config, engine, report.day, args.html)}", file=sys.stderr)
     finally:
         engine.dispose()
     if args.json:
@@ -160,6 +170,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "--date", type=_parse_day, help="local day (YYYY-MM-DD); default: the day of the latest plan/generate run"
     )
     report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument(
+        "--html", type=Path, metavar="FILE", help="also write the morning as a self-contained HTML page with charts"
+    )
     report.set_defaults(handler=_report)
 
     doctor = sub.add_parser("doctor", parents=[common], help="preflight: check everything the night needs")

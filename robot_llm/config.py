@@ -26,6 +26,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -37,6 +38,7 @@ from robot_llm.errors import RobotLLMError
 __all__ = [
     "AppConfig",
     "ConfigError",
+    "format_duration",
     "load_config",
     "parse_duration",
     "parse_size",
@@ -162,6 +164,16 @@ def parse_duration(value: Any) -> timedelta:
     raise ValueError(f"expected a duration like '15m', got {value!r}")
 
 
+def format_duration(value: timedelta) -> str:
+    """A duration the way the config writes it: the largest unit that divides it ('15m', '1d', '90s')."""
+    seconds = value.total_seconds()
+    for unit in ("w", "d", "h", "m", "s"):
+        count = seconds / _DURATION_UNITS[unit]
+        if count == int(count) and count != 0:
+            return f"{int(count)}{unit}"
+    return f"{seconds:g}s"
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
 _SIZE_UNITS = {
     None: 1,
@@ -222,7 +234,8 @@ def _validate_zone(value: Any) -> str:
     return value
 
 
-Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+# Written back (config check, JSON) the way a user writes it: '15m', not ISO 8601's 'PT15M'.
+Duration = Annotated[timedelta, BeforeValidator(parse_duration), PlainSerializer(format_duration, when_used="json")]
 Size = Annotated[int, BeforeValidator(parse_size)]
 Clock = Annotated[time, BeforeValidator(_parse_clock)]
 Cron = Annotated[str, BeforeValidator(_validate_cron)]
@@ -395,10 +408,12 @@ class ModelConfig(_Section):
     checkpoint: Path | None = None
     store: Path | None = None
     vocab: Path | None = None
-    home: Literal["disk", "ram"] = "disk"
+    home: Literal["auto", "disk", "ram", "split"] = "auto"
     offload: Literal["cpu", "nvme"] = "cpu"
     offload_dir: Path | None = None
-    dtype: Literal["fp32", "bf16", "fp16", "int8"] = "fp16"
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "int8", "int4"] = "auto"
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    micro_batch: int | None = Field(default=None, ge=1, le=4096)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     memory_budget: Size | None = None
@@ -473,6 +488,16 @@ class LoggingConfig(_Section):
         return v.upper() if isinstance(v, str) else v
 
 
+class ReportConfig(_Section):
+    """The morning report as HTML pages (needs the ``report`` extra: plotly)."""
+
+    # One morning-YYYY-MM-DD.html per morning and an index.html of them; None: text report only.
+    html_dir: Path | None = None
+    nights: int = Field(default=30, ge=1, le=366)
+
+    _abs = field_validator("html_dir")(_resolve)
+
+
 class AppConfig(_Section):
     """The whole validated configuration."""
 
@@ -490,6 +515,7 @@ class AppConfig(_Section):
     batch: BatchConfig = Field(default_factory=dict)  # type: ignore[arg-type]
     daemon: DaemonConfig = Field(default_factory=dict)  # type: ignore[arg-type]
     logging: LoggingConfig = Field(default_factory=dict)  # type: ignore[arg-type]
+    report: ReportConfig = Field(default_factory=dict)  # type: ignore[arg-type]
 
     source: Path | None = Field(default=None, exclude=True)
 

@@ -50,7 +50,7 @@ def _run(args: argparse.Namespace) -> int:
     # JSON when either the flag or logging.format in the config asks for it.
     fmt = "json" if "json" in (getattr(args, "log_format", "text"), config.logging.format) else "text"
     level = "DEBUG" if (getattr(args, "verbose", 0) or 0) >= 2 else config.logging.level
-    setup_logging(level=level, fmt=fmt, file=config.logging.file)
+    setup_logging(level=level, fmt=fmt, file=config.logging.file, tz=config.tz)
     if level != "DEBUG":
         # APScheduler logs every job start and end at INFO; our own lines say what each job did.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
@@ -87,8 +87,9 @@ def format_status(config: AppConfig, engine: Engine, now: datetime) -> str:
     """The text of ``robot-llm status``: lease holder, last run per job kind, next fire times."""
     from sqlalchemy import func, select
 
-    from robot_llm.daemon import read_lease, upcoming_fires
+    from robot_llm.clock import upcoming_fires
     from robot_llm.db import Run, session_scope
+    from robot_llm.lease import read_lease
 
     tz = config.tz
     lines: list[str] = []

@@ -54,6 +54,7 @@ __all__ = [
     "Thesis",
     "UTCDateTime",
     "check_connection",
+    "error_line",
     "make_engine",
     "session_scope",
     "utcnow",
@@ -348,6 +349,13 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     )
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of a database error: the driver's own message, without SQLAlchemy's SQL echo."""
+    orig = getattr(exc, "orig", None)
+    text = str(orig if orig is not None else exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0]
+
+
 def check_connection(engine: Engine) -> None:
     """Connect once; raise DatabaseError with a one-line reason when that fails."""
     from sqlalchemy.exc import DBAPIError, OperationalError
@@ -356,8 +364,9 @@ def check_connection(engine: Engine) -> None:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
     except (OperationalError, DBAPIError) as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        raise DatabaseError(f"cannot connect to the database {engine.url.render_as_string()}: {reason}") from None
+        raise DatabaseError(
+            f"cannot connect to the database {engine.url.render_as_string()}: {error_line(exc)}"
+        ) from None
 
 
 @contextmanager

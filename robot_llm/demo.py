@@ -212,6 +212,7 @@ def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
     from robot_llm.strategies.stance_gate import decide_all
 
     now = datetime.now(config.tz)
+    print("[5/5] the morning: what the strategies read, what they decide, the report", file=out)
     print("\n=== The morning ===", file=out)
     with Forecasts.open(config.database.url, tz=config.timezone) as forecasts:
         for inst in config.instruments:
@@ -238,6 +239,17 @@ def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
     return decisions
 
 
+def _html_report(config: AppConfig, engine: Any, day: date, out: TextIO) -> None:
+    from robot_llm.report_html import ReportExtraMissing, write_morning
+
+    try:
+        page = write_morning(config, engine, day)
+    except ReportExtraMissing as exc:
+        print(f"\n(no HTML report: {exc})", file=out)
+        return
+    print(f"\nHTML report with charts: {page} (all mornings: {page.parent / 'index.html'})", file=out)
+
+
 def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
     """Run the demo in ``workdir``; returns counts for callers (and tests)."""
     from robot_llm.db import NewsItem, Signal, Thesis, make_engine, session_scope
@@ -259,7 +271,9 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
         as_of, created = _night(config, engine, out)
         decisions = _morning(config, out)
         print("\n=== Morning report ===", file=out)
-        print(format_report(build_report(config, engine, as_of.astimezone(config.tz).date()), config), file=out)
+        day = as_of.astimezone(config.tz).date()
+        print(format_report(build_report(config, engine, day), config), file=out)
+        _html_report(config, engine, day, out)
         with session_scope(engine) as session:
             counts = [session.scalar(select(func.count()).select_from(t)) or 0 for t in (NewsItem, Signal, Thesis)]
     finally:

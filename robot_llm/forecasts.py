@@ -49,7 +49,7 @@ from sqlalchemy import Select, and_, inspect, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, make_engine
+from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
 from robot_llm.errors import RobotLLMError
 
 if TYPE_CHECKING:
@@ -266,8 +266,7 @@ class Forecasts:
             with self._engine.connect() as conn:
                 return list(conn.execute(stmt))
         except DBAPIError as exc:
-            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-            raise ForecastsError(f"reading {self._engine.url.render_as_string()} failed: {reason}") from None
+            raise ForecastsError(f"reading {self._engine.url.render_as_string()} failed: {error_line(exc)}") from None
 
     # ----------------------------------------------------------------------- theses
 

@@ -1,8 +1,9 @@
 """Logging set-up shared by the CLI and the daemon.
 
 Text by default (for a person at a terminal), or one JSON object per line (for journald,
-Loki, Elasticsearch...). Timestamps are UTC in both, so logs from the daemon, the GPU worker
-and a strategy host line up.
+Loki, Elasticsearch...). Timestamps are in the config's zone once it is loaded (UTC before),
+like every other time robot-llm prints, and always carry their UTC offset, so logs from the
+daemon, the GPU worker and a strategy host still line up.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ import json
 import logging
 import os
 import sys
-import time
-from datetime import datetime, timezone
+from datetime import datetime, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["JsonFormatter", "setup_logging"]
+__all__ = ["JsonFormatter", "add_log_file", "setup_logging"]
 
 LogFormat = Literal["text", "json"]
 
@@ -28,19 +28,25 @@ _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))
 _OURS = "_robot_llm_handler"
 
 
-class _UTCTextFormatter(logging.Formatter):
-    converter = time.gmtime
+class _TextFormatter(logging.Formatter):
+    def __init__(self, tz: tzinfo = timezone.utc) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+        self.tz = tz
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%SZ")
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return datetime.fromtimestamp(record.created, self.tz).isoformat(timespec="seconds")
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ts, level, logger, msg, any ``extra=`` fields, exc."""
 
+    def __init__(self, tz: tzinfo = timezone.utc) -> None:
+        super().__init__()
+        self.tz = tz
+
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": datetime.fromtimestamp(record.created, self.tz).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
@@ -53,30 +59,53 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, ensure_ascii=False, default=str)
 
 
-def setup_logging(
-    level: int | str = logging.INFO, fmt: LogFormat = "text", file: str | os.PathLike[str] | None = None
-) -> None:
-    """Send robot-llm's logs (and its libraries') to stderr, or to ``file``, as text or JSON.
+def _level(level: int | str) -> int:
+    if isinstance(level, str):
+        number = logging.getLevelName(level.upper())
+        if not isinstance(number, int):
+            raise ValueError(f"unknown log level {level!r}")
+        return number
+    return level
 
-    Safe to call again (e.g. the daemon after reading its config): the previous handler
-    installed here is replaced.
-    """
+
+def _handler(level: int | str, fmt: LogFormat, file: str | os.PathLike[str] | None, tz: tzinfo) -> logging.Handler:
     if fmt not in ("text", "json"):
         raise ValueError(f"log format must be 'text' or 'json', got {fmt!r}")
-    if isinstance(level, str):
-        level = logging.getLevelName(level.upper())
-        if not isinstance(level, int):
-            raise ValueError(f"unknown log level {level!r}")
     if file is not None:
         Path(file).parent.mkdir(parents=True, exist_ok=True)
         handler: logging.Handler = logging.FileHandler(file, encoding="utf-8")
     else:
         handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else _UTCTextFormatter())
+    handler.setFormatter(JsonFormatter(tz) if fmt == "json" else _TextFormatter(tz))
+    handler.setLevel(_level(level))
     setattr(handler, _OURS, True)
+    return handler
+
+
+def setup_logging(
+    level: int | str = logging.INFO,
+    fmt: LogFormat = "text",
+    file: str | os.PathLike[str] | None = None,
+    *,
+    tz: tzinfo = timezone.utc,
+) -> None:
+    """Send robot-llm's logs (and its libraries') to stderr, or to ``file``, as text or JSON, times in ``tz``.
+
+    Safe to call again (e.g. after reading the config): every handler installed here before
+    (including :func:`add_log_file`'s) is replaced.
+    """
+    handler = _handler(level, fmt, file, tz)
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, _OURS, False)]:
         root.removeHandler(old)
         old.close()
     root.addHandler(handler)
-    root.setLevel(level)
+    root.setLevel(handler.level)
+
+
+def add_log_file(level: int | str, fmt: LogFormat, file: str | os.PathLike[str], *, tz: tzinfo = timezone.utc) -> None:
+    """Also write log lines to ``file`` at ``level`` (next to what :func:`setup_logging` installed)."""
+    handler = _handler(level, fmt, file, tz)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(min(root.level, handler.level))

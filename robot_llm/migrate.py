@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import DatabaseError, check_connection, make_engine
+from robot_llm.db import DatabaseError, check_connection, error_line, make_engine
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -59,8 +59,7 @@ def _explained(action: str, revision: str) -> Iterator[None]:
     except CommandError as exc:
         raise MigrationError(f"cannot {action} to {revision!r}: {exc}") from exc
     except DBAPIError as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        raise MigrationError(f"{action} to {revision!r} failed: {reason}") from exc
+        raise MigrationError(f"{action} to {revision!r} failed: {error_line(exc)}") from exc
 
 
 def script_location() -> Path:

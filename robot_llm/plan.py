@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import re
-import socket
 import sys
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Run, Signal, session_scope, utcnow
+from robot_llm.clock import aware_utc, parse_as_of
+from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Signal, error_line, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.prompting import (
     NewsEntry,
@@ -40,9 +39,9 @@ from robot_llm.prompting import (
     load_templates,
     render_within_budget,
 )
+from robot_llm.runs import beat_run, finish_run, start_run
 
 if TYPE_CHECKING:
-    from apscheduler.triggers.cron import CronTrigger
     from sqlalchemy.engine import Engine
     from sqlalchemy.orm import Session
 
@@ -51,12 +50,9 @@ if TYPE_CHECKING:
 __all__ = [
     "PlanResult",
     "check_templates",
-    "cron_trigger",
     "derive_seed",
     "gather_news",
     "gather_signals",
-    "night_as_of",
-    "parse_as_of",
     "plan_night",
     "register",
     "render_for",
@@ -64,111 +60,12 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- the night
-
-_CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
-
-
-def _crontab_weekdays(field: str) -> str:
-    """Translate a crontab day-of-week field (0 or 7 = Sunday) to APScheduler 3 names.
-
-    APScheduler 3's ``from_crontab`` counts 0 as *Monday* (its issue #286), so ``0-4``
-    would silently mean Mon–Fri instead of the Sun–Thu a crontab user wrote.
-    """
-    if field == "*":
-        return field
-    days: set[int] = set()
-
-    def day(token: str) -> int:
-        token = token.lower()
-        if token.isdigit() and 0 <= int(token) <= 7:
-            return int(token) % 7
-        if token[:3] in _CRON_DAYS:
-            return _CRON_DAYS.index(token[:3])
-        raise ValueError(f"invalid day of week {token!r} in {field!r}")
-
-    for part in field.split(","):
-        rng, _, step_text = part.partition("/")
-        step = int(step_text) if step_text else 1
-        if step < 1:
-            raise ValueError(f"invalid step in day of week {field!r}")
-        if rng == "*":
-            first, last = 0, 6
-        elif "-" in rng:
-            a, b = rng.split("-", 1)
-            first, last = day(a), day(b)
-            if b.strip() == "7":
-                last = 7  # "1-7" is Monday through Sunday
-        else:
-            first = last = day(rng)
-            if step_text:
-                last = 6
-        if last < first:
-            raise ValueError(f"day-of-week range {rng!r} runs backwards in {field!r}")
-        days.update(d % 7 for d in range(first, last + 1, step))
-    return ",".join(_CRON_DAYS[d] for d in sorted(days))
-
-
-def cron_trigger(expr: str, tz: tzinfo | str) -> CronTrigger:
-    """An APScheduler CronTrigger for a standard crontab line, evaluated in ``tz``.
-
-    Use this (not ``CronTrigger.from_crontab``) wherever a config cron is scheduled, so
-    the daemon's fire times and :func:`night_as_of` agree on weekdays.
-    """
-    from apscheduler.triggers.cron import CronTrigger
-
-    fields = expr.split()
-    if len(fields) != 5:
-        raise RobotLLMError(f"invalid cron expression {expr!r}: expected 5 fields")
-    minute, hour, day, month, weekdays = fields
-    try:
-        return CronTrigger(
-            minute=minute, hour=hour, day=day, month=month, day_of_week=_crontab_weekdays(weekdays), timezone=tz
-        )
-    except ValueError as exc:
-        raise RobotLLMError(f"invalid cron expression {expr!r}: {exc}") from None
-
-
-def _aware_utc(value: datetime, what: str) -> datetime:
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{what} must be timezone-aware, got naive {value!r}")
-    return value.astimezone(timezone.utc)
-
-
-def night_as_of(config: AppConfig, now: datetime) -> datetime:
-    """The most recent fire time of ``schedule.nightly`` (in ``config.timezone``) at or before ``now``, in UTC."""
-    now = _aware_utc(now, "now")
-    trigger = cron_trigger(config.schedule.nightly, config.tz)
-    for window in (timedelta(days=2), timedelta(days=8), timedelta(days=32), timedelta(days=367 * 5)):
-        last = None
-        fire = trigger.get_next_fire_time(None, now - window)
-        while fire is not None and fire <= now:
-            last = fire
-            fire = trigger.get_next_fire_time(fire, fire + timedelta(seconds=1))
-        if last is not None:
-            return last.astimezone(timezone.utc)
-    raise RobotLLMError(f"schedule.nightly {config.schedule.nightly!r} has not fired in the last five years")
-
-
-def parse_as_of(text: str, tz: tzinfo) -> datetime:
-    """Parse a ``--as-of`` value: ISO 8601; without an offset it is read in ``tz``. Returns aware UTC."""
-    try:
-        value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise RobotLLMError(
-            f"--as-of: expected an ISO date-time like 2026-11-26T23:00 or 2026-11-26T20:00Z, got {text!r}"
-        ) from None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=tz)
-    return value.astimezone(timezone.utc)
-
-
 def derive_seed(base_seed: int, as_of: datetime, ticker: str, template_name: str) -> int:
     """A per-request seed from the config seed and the request's identity (0 ≤ seed < 2**31).
 
     It depends on nothing else, so a sampled thesis is the same whichever prompts share its batch.
     """
-    as_of = _aware_utc(as_of, "as_of")
+    as_of = aware_utc(as_of, "as_of")
     key = f"{base_seed}|{as_of.isoformat()}|{ticker}|{template_name}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**31
 
@@ -185,12 +82,21 @@ def request_params(result: RenderResult, seed: int) -> dict[str, Any]:
         "top_p": float(gen.top_p),
         "seed": int(seed),
         "stop": list(result.template.stop),
-        "stance": (
-            {"cue": stance.cue, "labels": {k: float(v) for k, v in stance.labels.items()}}
-            if stance is not None
-            else None
-        ),
+        "stance": _stance_params(result) if stance is not None else None,
     }
+
+
+def _stance_params(result: RenderResult) -> dict[str, Any]:
+    stance = result.template.stance
+    assert stance is not None
+    out: dict[str, Any] = {
+        "cue": stance.cue,
+        "labels": {k: float(v) for k, v in stance.labels.items()},
+        "method": stance.method,
+    }
+    if result.calibration is not None:
+        out["calibration"] = result.calibration
+    return out
 
 
 # --------------------------------------------------------------------------- gathering
@@ -210,7 +116,7 @@ def gather_news(
     excludes items that say they are older than the lookback (a feed added today replays
     its archive).
     """
-    as_of = _aware_utc(as_of, "as_of")
+    as_of = aware_utc(as_of, "as_of")
     since = as_of - template.news_lookback(config)
     rows = session.scalars(
         select(NewsItem)
@@ -247,7 +153,7 @@ def gather_signals(
     """The latest forecast per (model, horizon) received in (as_of − signals.lookback, as_of], newest first."""
     if not template.signals.include or template.signals.max == 0:
         return []
-    as_of = _aware_utc(as_of, "as_of")
+    as_of = aware_utc(as_of, "as_of")
     rows = session.scalars(
         select(Signal)
         .where(
@@ -360,17 +266,6 @@ class PlanResult:
     run_id: int | None = None
 
 
-def _finish_run(engine: Engine, run_id: int, **fields: Any) -> None:
-    with session_scope(engine) as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        now = utcnow()
-        for key, value in fields.items():
-            setattr(run, key, value)
-        run.finished_at = now
-        run.heartbeat_at = now
-
-
 def plan_night(
     config: AppConfig, engine: Engine, as_of: datetime, *, tokenizer: TokenCounter | None = None
 ) -> PlanResult:
@@ -380,22 +275,9 @@ def plan_night(
     An instrument whose prompt cannot fit the window even without news is skipped with a
     reason. Records a Run of kind 'plan'.
     """
-    as_of = _aware_utc(as_of, "as_of")
+    as_of = aware_utc(as_of, "as_of")
     pairs = [(inst, name) for inst in config.instruments for name in config.prompts.templates]
-    with session_scope(engine) as session:
-        run = Run(
-            kind="plan",
-            status="running",
-            as_of=as_of,
-            started_at=utcnow(),
-            heartbeat_at=utcnow(),
-            total=len(pairs),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-        )
-        session.add(run)
-        session.flush()
-        run_id = run.id
+    run_id = start_run(engine, "plan", as_of=as_of, total=len(pairs))
 
     created = existing = 0
     skipped: list[tuple[str, str, str]] = []
@@ -425,24 +307,20 @@ def plan_night(
                     created += 1
                 else:
                     existing += 1
-            with session_scope(engine) as session:
-                run = session.get(Run, run_id)
-                assert run is not None
-                run.done = done
-                run.heartbeat_at = utcnow()
+            beat_run(engine, run_id, done=done)
     except BaseException as exc:
-        _finish_run(
+        finish_run(
             engine,
             run_id,
-            status="failed" if isinstance(exc, Exception) else "aborted",
+            "failed" if isinstance(exc, Exception) else "aborted",
             error=f"{type(exc).__name__}: {exc}",
             counts={"created": created, "existing": existing, "skipped": len(skipped)},
         )
         raise
-    _finish_run(
+    finish_run(
         engine,
         run_id,
-        status="ok",
+        "ok",
         counts={
             "created": created,
             "existing": existing,
@@ -505,9 +383,8 @@ def _render_command(args: argparse.Namespace) -> int:
         with session_scope(engine) as session:
             result = render_for(session, config, template, instrument, as_of, tokenizer)
     except SQLAlchemyError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise RobotLLMError(
-            f"cannot read news and signals from the database: {reason} "
+            f"cannot read news and signals from the database: {error_line(exc)} "
             f"(is it migrated? run `robot-llm db upgrade -c {args.config}`)"
         ) from None
     finally:

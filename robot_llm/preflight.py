@@ -33,15 +33,19 @@ THESIS_BYTES = 64 * 2**10
 
 @dataclass(frozen=True)
 class Check:
-    """One preflight check: ``ok`` is True (passed), False (failed) or None (not applicable / skipped)."""
+    """One preflight check: ``ok`` is True (passed), False (failed) or None (not applicable / skipped).
+
+    ``warning``: passed, but with something the user should fix (the night still runs).
+    """
 
     name: str
     ok: bool | None
     message: str
+    warning: bool = False
 
     def line(self) -> str:
-        """``ok   name: message`` / ``FAIL name: message`` / ``skip name: message``."""
-        tag = "ok  " if self.ok else "FAIL" if self.ok is False else "skip"
+        """``ok   name: message`` / ``warn name: message`` / ``FAIL name: message`` / ``skip name: message``."""
+        tag = ("warn" if self.warning else "ok  ") if self.ok else "FAIL" if self.ok is False else "skip"
         return f"{tag} {self.name}: {self.message}"
 
 
@@ -132,14 +136,14 @@ def _store(store: Path, deep: bool) -> Check:
 
 
 def _checkpoint(config: AppConfig) -> Check:
-    from robot_llm.batch import BatchError, model_shape
+    from robot_llm.configured_model import ModelConfigError, model_shape
     from robot_llm.llm.checkpoint import CheckpointError, module_plan, resolve_weights_dir
 
     assert config.model.checkpoint is not None
     try:
         shape = model_shape(config)
         folder = resolve_weights_dir(config.model.checkpoint)
-    except (BatchError, CheckpointError) as exc:
+    except (ModelConfigError, CheckpointError) as exc:
         return Check("weights", False, f"model.checkpoint: {exc}")
     names = [name for _, _, name, _ in module_plan(shape)]
     missing = [name for name in names if not (folder / name).is_file()]
@@ -167,51 +171,27 @@ def _vocab(config: AppConfig) -> Check:
     return Check("vocab", True, f"{config.model.vocab}: {tokenizer.vocab_size} pieces")
 
 
-def _max_new_tokens(config: AppConfig) -> int:
-    from robot_llm.prompting import load_templates
-
-    try:
-        templates = load_templates(config)
-    except RobotLLMError:  # the templates check reports it
-        return config.prompts.generation.max_new_tokens
-    return max(t.generation_for(config).max_new_tokens for t in templates.values())
-
-
 def _memory(config: AppConfig) -> Check:
+    """The plan the night will use (made as the batch worker makes it when it opens the model), or why none fits."""
     from dataclasses import replace
 
-    from robot_llm.batch import model_shape
-    from robot_llm.llm.planner import PlanError, Work, detect_machine, plan
+    from robot_llm.configured_model import model_settings, model_shape
+    from robot_llm.llm.planner import PlanError
+    from robot_llm.llm.runtime import night_work, plan_run
 
     m = config.model
     shape = model_shape(config)
-    window = min(m.max_positions, shape.max_position_embeddings)
-    max_new = min(_max_new_tokens(config), window - 1)
-    # The worst batch: max_batch_size prompts that fill the window.
-    work = Work(num_prompts=m.max_batch_size, prompt_tokens=window - max_new, max_new_tokens=max_new)
-    machine = detect_machine()
-    if m.device == "cpu":
-        machine = replace(machine, gpu_bytes=0)
-    elif m.gpu_memory_budget is not None and machine.has_gpu:
-        machine = replace(machine, gpu_bytes=min(machine.gpu_bytes, m.gpu_memory_budget))
+    settings = model_settings(config)
     if m.store is not None:  # the runtime reads the store whenever one is set
         from robot_llm.llm.store import read_manifest
 
         weight_dtype = read_manifest(m.store).dtype
-    else:
-        weight_dtype = m.dtype
+    else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
+        weight_dtype = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
+    if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
+        settings = replace(settings, home="ram")
     try:
-        chosen = plan(
-            shape,
-            work,
-            machine,
-            weight_dtype=weight_dtype,
-            compute_dtype=None if m.dtype == "int8" else m.dtype,
-            max_batch_size=m.max_batch_size,
-            memory_budget_bytes=m.memory_budget,
-            # The memory backend holds every layer in RAM, like the stream engine homed in RAM.
-            weight_home="ram" if m.backend == "memory" else m.home,
-        )
+        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype)
     except PlanError as exc:
         return Check("memory", False, f"the model does not fit: {exc}".replace("\n", " "))
     if chosen.batch_size < m.max_batch_size:
@@ -221,12 +201,23 @@ def _memory(config: AppConfig) -> Check:
             f"model.max_batch_size {m.max_batch_size} does not fit, at most {chosen.batch_size} does "
             f"(weights in {chosen.weight_home}): lower model.max_batch_size",
         )
-    return Check(
-        "memory",
-        True,
+    # The watchdog hears from the engine after every layer: one layer of the longest pass
+    # (a batch's prefill) must fit in batch.stall_timeout, or every batch is killed midway.
+    layer_s = chosen.prefill_seconds / shape.num_layers
+    stall_s = config.batch.stall_timeout.total_seconds()
+    if layer_s > stall_s:
+        return Check(
+            "memory",
+            False,
+            f"one layer of a batch's prefill takes an estimated {layer_s:.0f}s (batch {chosen.batch_size} on "
+            f"{chosen.device}), longer than batch.stall_timeout {stall_s:.0f}s: the watchdog would end every "
+            "batch; lower model.max_batch_size or raise batch.stall_timeout",
+        )
+    summary = (
         f"batch {chosen.batch_size} fits on {chosen.device} (weights in {chosen.weight_home}, "
-        f"estimated {chosen.tokens_per_second:.3g} tokens/s)",
+        f"estimated {chosen.tokens_per_second:.3g} tokens/s); the night's plan:"
     )
+    return Check("memory", True, summary + "".join(f"\n       {line}" for line in chosen.describe().splitlines()))
 
 
 def _templates(config: AppConfig) -> Check:
@@ -234,7 +225,13 @@ def _templates(config: AppConfig) -> Check:
 
     from robot_llm.db import utcnow
     from robot_llm.llm.tokenizer import load_tokenizer
-    from robot_llm.prompting import NewsEntry, SignalEntry, load_templates, render_within_budget
+    from robot_llm.prompting import (
+        NewsEntry,
+        SignalEntry,
+        load_templates,
+        render_within_budget,
+        stance_label_problems,
+    )
 
     assert config.model.vocab is not None
     try:
@@ -268,11 +265,19 @@ def _templates(config: AppConfig) -> Check:
                 render_within_budget(template, config, instrument, now, news, signals, tokenizer)
             except RobotLLMError as exc:
                 problems.append(f"{template.name} for {instrument.ticker}: {exc}")
+    warnings: list[str] = []
+    for template in templates.values():
+        errors, uneven = stance_label_problems(template, tokenizer)
+        problems.extend(errors)
+        warnings.extend(uneven)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         return Check("templates", False, shown)
     n = len(templates) * len(config.instruments)
-    return Check("templates", True, f"all {n} template x instrument prompts render and fit the window")
+    message = f"all {n} template x instrument prompts render and fit the window"
+    if warnings:
+        return Check("templates", True, f"{message}; warning: {'; '.join(warnings)}", warning=True)
+    return Check("templates", True, message)
 
 
 def _guarded(name: str, fn: Callable[[], Check]) -> Check:

@@ -22,7 +22,7 @@ import sys
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 from zoneinfo import ZoneInfo
@@ -33,6 +33,7 @@ from jinja2 import Template as JinjaTemplate
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from robot_llm.clock import aware_utc
 from robot_llm.config import (
     AppConfig,
     Duration,
@@ -119,11 +120,25 @@ class GenerationOverrides(_Section):
     seed: int | None = None
 
 
+#: How the labels' token log-probabilities are compared (see :class:`StanceOptions`).
+StanceMethod = Literal["sum", "mean", "first"]
+
+
 class StanceOptions(_Section):
-    """The cue appended after a thesis and the label continuations scored after it."""
+    """The cue appended after a thesis, the label continuations scored after it, and how they compare.
+
+    ``method``: ``sum`` adds the log-probabilities of a label's pieces (a label of more
+    pieces is penalised for its length), ``mean`` takes their mean per piece (length-fair),
+    ``first`` the first piece only (the labels must then be single pieces with distinct
+    ids; the template check enforces it). ``calibrate``: divide out the label prior the
+    model shows for a content-free prompt (the template with no instrument, news or
+    forecast; Zhao et al., "Calibrate Before Use", 2021), computed once per template per night.
+    """
 
     cue: str = Field(min_length=1)
     labels: dict[str, float] = Field(min_length=2)
+    method: StanceMethod = "sum"
+    calibrate: bool = False
 
     @field_validator("labels")
     @classmethod
@@ -583,12 +598,6 @@ def _news_view(entry: NewsEntry, template: Template, tz: ZoneInfo, markers: Sequ
     )
 
 
-def _require_aware(value: datetime, what: str) -> datetime:
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{what} must be timezone-aware, got naive {value!r}")
-    return value.astimezone(timezone.utc)
-
-
 # --------------------------------------------------------------------------- the budget
 
 
@@ -614,6 +623,7 @@ class RenderResult:
     news_ids: tuple[int, ...]
     signal_ids: tuple[int, ...]
     dropped: tuple[DroppedNews, ...]
+    calibration: str | None = None  # the content-free stance context, when the template calibrates
 
     @property
     def prompt_sha256(self) -> str:
@@ -651,7 +661,7 @@ def render_within_budget(
     renders again. News appear oldest first; signals newest first, at most ``signals.max``.
     Raises PromptTooLong when even no news does not fit.
     """
-    as_of = _require_aware(as_of, "as_of")
+    as_of = aware_utc(as_of, "as_of")
     tz = config.tz
     markers = template.section_markers()
     ranked = sorted(news, key=NewsEntry.relevance, reverse=True)  # most relevant first
@@ -690,6 +700,11 @@ def render_within_budget(
                 news_ids=tuple(e.id for e in shown),
                 signal_ids=tuple(s.id for s in chosen_signals),
                 dropped=tuple(dropped),
+                calibration=(
+                    content_free_context(template, as_of, tz)
+                    if template.stance is not None and template.stance.calibrate
+                    else None
+                ),
             )
         if not kept:
             raise PromptTooLong(
@@ -698,3 +713,52 @@ def render_within_budget(
                 f"max_new_tokens and the stance cue); shorten the template or lower max_new_tokens"
             )
         dropped.append(DroppedNews(kept.pop(), "budget"))
+
+
+#: The content-free stand-in for every piece of data (Zhao et al., "Calibrate Before Use", 2021).
+CONTENT_FREE = "N/A"
+
+
+def content_free_context(template: Template, as_of: datetime, tz: ZoneInfo) -> str:
+    """The stance context of a content-free input: the template with no instrument, news or forecast.
+
+    Instrument and thesis are ``N/A``; the result ends with the stance cue, so the label
+    probabilities after it are the prior the model gives the labels whatever the news.
+    """
+    if template.stance is None:
+        raise ValueError(f"template {template.name!r} asks no stance")
+    nothing = InstrumentView(CONTENT_FREE, CONTENT_FREE, (), None)
+    context = RenderContext(
+        instrument=nothing,
+        as_of=aware_utc(as_of, "as_of").astimezone(tz),
+        language=template.language,
+        news=(),
+        signals=(),
+    )
+    return render_prompt(template, context) + " " + CONTENT_FREE + template.stance.cue
+
+
+def stance_label_problems(template: Template, tokenizer: TokenCounter) -> tuple[list[str], list[str]]:
+    """(errors, warnings) about how the tokenizer splits the template's stance labels.
+
+    Labels of different piece counts bias the ``sum`` method towards the shortest label
+    (a warning); the ``first`` method needs every label to be one piece, all distinct (an error).
+    """
+    stance = template.stance
+    if stance is None:
+        return [], []
+    specials = len(tokenizer.encode(""))  # BOS, when the tokenizer adds one
+    pieces = {label: tokenizer.encode(label)[specials:] for label in stance.labels}
+    counts = ", ".join(f"{label!r}: {len(p)}" for label, p in pieces.items())
+    errors: list[str] = []
+    warnings: list[str] = []
+    if stance.method == "first":
+        firsts = [p[0] for p in pieces.values() if p]
+        if any(len(p) != 1 for p in pieces.values()) or len(set(firsts)) != len(firsts):
+            errors.append(
+                f"{template.path}: stance.method 'first' needs labels of one distinct piece each ({counts} pieces)"
+            )
+    elif len({len(p) for p in pieces.values()}) > 1:
+        fix = "" if stance.method == "mean" else "; use stance.method 'mean' (length-fair) or single-piece labels"
+        warnings.append(f"{template.path}: stance labels split unevenly ({counts} pieces){fix}")
+    return errors, warnings

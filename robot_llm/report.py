@@ -31,10 +31,12 @@ __all__ = [
     "RunLine",
     "build_report",
     "default_day",
+    "format_duration",
     "format_report",
     "format_status",
     "queue_status",
     "report_job",
+    "window",
 ]
 
 
@@ -105,7 +107,7 @@ class Report:
         return data
 
 
-def _window(config: AppConfig, day: date) -> tuple[datetime, datetime]:
+def window(config: AppConfig, day: date) -> tuple[datetime, datetime]:
     start = datetime.combine(day, time(0), tzinfo=config.tz)
     end = datetime.combine(day + timedelta(days=1), time(0), tzinfo=config.tz)
     return start, end
@@ -122,7 +124,7 @@ def default_day(config: AppConfig, engine: Engine) -> date:
 
 def build_report(config: AppConfig, engine: Engine, day: date) -> Report:
     """Collect the report of local ``day``."""
-    start, end = _window(config, day)
+    start, end = window(config, day)
     with session_scope(engine) as s:
         runs = s.scalars(select(Run).where(Run.started_at >= start, Run.started_at < end).order_by(Run.started_at))
         lines = tuple(
@@ -193,7 +195,8 @@ def build_report(config: AppConfig, engine: Engine, day: date) -> Report:
     )
 
 
-def _duration(seconds: float | None) -> str:
+def format_duration(seconds: float | None) -> str:
+    """Seconds as '3m07s' or '1h02m03s'; None as 'unfinished'."""
     if seconds is None:
         return "unfinished"
     minutes, sec = divmod(round(seconds), 60)
@@ -211,7 +214,7 @@ def format_report(report: Report, config: AppConfig) -> str:
         out.append("runs:")
         for r in report.runs:
             when = r.started_at.astimezone(tz).strftime("%H:%M:%S")
-            line = f"  #{r.id} {r.kind:<15} {r.status:<8} {when} {_duration(r.seconds):>10}"
+            line = f"  #{r.id} {r.kind:<15} {r.status:<8} {when} {format_duration(r.seconds):>10}"
             if r.total:
                 line += f"  {r.done}/{r.total}"
             if r.tokens_per_s:
@@ -228,7 +231,7 @@ def format_report(report: Report, config: AppConfig) -> str:
         out.append("requests planned that day: " + ", ".join(f"{k} {v}" for k, v in report.queue.items()))
     if report.tokens_per_s is not None:
         out.append(
-            f"generation: {report.new_tokens} tokens in {_duration(report.batch_seconds)} "
+            f"generation: {report.new_tokens} tokens in {format_duration(report.batch_seconds)} "
             f"({report.tokens_per_s:.1f} tokens/s)"
         )
     if report.failures:

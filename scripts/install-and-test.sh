@@ -9,7 +9,11 @@ VENV="${VENV:-.venv}"
 export VENV
 cd "$(dirname "$0")/.."
 
-bash scripts/install.sh
+# --dev: the test tools. --deepspeed-ops: compile DeepSpeed's ops now, so the DeepSpeed tests do not
+# compile them inside pytest.
+bash scripts/install.sh --dev --deepspeed-ops
+# freqtrade, for the test that runs the example adapter inside freqtrade's own backtesting.
+"$VENV/bin/pip" install --quiet -e ".[freqtrade]"
 lint=0
 "$VENV/bin/ruff" check . || lint=$?
 status=0

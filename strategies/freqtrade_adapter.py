@@ -206,9 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategy.forecasts = forecasts
             strategy.timeframe = args.timeframe
             print(f"freqtrade_adapter: {args.candles} x {args.timeframe} candles closing by {as_of.isoformat()}")
-            print("(no prices here: each candle shows the thesis it may use at its close, and the entry signal)")
+            print("(no prices here: each candle shows the thesis it may use at its close, and the entry signal;")
+            print(" 'next' is the candle still open at --as-of: a thesis stored since the last close acts there)")
             for ticker in args.ticker or forecasts.tickers:
-                frame = candle_grid(as_of, step, max(args.candles, 1))
+                # The closed candles, plus the one still forming: right after a night, the theses
+                # are newer than the last close, and the forming candle is the first to use them.
+                frame = candle_grid(as_of + step, step, max(args.candles, 1) + 1)
                 meta = {"pair": ticker}
                 frame = strategy.populate_indicators(frame, meta)
                 frame = strategy.populate_exit_trend(strategy.populate_entry_trend(frame, meta), meta)
@@ -219,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else:
                         thesis = f"thesis {row.thesis_id} stance {row.thesis_stance:+.2f}"
                     signal = "ENTER LONG" if row.enter_long else "EXIT" if row.exit_long else ""
-                    print(f"  close {(row.date + step).isoformat()}  {thesis:<32} {signal}".rstrip())
+                    close = row.date + step
+                    label = "next " if close > as_of else "close"
+                    print(f"  {label} {close.isoformat()}  {thesis:<32} {signal}".rstrip())
     except RobotLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

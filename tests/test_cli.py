@@ -165,3 +165,49 @@ def test_setup_logging_json_and_idempotent(tmp_path: Path) -> None:
     assert "RuntimeError: boom" in second["exc"]
     with pytest.raises(ValueError):
         setup_logging("INFO", "xml")  # type: ignore[arg-type]
+
+
+def test_missing_extra_is_named(tmp_path: Path) -> None:
+    """Without the model extra, a command that needs torch says which extra to install, in one line."""
+    blocked = (
+        "import sys; sys.modules['torch'] = None; "  # what an install without robot-llm[model] sees
+        "from robot_llm.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", blocked, "demo", "--workdir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: this command needs torch, which is not installed: pip install 'robot-llm[model]'"
+    )
+
+
+def test_logging_section_applies_to_every_command_in_the_config_zone(tmp_path: Path) -> None:
+    config = tmp_path / "robot-llm.yaml"
+    config.write_text(
+        CONFIG.format(url="sqlite:///robot-llm.sqlite")
+        + 'timezone: "Europe/Moscow"\nlogging:\n  level: "INFO"\n  format: "json"\n  file: "logs/robot-llm.log"\n',
+        encoding="utf-8",
+    )
+    proc = robot_llm("db", "upgrade", "-c", str(config))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # the terminal keeps the command line's verbosity
+    records = [json.loads(line) for line in (tmp_path / "logs" / "robot-llm.log").read_text().splitlines()]
+    assert any("Running upgrade" in r["msg"] for r in records)
+    assert all(r["ts"].endswith("+03:00") for r in records)  # Moscow, like every other time printed
+
+    proc = robot_llm("db", "current", "-c", str(config), "-v")
+    text_lines = [line for line in proc.stderr.splitlines() if " INFO " in line]
+    assert text_lines and all(line.split()[0].endswith("+03:00") for line in text_lines)
+
+
+def test_config_check_prints_durations_as_written(tmp_path: Path) -> None:
+    proc = robot_llm("config", "check", "-c", str(REPO / "config" / "robot-llm.example.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "  interval: 15m\n" in proc.stdout and "lookback: 3d\n" in proc.stdout
+    assert "PT" not in proc.stdout

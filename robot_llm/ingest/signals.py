@@ -78,7 +78,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from robot_llm.config import AppConfig, SignalSourceConfig
-from robot_llm.db import Signal, session_scope, utcnow
+from robot_llm.db import Signal, error_line, session_scope, utcnow
 from robot_llm.ingest import insert_ignoring_duplicates
 from robot_llm.signals import FIELDS, REQUIRED, SignalError, SignalRecord, make_signal
 
@@ -328,9 +328,16 @@ def ingest_signal_file(
                 duplicates += dup
     except SQLAlchemyError as exc:
         log.error("signals %s: cannot store %s: %s", source.name, path, exc)
-        reason = str(exc).splitlines()[0]
         return SignalFileResult(
-            source.name, path, None, len(good) + len(bad), 0, 0, (), None, error=f"{path}: cannot store: {reason}"
+            source.name,
+            path,
+            None,
+            len(good) + len(bad),
+            0,
+            0,
+            (),
+            None,
+            error=f"{path}: cannot store: {error_line(exc)}",
         )
     moved_to: Path | None = None
     error = None

@@ -32,9 +32,9 @@ def _engine_options(parser: argparse.ArgumentParser, default_dtype: str) -> None
     )
     parser.add_argument(
         "--dtype",
-        choices=["fp32", "bf16", "fp16", "int8"],
+        choices=["fp32", "bf16", "fp16", "int8", "int4"],
         default=default_dtype,
-        help="compute dtype (default: %(default)s); int8 = int8 weight store, stream engine only",
+        help="compute dtype (default: %(default)s); int8/int4 = quantized weight store, stream engine only",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     parser.add_argument("--home", choices=["disk", "ram"], help="where the streaming engine keeps the weights")

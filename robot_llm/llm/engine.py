@@ -6,10 +6,13 @@ compute the embedding, each layer and the head. Transformer layers live in their
 and pass through two preallocated slots: while layer ``l`` computes for every
 row of the batch, a background thread reads layer ``l+1`` into the other slot
 (pinned host memory, then a copy stream into a device slot when computing on
-CUDA). The slots, and the compute-dtype buffers that int8 or mixed-dtype
-layers are converted into, are allocated once and reused for every layer and
-every step, so memory does not grow with the number of steps. The last layer
-of a step prefetches layer 0 of the next step, so decode steps overlap too.
+CUDA). Quantized (int8, int4) or mixed-dtype layers are converted into
+compute-dtype buffers: on the CPU by the reader thread, one set per slot, so
+dequantization overlaps compute like the read does; on CUDA on the GPU right
+before use, from the bytes copied up. Slots and buffers are allocated once
+and reused for every layer and every step, so memory does not grow with the
+number of steps. The last layer of a step prefetches layer 0 of the next
+step, so decode steps overlap too.
 
 :class:`StreamingModel` implements :class:`robot_llm.llm.yalm.ForwardModel`,
 so :mod:`robot_llm.llm.generate` runs on it unchanged.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +31,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from robot_llm.llm.family import KVCache, LayerKV, Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
+from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.quant import dequantize_int4_into
 from robot_llm.llm.store import (
+    MIN_SUFFIX,
     SCALE_SUFFIX,
     FileLayout,
     Store,
+    StoreError,
     aligned_buffer,
     dequantize_into,
     direct_span,
@@ -42,6 +50,15 @@ log = logging.getLogger(__name__)
 
 WeightHome = Literal["disk", "ram"]
 KVHome = Literal["device", "cpu"]
+
+#: Tries of one layer read before the forward pass fails (a transient EIO or short read is retried).
+READ_ATTEMPTS = 4
+#: Wait before the first retry; doubled before each next one.
+READ_BACKOFF_S = 0.05
+
+
+class LayerReadError(StoreError):
+    """A layer file stayed unreadable through every retry: that forward pass fails, the engine stays usable."""
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -64,6 +81,7 @@ class StreamStats:
     layers_read: int = 0
     read_seconds: float = 0.0
     wait_seconds: float = 0.0
+    read_retries: int = 0
     forward_seconds: float = 0.0
     forwards: int = 0
 
@@ -82,7 +100,11 @@ class StreamStats:
 
 @dataclass
 class _Slot:
-    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse."""
+    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse.
+
+    On the CPU, ``buffers`` are the slot's own compute-dtype tensors and
+    ``params`` the layer's weights ready for compute, set by the reader.
+    """
 
     host: Tensor | None
     device: Tensor | None
@@ -90,6 +112,8 @@ class _Slot:
     ready: Future[int] | None = field(default=None, repr=False)
     layer: int = -1
     offset: int = 0  # where the layer's data section starts in the slot
+    buffers: Params = field(default_factory=dict, repr=False)
+    params: Params | None = field(default=None, repr=False)
 
 
 class StreamingModel:
@@ -100,7 +124,11 @@ class StreamingModel:
     the KV cache on the compute device or in CPU RAM. ``micro_batch`` splits the
     rows of a multi-token (prefill) step so activations stay bounded while each
     layer is still read once for the whole batch. ``prefetch=False`` reads
-    synchronously (the naive schedule, for comparison).
+    synchronously (the naive schedule, for comparison). ``ram_layers`` splits
+    a disk home: the first that many layers are held in RAM, the rest streamed
+    (for RAM that holds part of the model). ``read_depth`` is how many large
+    reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
+    ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
     def __init__(
@@ -114,6 +142,8 @@ class StreamingModel:
         micro_batch: int | None = None,
         prefetch: bool = True,
         drop_cache: bool = True,
+        ram_layers: int = 0,
+        read_depth: int = DEFAULT_DEPTH,
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -126,8 +156,16 @@ class StreamingModel:
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
         self.micro_batch = micro_batch
+        # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
+        # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
+        self.on_layer: Callable[[], None] | None = None
         self.prefetch = prefetch
-        self.drop_cache = drop_cache and home == "disk"
+        if home not in ("disk", "ram"):
+            raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
+        self.ram_layers = cfg.num_layers if home == "ram" else max(0, min(ram_layers, cfg.num_layers))
+        streams = self.ram_layers < cfg.num_layers
+        self.drop_cache = drop_cache and streams
+        self.read_depth = read_depth
         self.stats = StreamStats()
         self.rope = self.family.rope(cfg)
         self.resident: Resident = {
@@ -136,20 +174,21 @@ class StreamingModel:
         }
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
+        self._io = io_pool(read_depth) if read_depth > 1 else None
         # Disk slots take whole files (O_DIRECT reads from offset 0); RAM-homed layers hold data sections.
-        slot_bytes = max(direct_span(layout) if home == "disk" else layout.data_size for layout in self.layouts)
-        # RAM home: every layer's bytes once in CPU memory (views are used in place on the CPU).
-        self.ram: list[Tensor] | None = None
-        if home == "ram":
-            self.ram = []
-            for path, layout in zip(self.paths, self.layouts, strict=True):
-                buf = torch.empty(layout.data_size, dtype=torch.uint8)
-                read_into(path, layout, buf)
-                self.ram.append(buf)
-        elif home != "disk":
-            raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
+        slot_bytes = max(
+            layout.data_size if i < self.ram_layers else direct_span(layout) for i, layout in enumerate(self.layouts)
+        )
+        # RAM-homed layers: their bytes once in CPU memory (views are used in place on the CPU).
+        self.ram: list[Tensor | None] = [None] * cfg.num_layers
+        for i in range(self.ram_layers):
+            held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
+            read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
-        self.compute_buffers = self._compute_buffers()
+        # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots.
+        shared = self._compute_buffers()
+        for n, slot in enumerate(self.slots):
+            slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers()
         self._next = 0
         self._prefetched: _Slot | None = None
         self._current = self.slots[0]
@@ -160,7 +199,7 @@ class StreamingModel:
 
     def _new_slot(self, nbytes: int) -> _Slot:
         host = None
-        if self.home == "disk":
+        if self.ram_layers < self.config.num_layers:
             host = aligned_buffer(nbytes, pin_memory=self.cuda)
         device = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if self.cuda else None
         return _Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
@@ -170,33 +209,38 @@ class StreamingModel:
         buffers: Params = {}
         for layout in self.layouts:
             for key, slot in layout.tensors.items():
-                if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
+                if key.endswith((SCALE_SUFFIX, MIN_SUFFIX)) or slot.dtype == self.dtype or key in buffers:
                     continue
-                buffers[key] = torch.empty(slot.shape, dtype=self.dtype, device=self.device)
+                buffers[key] = torch.empty(layout.shape(key), dtype=self.dtype, device=self.device)
         return buffers
 
     def buffer_pointers(self) -> list[int]:
         """data_ptr of every preallocated buffer (constant for the engine's lifetime)."""
         tensors = [t for s in self.slots for t in (s.host, s.device) if t is not None]
-        tensors += list(self.compute_buffers.values())
+        tensors += [t for s in self.slots for t in s.buffers.values()]
         return [t.data_ptr() for t in tensors]
 
     # ------------------------------------------------------------------ streaming
 
     def _fill(self, slot: _Slot, layer: int) -> int:
-        """Bring ``layer`` into ``slot`` (runs on the reader thread when prefetching)."""
-        if self.ram is not None and not self.cuda:
-            return 0  # RAM-homed layers are used in place by the CPU: nothing moves
+        """Bring ``layer`` into ``slot`` (runs on the reader thread when prefetching).
+
+        On the CPU the slot ends with the layer's compute-dtype weights in ``slot.params``.
+        """
+        layout, ram = self.layouts[layer], self.ram[layer]
+        if ram is not None and not self.cuda:
+            # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
+            slot.params = self._to_compute(layout, ram, slot.buffers)
+            return 0
         started = time.perf_counter()
-        layout = self.layouts[layer]
         size = layout.data_size
-        if self.ram is None:
+        if ram is None:
+            slot.offset = self._read_layer(layer, slot)
             assert slot.host is not None
-            slot.offset = read_into(self.paths[layer], layout, slot.host, direct=True, drop_cache=self.drop_cache)
             source = slot.host
         else:
             slot.offset = 0
-            source = self.ram[layer]
+            source = ram
         if self.cuda:
             assert self._copy_stream is not None and slot.device is not None and slot.free is not None
             with torch.cuda.stream(self._copy_stream):
@@ -208,7 +252,35 @@ class StreamingModel:
         self.stats.read_seconds += time.perf_counter() - started
         self.stats.bytes_read += size
         self.stats.layers_read += 1
+        if not self.cuda:
+            slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
         return size
+
+    def _read_layer(self, layer: int, slot: _Slot) -> int:
+        """Read a disk-homed layer into ``slot.host``, retrying transient failures with backoff."""
+        assert slot.host is not None
+        path = self.paths[layer]
+        delay, attempt = READ_BACKOFF_S, 1
+        while True:
+            try:
+                return read_into(
+                    path,
+                    self.layouts[layer],
+                    slot.host,
+                    direct=True,
+                    drop_cache=self.drop_cache,
+                    pool=self._io,
+                    depth=self.read_depth,
+                )
+            except (OSError, StoreError) as exc:  # EIO, a short read of a file being rewritten...
+                if attempt == READ_ATTEMPTS:
+                    raise LayerReadError(
+                        f"{path}: reading layer {layer} failed {READ_ATTEMPTS} times, last: {exc}"
+                    ) from exc
+                self.stats.read_retries += 1
+                log.warning("%s: reading layer %d failed (%s); retry %d in %.2fs", path, layer, exc, attempt, delay)
+                time.sleep(delay)
+                delay, attempt = delay * 2, attempt + 1
 
     def _request(self, layer: int) -> _Slot:
         slot = self.slots[self._next % len(self.slots)]
@@ -225,29 +297,35 @@ class StreamingModel:
         """Wait for ``layer`` and return its weights as compute-dtype tensors on the compute device."""
         slot = self._current
         if slot.ready is not None:
+            # Cleared before waiting: a failed read is raised once (this pass), not on every later one.
+            ready, slot.ready = slot.ready, None
             started = time.perf_counter()
-            slot.ready.result()
+            ready.result()
             self.stats.wait_seconds += time.perf_counter() - started
-            slot.ready = None
+        if not self.cuda:
+            assert slot.params is not None
+            params, slot.params = slot.params, None
+            return params
+        assert slot.device is not None
         layout = self.layouts[layer]
-        if self.ram is not None and not self.cuda:
-            return self._to_compute(layout, self.ram[layer])
-        data = slot.device if self.cuda else slot.host
-        assert data is not None
-        return self._to_compute(layout, data[slot.offset : slot.offset + layout.data_size])
+        return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
 
-    def _to_compute(self, layout: FileLayout, data: Tensor) -> Params:
+    def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params) -> Params:
+        """The layer's weights in the compute dtype: views of ``data`` or conversions into ``buffers``."""
         raw = layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
-            if key.endswith(SCALE_SUFFIX):
+            if key.endswith((SCALE_SUFFIX, MIN_SUFFIX)):
                 continue
             if tensor.dtype == self.dtype:
                 params[key] = tensor
             elif tensor.dtype == torch.int8:
-                params[key] = dequantize_into(tensor, raw[key + SCALE_SUFFIX], self.compute_buffers[key])
+                params[key] = dequantize_into(tensor, raw[key + SCALE_SUFFIX], buffers[key])
+            elif tensor.dtype == torch.uint8:
+                step, minimum = raw[key + SCALE_SUFFIX], raw[key + MIN_SUFFIX]
+                params[key] = dequantize_int4_into(tensor, step, minimum, buffers[key])
             else:
-                params[key] = self.compute_buffers[key].copy_(tensor)
+                params[key] = buffers[key].copy_(tensor)
         return params
 
     # ------------------------------------------------------------------ ForwardModel
@@ -272,8 +350,8 @@ class StreamingModel:
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
         x = fam.embed(ids.to(self.device), self.resident, cfg)
         rows = B if T == 1 or not self.micro_batch else self.micro_batch
-        if self._prefetched is None or self._prefetched.layer != 0:
-            self._drain()  # an earlier step stopped midway (error): restart the stream at layer 0
+        if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
+            self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
             self._prefetched = self._request(0)
         for i in range(cfg.num_layers):
             self._current = self._prefetched
@@ -282,10 +360,10 @@ class StreamingModel:
             params = self._acquire(i)
             for a in range(0, B, rows):
                 b = min(a + rows, B)
-                kv = None
-                if cache is not None:
-                    kv = LayerKV(k=cache.k[i][a:b], v=cache.v[i][a:b], start=cache.length)
+                kv = cache.layer(i).rows(a, b) if cache is not None else None
                 x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
+                if self.on_layer is not None:
+                    self.on_layer()
             if self.cuda:
                 assert self._current.free is not None
                 self._current.free.record()
@@ -314,14 +392,24 @@ class StreamingModel:
     __call__ = forward
 
     def _drain(self) -> None:
+        """Wait for every read in flight; their results are discarded (the stream restarts), errors too."""
         for slot in self.slots:
-            if slot.ready is not None:
-                slot.ready.result()
-                slot.ready = None
+            ready, slot.ready = slot.ready, None
+            if ready is not None:
+                ready.exception()  # waits; the error, if any, belonged to a pass that already failed
+            slot.params = None
 
     def close(self) -> None:
-        """Finish the outstanding read and stop the reader thread."""
+        """Finish the outstanding read and stop the reader threads."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         self._prefetched = None
+
+
+def _failed(slot: _Slot) -> bool:
+    """The slot's read finished with an error (e.g. layer 0 prefetched at the end of a pass)."""
+    return slot.ready is not None and slot.ready.done() and slot.ready.exception() is not None

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.config import ModelConfig, module_plan
+from robot_llm.llm.slots import SlotState, StepLayout
 
 Params = dict[str, Tensor]
 Resident = dict[str, Params]
@@ -75,14 +76,22 @@ class KVCache:
     """Per-layer rotated keys and values of every processed slot.
 
     ``k[i]``/``v[i]`` are preallocated ``[B, max_len, kv_heads, head_dim]`` tensors for
-    layer ``i``; slots ``0 .. length-1`` are filled. ``pad[b]`` (CPU long tensor) is the
+    layer ``i``; slots ``0 .. length-1`` are written. ``pad[b]`` (CPU long tensor) is the
     number of left-pad slots of row ``b``; those slots are never attended to.
+    ``slots`` says which written slots belong to their row and at which position (see
+    :mod:`robot_llm.llm.slots`): a finished row is masked rather than copied out, and
+    ``layout``, when set, is the layout of the next step instead of a plain append.
+    ``prefix``, when set (:meth:`share_prefix`), is a one-row cache of the tokens every
+    row starts with: stored once, attended by every row, whose own tokens follow it.
     """
 
     k: list[Tensor]
     v: list[Tensor]
     pad: Tensor
+    slots: SlotState
     length: int = 0
+    layout: StepLayout | None = None
+    prefix: KVCache | None = None
 
     @classmethod
     def allocate(
@@ -102,7 +111,7 @@ class KVCache:
         pad_t = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to("cpu", torch.long)
         if pad_t.shape != (batch,):
             raise ValueError(f"pad must have shape ({batch},), got {tuple(pad_t.shape)}")
-        return cls(k=k, v=v, pad=pad_t, length=0)
+        return cls(k=k, v=v, pad=pad_t, slots=SlotState.empty(batch, max_len, pad_t), length=0)
 
     @property
     def batch(self) -> int:
@@ -116,22 +125,34 @@ class KVCache:
 
     def layer(self, index: int) -> LayerKV:
         """The cache view handed to a family's layer function for layer ``index``."""
-        return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
+        if self.prefix is None:
+            return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
+        p = self.prefix
+        return LayerKV(self.k[index], self.v[index], self.length, p.k[index][:, : p.length], p.v[index][:, : p.length])
 
-    def advance(self, steps: int) -> None:
-        """Record that every layer has written ``steps`` more slots."""
+    def share_prefix(self, prefix: KVCache) -> None:
+        """Let every row continue ``prefix`` (a filled one-row cache) before its own tokens; call before any step."""
+        if self.length or prefix.batch != 1 or not bool(prefix.slots.valid[0, : prefix.length].all()):
+            raise ValueError("a shared prefix is a filled one-row cache, shared before the first step")
+        self.prefix = prefix
+        self.slots.share_prefix(prefix.length)
+
+    def step_layout(self, steps: int) -> StepLayout:
+        """The layout of the next step of ``steps`` tokens: the one set in ``layout``, else a plain append."""
         if self.length + steps > self.max_len:
             raise ValueError(f"KV cache overflow: {self.length} + {steps} > {self.max_len} slots")
-        self.length += steps
+        if self.layout is None:
+            return self.slots.append_layout(self.length, steps)
+        if tuple(self.layout.real.shape) != (self.batch, steps):
+            raise ValueError(
+                f"the step layout is for {tuple(self.layout.real.shape)} tokens, got {(self.batch, steps)}"
+            )
+        return self.layout
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed in ``rows`` (in that order); used when sequences finish."""
-        index = torch.tensor(rows, dtype=torch.long)
-        for i in range(len(self.k)):
-            dev = self.k[i].device
-            self.k[i] = self.k[i].index_select(0, index.to(dev))
-            self.v[i] = self.v[i].index_select(0, index.to(dev))
-        self.pad = self.pad.index_select(0, index)
+    def advance(self, steps: int) -> None:
+        """Record that every layer has written ``steps`` more slots (a step's unkept tail is reused)."""
+        self.length = self.slots.commit(self.length, self.step_layout(steps))
+        self.layout = None
 
 
 @dataclass(frozen=True)
@@ -141,13 +162,28 @@ class LayerKV:
     k: Tensor
     v: Tensor
     start: int
+    prefix_k: Tensor | None = None
+    prefix_v: Tensor | None = None
+
+    def rows(self, a: int, b: int) -> LayerKV:
+        """The view of rows ``a:b`` (the shared prefix stays whole)."""
+        return LayerKV(self.k[a:b], self.v[a:b], self.start, self.prefix_k, self.prefix_v)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this step's ``k``/``v`` ``[B, T, kv, hd]`` into the cache; return all filled slots."""
+        """Write this step's ``k``/``v`` ``[B, T, kv, hd]`` into the cache; return every key/value to attend.
+
+        With a shared prefix, its slots come first, broadcast to every row for this step only.
+        """
         end = self.start + k.shape[1]
         self.k[:, self.start : end] = k.to(self.k.device, self.k.dtype)
         self.v[:, self.start : end] = v.to(self.v.device, self.v.dtype)
-        return self.k[:, :end].to(k.device, k.dtype), self.v[:, :end].to(v.device, v.dtype)
+        keys, values = self.k[:, :end].to(k.device, k.dtype), self.v[:, :end].to(v.device, v.dtype)
+        if self.prefix_k is None or self.prefix_v is None:
+            return keys, values
+        shape = (k.shape[0], *self.prefix_k.shape[1:])
+        pk = self.prefix_k.to(k.device, k.dtype).expand(shape)
+        pv = self.prefix_v.to(v.device, v.dtype).expand(shape)
+        return torch.cat((pk, keys), dim=1), torch.cat((pv, values), dim=1)
 
 
 # --------------------------------------------------------------------------- step metadata
@@ -199,36 +235,38 @@ def prepare_step(
 
     ``rope`` maps each rotary table's name to its float32 inverse frequencies
     ``[head_dim / 2]`` (:attr:`Family.rope`). With a cache, ``pad`` must be None (the
-    cache's pads are used) and the step covers slots ``cache.length ..
-    cache.length + num_tokens - 1``. Without a cache, ``pad`` (default: no padding)
-    describes the left padding of the ``batch`` rows.
+    cache's slot state is used) and the step covers slots ``cache.length ..
+    cache.length + num_tokens - 1``, laid out by :meth:`KVCache.step_layout`. Without
+    a cache, ``pad`` (default: no padding) describes the left padding of the ``batch`` rows.
     """
     if cache is not None:
         if pad is not None:
             raise ValueError("pass the padding through the cache, not both")
-        pad_t, start = cache.pad, cache.length
+        layout = cache.step_layout(num_tokens)
+        positions = layout.positions
+        mask = cache.slots.forbidden(cache.length, layout)
+        key_pos = cache.slots.key_positions(cache.length, layout)
     else:
         if pad is None:
             if batch is None:
                 raise ValueError("prepare_step needs pad or batch when there is no cache")
             pad = torch.zeros(batch, dtype=torch.long)
-        pad_t, start = pad.to("cpu", torch.long), 0
-    end = start + num_tokens
-    slots = torch.arange(start, end)
-    positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
+        pad_t = pad.to("cpu", torch.long)
+        slots = torch.arange(num_tokens)
+        positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
+        future = slots[None, :] > slots[:, None]  # [T, S]
+        padded = (slots[None, :] < pad_t[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        mask = future[None, None] | padded
+        key_pos = positions
     if int(positions.max()) >= cfg.max_position_embeddings:
         raise ValueError(
             f"position {int(positions.max())} exceeds max_position_embeddings {cfg.max_position_embeddings}"
         )
-    keys = torch.arange(end)
-    future = keys[None, :] > slots[:, None]  # [T, S]
-    padded = (keys[None, :] < pad_t[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    mask = future[None, None] | padded
     windows = {}
     for w in {cfg.sliding_window(i) for i in range(cfg.num_layers)} - {None}:
         assert w is not None
-        too_far = keys[None, :] <= slots[:, None] - w  # a key w or more positions back
-        windows[w] = (mask | too_far[None, None]).to(device)
+        too_far = key_pos[:, None, :] <= positions[:, :, None] - w  # a key w or more positions back
+        windows[w] = (mask | too_far[:, None]).to(device)
     positions = positions.to(device)
     rotary = {}
     for name, inv_freq in rope.items():

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.slots import tree_layout
 from robot_llm.llm.tokenizer import Tokenizer
 
 FinishReason = Literal["eos", "stop", "length"]
@@ -76,6 +77,7 @@ class Completion:
     prompt_token_count: int
     new_token_count: int
     finish_reason: FinishReason
+    followup_logprobs: tuple[tuple[float, ...], ...] | None = None
 
 
 def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0) -> Tensor:
@@ -121,16 +123,38 @@ def continuation_text(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: list
     return tokenizer.decode(new_ids)
 
 
+@dataclass(frozen=True)
+class Followup:
+    """Continuations to score after a finished completion: ``prompt + text + cue``, then each of them.
+
+    :func:`generate` scores them from the row's live KV cache (no re-prefill); the result
+    equals :func:`score_pieces` on ``prompt + text + cue``.
+    """
+
+    cue: str
+    continuations: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "continuations", tuple(self.continuations))
+
+
+#: Tokens a re-tokenised thesis may differ by from what the row fed (plus the cue) and still be scored from the cache.
+TRUNK_SLACK = 16
+
+
 @dataclass
 class _Row:
     index: int
+    prompt: str
     prompt_ids: list[int]
     params: SamplingParams
     budget: int
     generator: torch.Generator | None
+    followup: Followup | None = None
     new_ids: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     text: str = ""
+    followup_logprobs: tuple[tuple[float, ...], ...] | None = None
 
     def push(self, token: int, tokenizer: Tokenizer) -> None:
         self.new_ids.append(token)
@@ -155,35 +179,149 @@ class _Row:
             prompt_token_count=len(self.prompt_ids),
             new_token_count=len(self.new_ids),
             finish_reason=self.finish or "length",
+            followup_logprobs=self.followup_logprobs,
         )
 
+    def followup_context(self, tokenizer: Tokenizer) -> str:
+        assert self.followup is not None
+        return self.prompt + self.completion(tokenizer).text + self.followup.cue
 
-def _run_batch(model: ForwardModel, tokenizer: Tokenizer, rows: list[_Row], on_step: Callable[[], None] | None) -> None:
-    """Generate for ``rows`` (all with budget >= 1) in one left-padded batch."""
-    width = max(len(r.prompt_ids) for r in rows)
-    pad = torch.tensor([width - len(r.prompt_ids) for r in rows], dtype=torch.long)
+
+@dataclass(frozen=True)
+class _Tree:
+    """A finished row's followup as one step: rewind to ``keep`` tokens, feed the trunk, then each branch."""
+
+    keep: int
+    trunk: list[int]
+    branches: list[list[int]]  # every continuation's tokens but its last (which is only predicted)
+    targets: list[list[int]]  # every continuation's tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.trunk + [t for branch in self.branches for t in branch]
+
+
+def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
+    """The most tokens (and KV slots) the step scoring a row's followup from its cache may take (0 without one)."""
+    if followup is None:
+        return 0
+    pieces = [len(tokenizer.encode_pieces_ids(c)) for c in followup.continuations]
+    return len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
+
+
+def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, room: int, shared: int) -> _Tree | None:
+    """The step that scores ``row``'s followup from its cache, or None when it must be re-prefilled."""
+    assert row.followup is not None
+    context = row.followup_context(tokenizer)
+    ctx = tokenizer.encode(context)
+    targets = [continuation_ids(tokenizer, ctx, context, c) for c in row.followup.continuations]
+    if len(ctx) + max(len(t) for t in targets) > max_pos:
+        return None
+    fed = row.prompt_ids + row.new_ids[:-1]  # the last token chosen is never fed back
+    keep = 0
+    limit = min(len(fed), len(ctx) - 1)  # the context's last token must be fed: its logits predict the labels
+    while keep < limit and fed[keep] == ctx[keep]:
+        keep += 1
+    if keep < shared:  # the context parts from the prompt inside the shared prefix
+        return None
+    tree = _Tree(keep=keep, trunk=ctx[keep:], branches=[t[:-1] for t in targets], targets=targets)
+    return tree if len(tree.tokens) <= room else None
+
+
+def _score_trees(logits: Tensor, trees: dict[int, _Tree], rows: list[_Row]) -> None:
+    """Gather each tree's continuation log-probabilities from the step's logits ``[B, T, V]``."""
+    for b, tree in trees.items():
+        last = len(tree.trunk) - 1
+        scores: list[tuple[float, ...]] = []
+        at = len(tree.trunk)
+        for branch, target in zip(tree.branches, tree.targets, strict=True):
+            if not target:
+                scores.append(())
+                continue
+            # Piece 0 is predicted by the trunk's last token, piece j by the branch's piece j - 1.
+            slots = torch.tensor([last, *range(at, at + len(branch))])
+            scores.append(tuple(token_logprobs(logits[b, slots], torch.tensor(target)).tolist()))
+            at += len(branch)
+        rows[b].followup_logprobs = tuple(scores)
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least one token of its own (its logits come from it)."""
+    if not prompts:
+        return 0
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+def _run_batch(
+    model: ForwardModel,
+    tokenizer: Tokenizer,
+    rows: list[_Row],
+    on_step: Callable[[], None] | None,
+    share_prefix: int,
+) -> None:
+    """Generate for ``rows`` (all with budget >= 1) in one left-padded batch, and score their followups.
+
+    A finished row stays in the cache, masked (no copy); the step after it finished
+    scores its followup as a tree of tokens from its cache, alongside the other rows'
+    decode tokens, so followups cost no weight pass of their own except after the last row.
+    """
+    shared = shared_prefix_length([r.prompt_ids for r in rows]) if len(rows) > 1 else 0
+    if not share_prefix or shared < share_prefix:
+        shared = 0
+    width = max(len(r.prompt_ids) for r in rows) - shared
+    pad = torch.tensor([width + shared - len(r.prompt_ids) for r in rows], dtype=torch.long)
     ids = torch.full((len(rows), width), tokenizer.eos_id, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-    # The last token of a row is never fed back, hence width + budget - 1 slots.
-    cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1, pad)
+        ids[b, width + shared - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids[shared:])
+    tree_width = max(followup_slots(tokenizer, r.followup) for r in rows)
+    max_pos = model.config.max_position_embeddings
+    # The last token of a row is never fed back, hence width + budget - 1 slots, plus one tree step.
+    cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1 + tree_width, pad)
+    if shared:
+        # The template's common head: one row of KV, computed once, attended by every row.
+        prefix = model.new_cache(1, shared)
+        model.forward(torch.tensor([rows[0].prompt_ids[:shared]]), prefix, last_only=True)
+        if on_step is not None:
+            on_step()
+        cache.share_prefix(prefix)
     logits = model.forward(ids, cache, last_only=True)[:, -1]
     if on_step is not None:
         on_step()
-    active = list(rows)
     while True:
-        for b, r in enumerate(active):
+        trees: dict[int, _Tree] = {}
+        for b, r in enumerate(rows):
+            if not bool(cache.slots.active[b]):
+                continue
             r.push(choose_token(logits[b], r.params, r.generator), tokenizer)
-        still = [b for b, r in enumerate(active) if r.finish is None]
-        if not still:
+            if r.finish is None:
+                continue
+            cache.slots.active[b] = False
+            room = cache.max_len - cache.length
+            tree = _plan_tree(r, tokenizer, max_pos, room, shared) if r.followup is not None else None
+            if tree is not None:
+                cache.slots.rewind(b, tree.keep)
+                trees[b] = tree
+        if not trees and not bool(cache.slots.active.any()):
             return
-        if len(still) < len(active):
-            cache.keep_rows(still)
-            active = [active[b] for b in still]
-        step = torch.tensor([[r.new_ids[-1]] for r in active], dtype=torch.long)
-        logits = model.forward(step, cache, last_only=True)[:, -1]
+        steps = max([1, *(len(t.tokens) for t in trees.values())])
+        step = torch.full((len(rows), steps), tokenizer.eos_id, dtype=torch.long)
+        for b, r in enumerate(rows):
+            if b in trees:
+                step[b, : len(trees[b].tokens)] = torch.tensor(trees[b].tokens)
+            elif bool(cache.slots.active[b]):
+                step[b, 0] = r.new_ids[-1]
+        if trees:
+            shapes = {b: (len(t.trunk), [len(x) for x in t.branches]) for b, t in trees.items()}
+            cache.layout = tree_layout(len(rows), steps, shapes, cache.slots)
+        out = model.forward(step, cache, last_only=not trees)
         if on_step is not None:
             on_step()
+        _score_trees(out, trees, rows)
+        logits = out[:, 0]
 
 
 def generate(
@@ -195,6 +333,8 @@ def generate(
     batch_size: int = 8,
     on_progress: Callable[[int, int], None] | None = None,
     on_step: Callable[[], None] | None = None,
+    followups: Sequence[Followup | None] | None = None,
+    share_prefix: int = 0,
 ) -> list[Completion]:
     """Continue every prompt; returns one :class:`Completion` per prompt, in order.
 
@@ -204,6 +344,15 @@ def generate(
     called after each batch, ``on_step()`` after every forward pass (prefill or one
     decode step of the batch: the unit of liveness when one batch takes long). A prompt
     longer than ``max_position_embeddings`` tokens (BOS included) raises ``ValueError``.
+
+    ``followups`` (one per prompt, or None) are scored after each finished completion
+    into ``Completion.followup_logprobs``, from the row's KV cache when they fit the
+    step reserved for them, else by a re-prefill (:func:`score_pieces`); they stay None
+    when the context does not fit the model's window.
+
+    ``share_prefix`` (0 = off): when the prompts of a batch start with at least that many
+    common tokens (a template's head), their KV is computed once in a pass of its own,
+    stored once and attended by every row; each row's logits stay what they would be alone.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -215,13 +364,16 @@ def generate(
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} pieces but the model only {model.config.vocab_size} rows"
         )
+    per_followup = list(followups) if followups is not None else [None] * len(prompts)
+    if len(per_followup) != len(prompts):
+        raise ValueError(f"{len(per_followup)} followups for {len(prompts)} prompts")
     rows: list[_Row] = []
-    for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+    for i, (prompt, p, f) in enumerate(zip(prompts, per_prompt, per_followup, strict=True)):
         ids = tokenizer.encode(prompt)
         if len(ids) > max_pos:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, the model takes at most {max_pos}")
         generator = None if p.greedy else torch.Generator().manual_seed(p.seed)
-        rows.append(_Row(i, ids, p, min(p.max_new_tokens, max_pos - len(ids)), generator))
+        rows.append(_Row(i, prompt, ids, p, min(p.max_new_tokens, max_pos - len(ids)), generator, f))
     for r in rows:
         if r.budget == 0:
             r.finish = "length"
@@ -229,11 +381,25 @@ def generate(
     done = len(rows) - len(todo)
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        _run_batch(model, tokenizer, chunk, on_step)
+        _run_batch(model, tokenizer, chunk, on_step, share_prefix)
         done += len(chunk)
         if on_progress is not None:
             on_progress(done, len(rows))
+    for r in rows:
+        if r.followup is not None and r.followup_logprobs is None:
+            _rescore(model, tokenizer, r, batch_size)
     return [r.completion(tokenizer) for r in rows]
+
+
+def _rescore(model: ForwardModel, tokenizer: Tokenizer, row: _Row, batch_size: int) -> None:
+    """A followup the cache could not serve (no tokens generated, a thesis re-tokenised far back): re-prefill."""
+    assert row.followup is not None
+    context = row.followup_context(tokenizer)
+    try:
+        pieces = score_pieces(model, tokenizer, context, row.followup.continuations, batch_size=batch_size)
+    except ValueError:  # longer than the model's window: the caller decides what to judge instead
+        return
+    row.followup_logprobs = tuple(tuple(p) for p in pieces)
 
 
 def continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
@@ -249,6 +415,51 @@ def continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], prompt: str, c
     return tokenizer.encode_pieces_ids(continuation)
 
 
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log p(targets[n])`` under ``logits [N, V]``: only those N rows are normalised, no ``[N, V]`` copy is kept.
+
+    The log-softmax is ``logit - logsumexp(logits)`` taken at the requested tokens, so
+    scoring a few label pieces never materialises a log-softmax over the whole context.
+    """
+    logits = logits.float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def score_pieces(
+    model: ForwardModel,
+    tokenizer: Tokenizer,
+    prompt: str,
+    continuations: Sequence[str],
+    *,
+    batch_size: int = 8,
+) -> list[list[float]]:
+    """Log-probability of every token of each continuation after ``prompt`` (an empty list for no tokens).
+
+    A re-prefill of prompt + continuation per row; :func:`generate` with ``followups``
+    computes the same from the live KV cache of a finished row instead.
+    """
+    prompt_ids = tokenizer.encode(prompt)
+    seqs = [(prompt_ids, continuation_ids(tokenizer, prompt_ids, prompt, c)) for c in continuations]
+    max_pos = model.config.max_position_embeddings
+    for i, (p, c) in enumerate(seqs):
+        if len(p) + len(c) > max_pos:
+            raise ValueError(f"prompt + continuation {i} has {len(p) + len(c)} tokens, the model takes {max_pos}")
+    scores: list[list[float]] = []
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start : start + batch_size]
+        width = max(len(p) + len(c) for p, c in chunk)
+        pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
+        ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
+        for b, (p, c) in enumerate(chunk):
+            ids[b, int(pad[b]) :] = torch.tensor(p + c)
+        logits = model.forward(ids, None, pad)
+        for b, (p, c) in enumerate(chunk):
+            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
+            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
+            scores.append(token_logprobs(logits[b, slots], torch.tensor(c, dtype=torch.long)).tolist())
+    return scores
+
+
 def score(
     model: ForwardModel,
     tokenizer: Tokenizer,
@@ -258,26 +469,9 @@ def score(
     batch_size: int = 8,
 ) -> list[float]:
     """Sum of log-probabilities of each continuation's tokens after ``prompt`` (0.0 for no tokens)."""
-    prompt_ids = tokenizer.encode(prompt)
-    seqs = [(prompt_ids, continuation_ids(tokenizer, prompt_ids, prompt, c)) for c in continuations]
-    max_pos = model.config.max_position_embeddings
-    for i, (p, c) in enumerate(seqs):
-        if len(p) + len(c) > max_pos:
-            raise ValueError(f"prompt + continuation {i} has {len(p) + len(c)} tokens, the model takes {max_pos}")
-    scores: list[float] = []
-    for start in range(0, len(seqs), batch_size):
-        chunk = seqs[start : start + batch_size]
-        width = max(len(p) + len(c) for p, c in chunk)
-        pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
-        ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
-        for b, (p, c) in enumerate(chunk):
-            ids[b, int(pad[b]) :] = torch.tensor(p + c)
-        logprobs = torch.log_softmax(model.forward(ids, None, pad), dim=-1)
-        for b, (p, c) in enumerate(chunk):
-            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
-            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
-            scores.append(float(logprobs[b, slots, torch.tensor(c, dtype=torch.long)].sum()))
-    return scores
+    return [
+        float(sum(pieces)) for pieces in score_pieces(model, tokenizer, prompt, continuations, batch_size=batch_size)
+    ]
 
 
 @dataclass(frozen=True)

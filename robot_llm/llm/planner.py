@@ -18,12 +18,13 @@ Pure Python: importing it does not import torch.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, Shapes
+from robot_llm.llm.machine import Machine
+from robot_llm.llm.quant import int4_bytes
 
 GiB = 2**30
 GB = 1e9
@@ -36,6 +37,10 @@ PROCESS_BASE_BYTES = int(0.3 * GiB)
 CUDA_HOST_BYTES = int(1.5 * GiB)
 #: CUDA context and allocator slack on the GPU.
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)
+#: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
+DEQUANT_ELEMS_PER_S = 1.0e9
+
+Home = Literal["ram", "disk", "split"]
 
 
 class PlanError(RobotLLMError):
@@ -43,36 +48,34 @@ class PlanError(RobotLLMError):
 
 
 @dataclass(frozen=True)
-class Machine:
-    """What the planner knows about the hardware (bytes, bytes/s, FLOP/s)."""
-
-    ram_bytes: int
-    gpu_bytes: int = 0
-    disk_read_bps: float = 3.0 * GB
-    h2d_bps: float = 12.0 * GB
-    gpu_flops: float = 30e12
-    cpu_flops: float = 0.5e12
-    ram_bps: float = 10.0 * GB
-    label: str = ""
-
-    @property
-    def has_gpu(self) -> bool:
-        """True when a GPU computes."""
-        return self.gpu_bytes > 0
-
-
-@dataclass(frozen=True)
 class Work:
-    """The batch job: ``num_prompts`` prompts of up to ``prompt_tokens`` tokens (BOS included)."""
+    """The batch job: ``num_prompts`` prompts of up to ``prompt_tokens`` tokens (BOS included).
+
+    ``shared_prefix_tokens`` of every prompt are a common head (a template's) whose KV is
+    stored once per batch, not once per row.
+
+    ``stance_labels`` > 0 means every request's stance is then scored the way
+    the night does it today: one more forward pass per request over prompt +
+    thesis + cue (``stance_tokens``, default prompt + new + 8), batched over
+    the labels, with full-vocabulary fp32 logits and their log-softmax.
+    """
 
     num_prompts: int
     prompt_tokens: int
     max_new_tokens: int
+    shared_prefix_tokens: int = 0
+    stance_labels: int = 0
+    stance_tokens: int = 0
+
+    @property
+    def score_tokens(self) -> int:
+        """Tokens of one stance-scoring pass."""
+        return self.stance_tokens or self.prompt_tokens + self.max_new_tokens + 8
 
     @property
     def seq_slots(self) -> int:
-        """KV slots per sequence (the last generated token is never fed back)."""
-        return self.prompt_tokens + max(self.max_new_tokens, 1) - 1
+        """KV slots per sequence of its own (the last generated token is never fed back; the shared head is not)."""
+        return self.prompt_tokens - self.shared_prefix_tokens + max(self.max_new_tokens, 1) - 1
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class Plan:
     weight_dtype: str
     compute_dtype: str
     batch_size: int
-    weight_home: Literal["ram", "disk"]
+    weight_home: Literal["ram", "disk", "split"]
     kv_home: Literal["device", "cpu"]
     micro_batch: int
     memory: dict[str, dict[str, int]]
@@ -93,11 +96,15 @@ class Plan:
     num_batches: int
     work: Work
     notes: list[str] = field(default_factory=list)
+    ram_layers: int = 0
+    threads: int = 1
+    stance_seconds: float = 0.0
 
     @property
     def total_seconds(self) -> float:
-        """Estimated wall time of the whole job."""
-        return self.num_batches * (self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds)
+        """Estimated wall time of the whole job (stance scoring included)."""
+        per_batch = self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds
+        return self.num_batches * per_batch + self.work.num_prompts * self.stance_seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -110,8 +117,11 @@ class Plan:
             f"compute on {self.device} in {self.compute_dtype}, weights stored as {self.weight_dtype}",
             f"batch size {self.batch_size} ({self.num_batches} batches of the {self.work.num_prompts} prompts), "
             f"prefill micro-batch {self.micro_batch}",
-            f"weights homed in {self.weight_home}, KV cache in "
+            f"weights homed in {self.weight_home}"
+            + (f" ({self.ram_layers} layers in RAM, the rest on disk)" if self.weight_home == "split" else "")
+            + ", KV cache in "
             + ("GPU memory" if self.kv_home == "device" and self.device == "cuda" else "RAM"),
+            f"{self.threads} compute thread(s)",
             "memory per tier:",
         ]
         for tier, items in self.memory.items():
@@ -121,8 +131,9 @@ class Plan:
             lines.append(head)
             lines.extend(f"    {name:<22} {_fmt(size)}" for name, size in items.items() if size)
         lines.append(
-            f"estimated time: prefill {_dur(self.prefill_seconds)}/batch, decode {self.decode_seconds:.2f} s/step, "
-            f"total {_dur(self.total_seconds)} ({self.tokens_per_second:.3g} tok/s)"
+            f"estimated time: prefill {_dur(self.prefill_seconds)}/batch, decode {self.decode_seconds:.2f} s/step"
+            + (f", stance {self.stance_seconds:.2f} s/request" if self.stance_seconds else "")
+            + f", total {_dur(self.total_seconds)} ({self.tokens_per_second:.3g} tok/s)"
         )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -160,8 +171,11 @@ def layer_params(cfg: ModelConfig) -> int:
 
 
 def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = 64) -> int:
-    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales, the rest fp16)."""
+    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales; int4: 4-bit codes +
+    fp16 step and minimum per group; the rest fp16)."""
     shapes = _largest_layer(cfg)
+    if weight_dtype == "int4":
+        return sum(int4_bytes(_numel(s), group_size) if _is_matrix(k, s) else 2 * _numel(s) for k, s in shapes.items())
     if weight_dtype != "int8":
         return layer_params(cfg) * DTYPE_BYTES[weight_dtype]
     matrices = {k: s for k, s in shapes.items() if _is_matrix(k, s)}
@@ -206,14 +220,17 @@ def plan(
     max_batch_size: int | None = None,
     memory_budget_bytes: int | None = None,
     headroom: float = 0.9,
-    weight_home: Literal["ram", "disk"] | None = None,
+    weight_home: Home | None = None,
 ) -> Plan:
     """The fastest placement that fits; raises :class:`PlanError` when none does.
 
     ``memory_budget_bytes`` caps the host RAM the run may use (default: the
     machine's RAM); ``headroom`` is the usable share of each tier.
-    ``weight_home`` forces a home instead of trying both; ``compute_dtype`` None or
-    ``"auto"`` means fp16 on a GPU, fp32 on the CPU.
+    ``weight_home`` forces a home instead of trying all three (``split``: the
+    first layers in RAM, as many as fit next to the batch, the rest on disk);
+    ``compute_dtype`` None or ``"auto"`` means fp16 on a GPU, and on the CPU
+    bf16 where it is native (:attr:`Machine.cpu_bf16`), else fp32 (never fp16:
+    CPUs have no fast fp16 GEMM).
     """
     if work.num_prompts < 1 or work.prompt_tokens < 1 or work.max_new_tokens < 0:
         raise PlanError(f"nothing to plan for {work}")
@@ -224,13 +241,13 @@ def plan(
             f"exceeds the model's {cfg.max_position_embeddings} positions"
         )
     auto = compute_dtype in (None, "auto")
-    cdtype = ("fp16" if machine.has_gpu else "fp32") if auto else str(compute_dtype)
+    cdtype = auto_compute_dtype(machine) if auto else str(compute_dtype)
     if cdtype not in DTYPE_BYTES:
         raise PlanError(f"unknown compute dtype {compute_dtype!r}; use one of {', '.join(DTYPE_BYTES)} or auto")
     ram = int((memory_budget_bytes or machine.ram_bytes) * headroom)
     gpu = int(machine.gpu_bytes * headroom)
     cap_batch = min(work.num_prompts, max_batch_size or work.num_prompts)
-    homes: list[Literal["ram", "disk"]] = [weight_home] if weight_home else ["ram", "disk"]
+    homes: list[Home] = [weight_home] if weight_home else ["ram", "split", "disk"]
     kv_homes: list[Literal["device", "cpu"]] = ["device", "cpu"] if machine.has_gpu else ["device"]
     best: Plan | None = None
     reasons: list[str] = []
@@ -250,6 +267,13 @@ def plan(
     if best is None:
         raise PlanError("the run cannot fit even with batch size 1:\n  " + "\n  ".join(reasons))
     return best
+
+
+def auto_compute_dtype(machine: Machine) -> str:
+    """fp16 on a GPU; on the CPU bf16 where it is native, else fp32."""
+    if machine.has_gpu:
+        return "fp16"
+    return "bf16" if machine.cpu_bf16 else "fp32"
 
 
 def _descending(cap: int) -> list[int]:
@@ -277,7 +301,7 @@ def _try(
     machine: Machine,
     weight_dtype: str,
     cdtype: str,
-    home: Literal["ram", "disk"],
+    home: Home,
     kv_home: Literal["device", "cpu"],
     batch: int,
     ram_cap: int,
@@ -287,50 +311,70 @@ def _try(
     L, c = cfg.num_layers, DTYPE_BYTES[cdtype]
     lb = layer_bytes(cfg, weight_dtype)
     converts = weight_dtype != cdtype
-    compute_buffers = layer_params(cfg) * c if converts else 0
-    resident = resident_params(cfg) * c
-    slots = work.seq_slots
-    kv = kv_bytes(cfg, batch, slots, c)
     cuda = machine.has_gpu
-    ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if machine.has_gpu else 0)}
+    # CPU: the reader converts the next layer while this one computes, one buffer set per slot.
+    compute_buffers = layer_params(cfg) * c * (1 if cuda else 2) if converts else 0
+    slots = work.seq_slots
+    kv = kv_bytes(cfg, batch, slots, c) + kv_bytes(cfg, 1, work.shared_prefix_tokens, c)
+    ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if cuda else 0)}
     gpu: dict[str, int] = {"cuda context": CUDA_CONTEXT_BYTES} if cuda else {}
     compute_tier = gpu if cuda else ram
-    ram["weights (RAM home)" if home == "ram" else "staging slots"] = L * lb if home == "ram" else 2 * lb
-    compute_tier["resident modules"] = resident
+    if home == "ram":
+        ram["weights (RAM home)"] = L * lb
+    else:
+        ram["staging slots"] = 2 * lb
+    compute_tier["resident modules"] = resident_params(cfg) * c
     if cuda:
         gpu["layer slots"] = 2 * lb
     compute_tier["compute buffers"] = compute_buffers
     (compute_tier if kv_home == "device" else ram)["KV cache"] = kv
+    # Logits come back to RAM in fp32: the last position per row while generating; every position of
+    # every label continuation (plus its log-softmax) while scoring a stance.
+    ram["logits"] = max(2 * batch * cfg.vocab_size * 4, 2 * work.stance_labels * work.score_tokens * cfg.vocab_size * 4)
     cap = gpu_cap if cuda else ram_cap
     # The largest prefill micro-batch whose activations fit next to everything else.
     fixed = sum(compute_tier.values())
     if cuda and kv_home == "cpu":
         fixed += 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim * c  # one layer's K/V copied up
+    P, labels, T = work.prompt_tokens, work.stance_labels, work.score_tokens
     decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
-    micro = 0
-    for rows in range(batch, 0, -1):
-        if (
-            fixed + max(activation_bytes(cfg, batch, rows, work.prompt_tokens, work.prompt_tokens, c), decode_act)
-            <= cap
-        ):
-            micro = rows
-            break
+
+    def activations(rows: int) -> int:
+        # Prefill and the stance passes are split into micro-batches of ``rows`` rows alike.
+        scoring = activation_bytes(cfg, labels, min(rows, labels), T, T, c) if labels else 0
+        return max(activation_bytes(cfg, batch, rows, P, P, c), scoring, decode_act)
+
+    micro = next((rows for rows in range(batch, 0, -1) if fixed + activations(rows) <= cap), 0)
     tier_name = "GPU memory" if cuda else "RAM"
     if not micro:
-        need = fixed + activation_bytes(cfg, batch, 1, work.prompt_tokens, work.prompt_tokens, c)
-        return f"batch {batch} needs {_fmt(need)} of {tier_name}, {_fmt(cap)} usable"
-    compute_tier["activations"] = max(
-        activation_bytes(cfg, batch, micro, work.prompt_tokens, work.prompt_tokens, c), decode_act
-    )
+        return f"batch {batch} needs {_fmt(fixed + activations(1))} of {tier_name}, {_fmt(cap)} usable"
+    compute_tier["activations"] = activations(micro)
+    ram_layers = L if home == "ram" else 0
+    if home == "split":
+        # What RAM has left holds the first layers; the rest stream from disk.
+        ram_layers = min(L - 1, (ram_cap - sum(ram.values())) // lb)
+        if ram_layers < 1:
+            return f"batch {batch} leaves no RAM for a layer ({_fmt(lb)})"
+        ram["weights (RAM part)"] = ram_layers * lb
     if sum(ram.values()) > ram_cap:
         return f"batch {batch} needs {_fmt(sum(ram.values()))} of RAM, {_fmt(ram_cap)} usable"
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
     memory["disk"] = {"weight store": L * lb + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    prefill, decode = _times(cfg, work, machine, lb, converts, home, kv_home, batch, c)
+    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv_home)
+    mean_slots = P + work.max_new_tokens / 2
+    prefill = timing.pass_seconds(batch, P, P)
+    decode = timing.pass_seconds(batch, 1, mean_slots)
+    stance = timing.pass_seconds(work.stance_labels, work.score_tokens, work.score_tokens) if work.stance_labels else 0
     notes = []
-    if home == "disk":
-        notes.append(f"streams {_fmt(L * lb)} of weights from disk per step at {machine.disk_read_bps / GB:.1f} GB/s")
+    if ram_layers < L:
+        streamed = (L - ram_layers) * lb
+        notes.append(f"streams {_fmt(streamed)} of weights from disk per pass at {machine.disk_read_bps / GB:.1f} GB/s")
+    if work.stance_labels:
+        notes.append(
+            f"stance: one {work.stance_labels}-row pass of {work.score_tokens} tokens per request "
+            f"({_dur(work.num_prompts * stance)} of the total)"
+        )
     return Plan(
         device="cuda" if cuda else "cpu",
         weight_dtype=weight_dtype,
@@ -346,60 +390,36 @@ def _try(
         num_batches=math.ceil(work.num_prompts / batch),
         work=work,
         notes=notes,
+        ram_layers=ram_layers,
+        threads=machine.compute_threads,
+        stance_seconds=stance,
     )
 
 
-def _times(
-    cfg: ModelConfig,
-    work: Work,
-    machine: Machine,
-    lb: int,
-    converts: bool,
-    home: str,
-    kv_home: str,
-    batch: int,
-    c: int,
-) -> tuple[float, float]:
-    """(prefill seconds per batch, decode seconds per step): per layer max(I/O, compute), times layers."""
-    L = cfg.num_layers
-    q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    cuda = machine.has_gpu
-    io = 0.0
-    if home == "disk":
-        io = lb / machine.disk_read_bps
-    if cuda:
-        io = max(io, lb / machine.h2d_bps)
-    convert = layer_params(cfg) * c / machine.ram_bps if converts and not cuda else 0.0
-    flops = machine.gpu_flops if cuda else machine.cpu_flops
-    P = work.prompt_tokens
-    mean_slots = P + work.max_new_tokens / 2
+@dataclass(frozen=True)
+class _Timing:
+    """Per-pass time model: every layer takes max(its I/O, its compute); the engine overlaps the two."""
 
-    def compute(tokens: int, slots: float) -> float:
-        return (2 * batch * tokens * layer_params(cfg) + 4 * batch * tokens * slots * q_width) / flops
+    cfg: ModelConfig
+    machine: Machine
+    layer_bytes: int
+    converts: bool
+    dtype: str
+    ram_layers: int
+    kv_home: str
 
-    kv_move = 0.0
-    if cuda and kv_home == "cpu":
-        kv_move = 2 * batch * mean_slots * kv_width * c / machine.h2d_bps
-    prefill = L * max(io, compute(P, P) + convert)
-    decode = L * max(io, compute(1, mean_slots) + convert + kv_move)
-    return prefill, decode
-
-
-def with_label(machine: Machine, label: str) -> Machine:
-    """A copy of ``machine`` with a label (for printing)."""
-    return replace(machine, label=label)
-
-
-def detect_machine(disk_read_bps: float | None = None) -> Machine:
-    """This machine: RAM from the OS, GPU memory from torch when CUDA is present."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    gpu = 0
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.mem_get_info()[1]
-    except ImportError:
-        gpu = 0
-    kwargs = {"disk_read_bps": disk_read_bps} if disk_read_bps else {}
-    return Machine(ram_bytes=ram, gpu_bytes=gpu, label="this machine", **kwargs)
+    def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
+        """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
+        cfg, m, L = self.cfg, self.machine, self.cfg.num_layers
+        q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        c = DTYPE_BYTES[self.dtype]
+        params = layer_params(cfg)
+        rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
+        compute = (2 * batch * tokens * params + 4 * batch * tokens * slots * q_width) / rate
+        if self.converts and not m.has_gpu:  # the reader's dequantization shares the cores with compute
+            compute += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        if m.has_gpu and self.kv_home == "cpu" and tokens == 1:
+            compute += 2 * batch * slots * kv_width * c / m.h2d_bps
+        from_ram = self.layer_bytes / m.h2d_bps if m.has_gpu else 0.0
+        from_disk = max(self.layer_bytes / m.disk_read_bps, from_ram)
+        return self.ram_layers * max(from_ram, compute) + (L - self.ram_layers) * max(from_disk, compute)

@@ -3,10 +3,17 @@
 :class:`ModelSettings` says which engine runs the model (``memory``,
 ``stream`` or ``deepspeed``), where the weights are and how much memory the
 run may take; :class:`LoadedModel` generates and scores through
-:mod:`robot_llm.llm.generate`. With the stream engine and a memory budget,
-every :meth:`LoadedModel.generate` call is planned first
-(:mod:`robot_llm.llm.planner`): the batch size, micro-batch and KV home come
-from the plan, and a job that cannot fit is refused before any token is computed.
+:mod:`robot_llm.llm.generate`.
+
+The plan is the run. Opening the stream engine plans the night
+(:func:`plan_run`, :mod:`robot_llm.llm.planner`): the weight home (disk, RAM
+or split across both), the compute dtype (bf16 on a CPU that has it natively,
+never fp16 on a CPU), the KV home and the intra-op threads come from the plan,
+within ``memory_budget_bytes`` and ``gpu_memory_budget_bytes``; every setting
+that is not ``auto`` pins its choice. Every :meth:`LoadedModel.generate` and
+:meth:`LoadedModel.score` call is then planned for its real work: the batch size
+and prefill micro-batch come from that plan, and a job that cannot fit is
+refused before any token is computed. ``robot-llm doctor`` prints the same plan.
 """
 
 from __future__ import annotations
@@ -15,17 +22,23 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
+from robot_llm.llm.machine import Machine, detect_machine
+from robot_llm.llm.planner import Plan, Work, auto_compute_dtype, plan
 
 if TYPE_CHECKING:
-    from robot_llm.llm.generate import Completion, SamplingParams
+    from robot_llm.llm.generate import Completion, Followup, SamplingParams
 
 log = logging.getLogger(__name__)
+
+#: Common head (tokens) of a batch's prompts from which their KV is shared: below it, the head's
+#: own weight pass costs more than the prefill and the memory it saves.
+SHARE_PREFIX_MIN = 16
 
 
 @dataclass(frozen=True)
@@ -39,11 +52,21 @@ class ModelSettings:
       release, it converts it to fp16 in ``offload_dir/store`` (kept for the
       next run) or in a temporary folder.
     * ``vocab``: the SentencePiece model file.
-    * ``home``: where the stream engine keeps layers (``disk`` or ``ram``).
-    * ``dtype``: compute dtype (``auto`` = fp16 on CUDA, fp32 on CPU).
+    * ``home``: where the stream engine keeps layers (``disk``, ``ram``,
+      ``split``: the first layers in RAM, the rest on disk; ``auto``: planned).
+    * ``dtype``: compute dtype (``auto`` = fp16 on CUDA; on a CPU bf16 where
+      it is native, else fp32).
     * ``device``: ``auto`` (CUDA if present), ``cpu`` or ``cuda``.
     * ``max_batch_size``: upper bound on prompts per batch.
-    * ``memory_budget_bytes``: host RAM the run may use (stream engine: planned).
+    * ``memory_budget_bytes`` / ``gpu_memory_budget_bytes``: RAM / GPU memory
+      the run may use (the planner keeps within both).
+    * ``threads``: intra-op compute threads (None: the cores not busy with
+      other work, :func:`robot_llm.llm.machine.free_cores`).
+    * ``micro_batch``: most rows of a prefill pass at once (None: planned; a
+      pin lowers the planned one, never raises it).
+    * ``max_new_tokens`` / ``stance_labels``: the night's work per request, for
+      the plan made when the model opens (longest prompts the window allows,
+      ``max_positions`` when it is shorter than the model's).
     * ``offload_dir``: DeepSpeed NVMe swap folder / converted store folder.
     * ``offload``: DeepSpeed parameter offload target, ``cpu`` or ``nvme``.
     * ``preset``: model config name when the release folder has no ``config.json``.
@@ -53,11 +76,17 @@ class ModelSettings:
     backend: Literal["memory", "stream", "deepspeed"] = "stream"
     checkpoint: Path | None = None
     store: Path | None = None
-    home: Literal["disk", "ram"] = "disk"
+    home: Literal["auto", "disk", "ram", "split"] = "auto"
     dtype: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = 32
     memory_budget_bytes: int | None = None
+    gpu_memory_budget_bytes: int | None = None
+    threads: int | None = None
+    micro_batch: int | None = None
+    max_new_tokens: int = 128
+    stance_labels: int = 3
+    max_positions: int | None = None
     offload_dir: Path | None = None
     offload: Literal["cpu", "nvme"] = "nvme"
     preset: str | None = None
@@ -91,50 +120,71 @@ class LoadedModel:
         params: SamplingParams | Sequence[SamplingParams],
         on_progress: Callable[[int, int], None] | None = None,
         on_step: Callable[[], None] | None = None,
+        followups: Sequence[Followup | None] | None = None,
     ) -> list[Completion]:
-        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`."""
-        from robot_llm.llm.generate import SamplingParams, generate
+        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`.
+
+        ``on_step`` is called after every forward pass and, with the stream engine, after
+        every layer of it too (one pass of a big batch can outlast the watchdog's patience).
+        """
+        from robot_llm.llm.engine import StreamingModel
+        from robot_llm.llm.generate import SamplingParams, followup_slots, generate, shared_prefix_length
 
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        prompt_tokens = max((len(self.tokenizer.encode(p)) for p in prompts), default=1)
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        prompt_tokens = max((len(ids) for ids in encoded), default=1)
         new_tokens = max((p.max_new_tokens for p in per_prompt), default=0)
-        batch = self._prepare(len(prompts), prompt_tokens, new_tokens)
-        return generate(
-            self.model, self.tokenizer, prompts, params, batch_size=batch, on_progress=on_progress, on_step=on_step
-        )
+        # The step that scores followups from the cache takes a few slots more per row.
+        extra = max((followup_slots(self.tokenizer, f) for f in followups or ()), default=0)
+        # Every batch shares at least the head all the prompts share (a batch of one template shares more).
+        shared = shared_prefix_length(encoded) if len(encoded) > 1 else 0
+        shared = shared if shared >= SHARE_PREFIX_MIN else 0
+        batch = self._prepare(len(prompts), prompt_tokens, new_tokens + extra, shared)
+        streaming = isinstance(self.model, StreamingModel)
+        if streaming:
+            self.model.on_layer = on_step
+        try:
+            return generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                params,
+                batch_size=batch,
+                on_progress=on_progress,
+                on_step=on_step,
+                followups=followups,
+                share_prefix=SHARE_PREFIX_MIN,
+            )
+        finally:
+            if streaming:
+                self.model.on_layer = None
 
     def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
         """Sum of log-probabilities of each continuation after ``prompt``."""
-        from robot_llm.llm.generate import score
+        return [float(sum(p)) for p in self.score_pieces(prompt, continuations)]
+
+    def score_pieces(self, prompt: str, continuations: Sequence[str]) -> list[list[float]]:
+        """Log-probability of every token of each continuation after ``prompt`` (a re-prefill)."""
+        from robot_llm.llm.generate import score_pieces
 
         longest = max((len(self.tokenizer.encode(prompt + c)) for c in continuations), default=1)
         batch = self._prepare(len(continuations), longest, 0)
-        return score(self.model, self.tokenizer, prompt, continuations, batch_size=batch)
+        return score_pieces(self.model, self.tokenizer, prompt, continuations, batch_size=batch)
 
-    def _prepare(self, count: int, prompt_tokens: int, new_tokens: int) -> int:
-        """Batch size for this job; with the stream engine and a budget, plan it (or refuse it)."""
+    def _prepare(self, count: int, prompt_tokens: int, new_tokens: int, shared: int = 0) -> int:
+        """Batch size for this job: with the stream engine, planned for the engine as it is (or refused)."""
         import torch
 
         from robot_llm.llm.engine import StreamingModel
 
         model = self.model
-        budget = self.settings.memory_budget_bytes
-        if not isinstance(model, StreamingModel) or budget is None or count == 0:
+        if not isinstance(model, StreamingModel) or count == 0:
             return self.settings.max_batch_size
-        from robot_llm.llm.planner import Work, detect_machine, plan
-
-        machine = detect_machine()
-        job = plan(
-            self.config,
-            Work(count, prompt_tokens, new_tokens),
-            machine,
-            weight_dtype=model.store.manifest.dtype,
-            compute_dtype=_dtype_name(model.dtype),
-            max_batch_size=self.settings.max_batch_size,
-            memory_budget_bytes=budget,
-            weight_home=model.home,
-        )
-        model.micro_batch = job.micro_batch
+        home = "ram" if model.home == "ram" else "split" if model.ram_layers else "disk"
+        settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype))
+        work = Work(count, prompt_tokens, new_tokens, shared)
+        job = plan_run(settings, self.config, work, model.store.manifest.dtype)
+        model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
         model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
         log.info("plan: batch %d, micro-batch %d, KV on %s", job.batch_size, job.micro_batch, job.kv_home)
         return job.batch_size
@@ -144,6 +194,47 @@ class LoadedModel:
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
+
+
+def machine_for(settings: ModelSettings) -> Machine:
+    """This machine as the settings let the run use it (device, GPU budget, threads)."""
+    machine = detect_machine()
+    if settings.device == "cpu":
+        machine = replace(machine, gpu_bytes=0)
+    elif settings.gpu_memory_budget_bytes is not None and machine.has_gpu:
+        machine = replace(machine, gpu_bytes=min(machine.gpu_bytes, settings.gpu_memory_budget_bytes))
+    if settings.threads:
+        machine = replace(machine, threads=settings.threads)
+    return machine
+
+
+def night_work(settings: ModelSettings, config: ModelConfig) -> Work:
+    """The worst batch of a night: ``max_batch_size`` prompts that fill the window, then their stance."""
+    window = min(settings.max_positions or config.max_position_embeddings, config.max_position_embeddings)
+    new = min(settings.max_new_tokens, window - 1)
+    return Work(settings.max_batch_size, window - new, new, stance_labels=settings.stance_labels)
+
+
+def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dtype: str) -> Plan:
+    """The plan for ``work`` on this machine under the settings' budgets and pins (raises PlanError)."""
+    return plan(
+        config,
+        work,
+        machine_for(settings),
+        weight_dtype=weight_dtype,
+        compute_dtype=None if settings.dtype in ("auto", "int8", "int4") else settings.dtype,
+        max_batch_size=settings.max_batch_size,
+        memory_budget_bytes=settings.memory_budget_bytes,
+        weight_home=None if settings.home == "auto" else settings.home,
+    )
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    if torch.get_num_threads() != threads:
+        log.info("compute threads: %d", threads)
+        torch.set_num_threads(threads)
 
 
 def _dtype_name(dtype: object) -> str:
@@ -183,11 +274,13 @@ def open_model(settings: ModelSettings) -> LoadedModel:
     assert settings.checkpoint is not None or settings.store is not None
     source = settings.store or settings.checkpoint
     assert source is not None
+    machine = machine_for(settings)
     if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = settings.dtype if settings.dtype != "auto" else ("fp16" if device == "cuda" else "fp32")
+        device = "cuda" if machine.has_gpu else "cpu"
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "fp16" if device == "cuda" else auto_compute_dtype(replace(machine, gpu_bytes=0))
+    _set_threads(machine.compute_threads)
     if settings.backend == "deepspeed":
         from robot_llm.llm.backends.deepspeed import DeepSpeedModel
 
@@ -202,7 +295,6 @@ def open_model(settings: ModelSettings) -> LoadedModel:
 
 def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
     from robot_llm.llm.engine import StreamingModel
-    from robot_llm.llm.planner import Work, detect_machine, plan
     from robot_llm.llm.store import MANIFEST, Store, convert
 
     store_dir = settings.store
@@ -215,18 +307,17 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
             log.info("converting %s into the store %s", settings.checkpoint, store_dir)
             convert(settings.checkpoint, store_dir, dtype="fp16", config=config)
     store = Store(store_dir)
-    dtype = None if settings.dtype == "auto" else settings.dtype
-    if settings.memory_budget_bytes is not None:
-        # Refuse now a home that cannot hold even one short sequence.
-        cuda = settings.device == "cuda" or (settings.device == "auto" and detect_machine().has_gpu)
-        plan(
-            config,
-            Work(1, 1, 1),
-            detect_machine(),
-            weight_dtype=store.manifest.dtype,
-            compute_dtype=dtype or ("fp16" if cuda else "fp32"),
-            memory_budget_bytes=settings.memory_budget_bytes,
-            weight_home=settings.home,
-        )
-    model = StreamingModel(store, home=settings.home, device=settings.device, dtype=dtype)
+    # Refuse now what cannot fit; otherwise open the engine exactly as planned.
+    night = plan_run(settings, config, night_work(settings, config), store.manifest.dtype)
+    log.info("the night's plan:\n%s", night.describe())
+    _set_threads(night.threads)
+    model = StreamingModel(
+        store,
+        home="ram" if night.weight_home == "ram" else "disk",
+        ram_layers=night.ram_layers if night.weight_home == "split" else 0,
+        device=night.device,
+        dtype=night.compute_dtype,
+        kv_home=night.kv_home,
+        micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
+    )
     return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype))

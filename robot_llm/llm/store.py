@@ -13,7 +13,9 @@ and recorded in ``progress.json`` before the next one starts.
 ``int8`` is weight-only: the 2-D matrices of the transformer layers are stored
 as symmetric int8 with float32 scales, one per ``group_size`` input columns of
 each output row (per-channel when ``group_size`` is 0 or does not divide the
-row), and dequantized on the fly by :func:`dequantize_into`. The embedding
+row), and dequantized on the fly by :func:`dequantize_into`. ``int4`` stores
+the same matrices group-wise asymmetric in 4 bits (:mod:`robot_llm.llm.quant`;
+their logical shapes are in the file's safetensors metadata). The embedding
 (also the tied LM head), the output layer, norms and biases stay fp16.
 """
 
@@ -22,11 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,22 +42,31 @@ from torch import Tensor
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.checkpoint import iter_release_modules
 from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, config_from_dict, module_plan
+from robot_llm.llm.diskio import DEFAULT_DEPTH, MAX_CHUNK, io_pool, read_span
 from robot_llm.llm.family import Params
+from robot_llm.llm.quant import check_group_size, int4_bytes, int4_groups, quantize_int4
 
 log = logging.getLogger(__name__)
 
 FORMAT = "robot-llm-store/1"
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
-#: Suffix of the scale tensor that accompanies an int8 matrix.
+#: Suffix of the scale tensor that accompanies an int8 or int4 matrix (int4: the group's step).
 SCALE_SUFFIX = ".qscale"
-#: Stored element type per ``--dtype``; int8 keeps its non-matrix tensors in fp16.
+#: Suffix of the per-group minimum that accompanies an int4 matrix.
+MIN_SUFFIX = ".qmin"
+#: Safetensors metadata key of an int4 file: JSON ``{key: logical shape}`` of its packed matrices.
+INT4_SHAPES = "int4_shapes"
+#: Stored element type per ``--dtype``; int8 and int4 keep their non-matrix tensors in fp16.
 STORE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "int8": torch.float16,
+    "int4": torch.float16,
 }
+#: Store dtypes whose layer matrices are quantized.
+QUANTIZED = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 64
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -61,6 +74,7 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
     "I8": torch.int8,
+    "U8": torch.uint8,
 }
 
 
@@ -74,7 +88,7 @@ def file_name(kind: ModuleKind, index: int) -> str:
 
 
 def is_quantized_key(kind: ModuleKind, key: str, shape: tuple[int, ...]) -> bool:
-    """True for the tensors int8 stores quantize: the matrices of transformer layers."""
+    """True for the tensors int8/int4 stores quantize: the matrices of transformer layers."""
     return kind == "layer" and len(shape) == 2 and key.endswith(".weight")
 
 
@@ -134,6 +148,15 @@ class Manifest:
     @property
     def quantization(self) -> dict[str, Any] | None:
         """The quantization scheme, or None for a plain float store."""
+        if self.dtype == "int4":
+            return {
+                "scheme": "int4 weight-only, asymmetric min-max, fp16 step and minimum per group",
+                "group_size": self.group_size,
+                "groups": "consecutive elements of the row-major matrix; the last group padded",
+                "applies_to": "2-D weights of transformer layers",
+                "scale_suffix": SCALE_SUFFIX,
+                "min_suffix": MIN_SUFFIX,
+            }
         if self.dtype != "int8":
             return None
         return {
@@ -219,6 +242,8 @@ def expected_file_bytes(cfg: ModelConfig, dtype: str, group_size: int = DEFAULT_
                 numel *= d
             if dtype == "int8" and is_quantized_key(kind, key, shape):
                 total += numel + 4 * shape[0] * group_count(shape[1], group_size)
+            elif dtype == "int4" and is_quantized_key(kind, key, shape):
+                total += int4_bytes(numel, group_size)
             else:
                 total += numel * elem
         sizes[file_name(kind, index)] = total
@@ -230,9 +255,21 @@ def _store_tensors(kind: ModuleKind, params: Params, dtype: str, group_size: int
     for key, tensor in params.items():
         if dtype == "int8" and is_quantized_key(kind, key, tuple(tensor.shape)):
             out[key], out[key + SCALE_SUFFIX] = quantize_int8(tensor, group_size)
+        elif dtype == "int4" and is_quantized_key(kind, key, tuple(tensor.shape)):
+            out[key], out[key + SCALE_SUFFIX], out[key + MIN_SUFFIX] = quantize_int4(tensor, group_size)
         else:
             out[key] = tensor.to(STORE_DTYPES[dtype]).contiguous()
     return out
+
+
+def _check_dtype(dtype: str, group_size: int) -> None:
+    if dtype not in STORE_DTYPES:
+        raise StoreError(f"unknown store dtype {dtype!r}; use one of {', '.join(STORE_DTYPES)}")
+    if dtype == "int4":
+        try:
+            check_group_size(group_size)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from exc
 
 
 def _release_config(release_dir: Path) -> YalmConfig:
@@ -284,8 +321,7 @@ def convert_modules(
     ``on_file(file, done, total)`` is called after each file is in place (and for
     files an earlier run already finished).
     """
-    if dtype not in STORE_DTYPES:
-        raise StoreError(f"unknown store dtype {dtype!r}; use one of {', '.join(STORE_DTYPES)}")
+    _check_dtype(dtype, group_size)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     if (store / MANIFEST).exists():
@@ -358,8 +394,9 @@ def _resume_state(store: Path, header: dict[str, Any]) -> dict[str, StoreFile]:
 def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtype: str, group_size: int) -> StoreFile:
     tensors = _store_tensors(kind, params, dtype, group_size)
     tmp = path.with_name(path.name + ".partial")
-    # No safetensors metadata: its key order is not deterministic, and identical weights must hash equal.
-    save_file(tensors, str(tmp))
+    # At most one metadata key: the order of several is not deterministic, and identical weights must hash equal.
+    shapes = {k: list(t.shape) for k, t in params.items() if k + MIN_SUFFIX in tensors}
+    save_file(tensors, str(tmp), metadata={INT4_SHAPES: json.dumps(shapes, sort_keys=True)} if shapes else None)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     digest = sha256_file(tmp)
@@ -376,6 +413,7 @@ def write_store(
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> Manifest:
     """Write a store from ``(kind, index, params)`` in forward order (e.g. random weights for benchmarks)."""
+    _check_dtype(dtype, group_size)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     files = []
@@ -421,8 +459,12 @@ def _check_layout(path: Path, manifest: Manifest, kind: ModuleKind, shapes: dict
         want[key] = shape
         if manifest.dtype == "int8" and is_quantized_key(kind, key, shape):
             want[key + SCALE_SUFFIX] = (shape[0], group_count(shape[1], manifest.group_size))
+        elif manifest.dtype == "int4" and is_quantized_key(kind, key, shape):
+            groups = int4_groups(math.prod(shape), manifest.group_size)
+            want[key] = (groups, manifest.group_size // 2)
+            want[key + SCALE_SUFFIX] = want[key + MIN_SUFFIX] = (groups,)
     have = {k: t.shape for k, t in layout.tensors.items()}
-    if have != want:
+    if have != want or any(layout.shape(k) != want_shape for k, want_shape in shapes.items()):
         return [f"{path.name}: tensors {sorted(have)} do not match the model config"]
     return []
 
@@ -442,12 +484,13 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class FileLayout:
-    """Parsed safetensors header: data section offset/size and tensor slots."""
+    """Parsed safetensors header: data section offset/size, tensor slots, int4 logical shapes."""
 
     path: Path
     data_offset: int
     data_size: int
     tensors: dict[str, TensorSlot]
+    packed_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def read(cls, path: str | Path) -> FileLayout:
@@ -456,7 +499,8 @@ class FileLayout:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None) or {}
+        packed = {k: tuple(v) for k, v in json.loads(metadata.get(INT4_SHAPES, "{}")).items()}
         tensors = {}
         for key, info in header.items():
             if info["dtype"] not in _SAFETENSORS_DTYPES:
@@ -464,7 +508,11 @@ class FileLayout:
             start, end = info["data_offsets"]
             tensors[key] = TensorSlot(_SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
         data_size = max((t.end for t in tensors.values()), default=0)
-        return cls(path=path, data_offset=8 + n, data_size=data_size, tensors=tensors)
+        return cls(path=path, data_offset=8 + n, data_size=data_size, tensors=tensors, packed_shapes=packed)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The model's shape of tensor ``key`` (an int4 matrix is stored packed in another shape)."""
+        return self.packed_shapes.get(key) or self.tensors[key].shape
 
     def views(self, buffer: Tensor) -> Params:
         """Tensors viewing a uint8 ``buffer`` that holds this file's data section (no copies)."""
@@ -492,7 +540,14 @@ def aligned_buffer(nbytes: int, *, pin_memory: bool = False) -> Tensor:
 
 
 def read_into(
-    path: str | Path, layout: FileLayout, buffer: Tensor, *, direct: bool = False, drop_cache: bool = False
+    path: str | Path,
+    layout: FileLayout,
+    buffer: Tensor,
+    *,
+    direct: bool = False,
+    drop_cache: bool = False,
+    pool: Executor | None = None,
+    depth: int = 1,
 ) -> int:
     """Read a file's data section into the uint8 CPU ``buffer``; returns where the data starts in it.
 
@@ -502,7 +557,8 @@ def read_into(
     the same cores. The data then starts at ``layout.data_offset``. Where the file system
     refuses O_DIRECT (tmpfs) it falls back to a buffered read at offset 0. ``drop_cache``
     makes a buffered read forget the file's pages afterwards, so weights homed on disk
-    do not silently occupy RAM as page cache.
+    do not silently occupy RAM as page cache. With a ``pool`` of reader threads the
+    file is read as ``depth`` large requests in flight (:func:`robot_llm.llm.diskio.read_span`).
     """
     size = layout.data_size
     fd = -1
@@ -519,13 +575,7 @@ def read_into(
         os.posix_fadvise(fd, start, size, os.POSIX_FADV_SEQUENTIAL)
     view = memoryview(buffer.numpy()).cast("B")[:length]
     try:
-        pos = 0
-        while pos < length:
-            n = os.preadv(fd, [view[pos:]], start + pos)
-            if n <= 0:
-                break
-            pos += n
-        if pos < offset + size:
+        if read_span(fd, view, start, pool, depth) < offset + size:
             raise StoreError(f"{path}: file is shorter than its header says")
         if drop_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -544,24 +594,27 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def measure_read_bandwidth(path: str | Path, chunk: int = 64 << 20) -> float:
-    """Raw sequential read bandwidth of one file in bytes/s: O_DIRECT in large chunks (page cache
-    dropped first and after, buffered, where O_DIRECT is refused)."""
+def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH) -> float:
+    """Raw sequential read bandwidth of one file in bytes/s: O_DIRECT, ``depth`` large requests in
+    flight like fio's ``--iodepth`` (page cache dropped first and after; buffered where O_DIRECT is refused)."""
     path = Path(path)
     drop_page_cache([path])
-    view = memoryview(aligned_buffer(chunk).numpy()).cast("B")
+    window = min(depth * MAX_CHUNK, _round_up(path.stat().st_size))
+    view = memoryview(aligned_buffer(window).numpy()).cast("B")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         fd = os.open(path, os.O_RDONLY)
     total = 0
+    pool = io_pool(depth)
     try:
         started = time.perf_counter()
-        while n := os.preadv(fd, [view], total):
+        while n := read_span(fd, view, total, pool, depth):
             total += n
         elapsed = time.perf_counter() - started
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
+        pool.shutdown()
         os.close(fd)
     return total / max(elapsed, 1e-9)
 

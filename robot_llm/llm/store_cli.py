@@ -98,7 +98,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from robot_llm.llm.planner import Machine, PlanError, Work, detect_machine, plan
+    from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
+    from robot_llm.llm.planner import PlanError, Work, plan
 
     config: ModelConfig
     if args.preset:
@@ -120,24 +121,30 @@ def _plan(args: argparse.Namespace) -> int:
         machine = Machine(
             ram_bytes=int(args.ram_gb * GB),
             gpu_bytes=int(args.gpu_gb * GB),
+            cpu_bf16=cpu_has_native_bf16() if args.cpu_bf16 is None else args.cpu_bf16 == "yes",
+            cores=args.cores,
             **({"disk_read_bps": disk_bps} if disk_bps else {}),
         )
     overrides = {
         "h2d_bps": args.h2d_gbps and args.h2d_gbps * GB,
         "gpu_flops": args.gpu_tflops and args.gpu_tflops * 1e12,
         "cpu_flops": args.cpu_tflops and args.cpu_tflops * 1e12,
+        "cpu_bf16_flops": args.cpu_bf16_tflops and args.cpu_bf16_tflops * 1e12,
     }
     from dataclasses import replace
 
     machine = replace(machine, **{k: v for k, v in overrides.items() if v})
-    work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens)
+    work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens, stance_labels=args.stance_labels)
     print(
         f"model: {args.preset or args.store} ({config.num_layers} layers, hidden {config.hidden_size}); "
         f"work: {work.num_prompts} prompts x {work.prompt_tokens} tokens + {work.max_new_tokens} new"
+        + (f", stance over {work.stance_labels} labels" if work.stance_labels else "")
     )
     print(
         f"machine: GPU {machine.gpu_bytes / GB:.0f} GB, RAM {machine.ram_bytes / GB:.0f} GB, "
-        f"disk {machine.disk_read_bps / GB:.1f} GB/s, host-to-GPU {machine.h2d_bps / GB:.0f} GB/s"
+        f"disk {machine.disk_read_bps / GB:.1f} GB/s, host-to-GPU {machine.h2d_bps / GB:.0f} GB/s, "
+        f"CPU {machine.cores} cores, {machine.cpu_flops / 1e12:.2g} TFLOP/s fp32"
+        + (f", {machine.cpu_bf16_flops / 1e12:.2g} bf16" if machine.cpu_bf16 else ", no native bf16")
     )
     try:
         result = plan(
@@ -167,8 +174,12 @@ def add_engine_commands(model_sub: Any) -> None:
         help="YaLM release folder, .gguf file, or Hugging Face folder (config.json, *.safetensors, tokenizer.json)",
     )
     conv.add_argument("store_dir", type=Path, help="store folder to write (resumes an unfinished one)")
-    conv.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "int8"], default="fp16", help="default: %(default)s")
-    conv.add_argument("--group-size", type=int, default=64, help="int8 scale group (0 = per-channel; default 64)")
+    conv.add_argument(
+        "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="default: %(default)s"
+    )
+    conv.add_argument(
+        "--group-size", type=int, default=64, help="scale group (int8: 0 = per-channel; int4: 2..128; default 64)"
+    )
     conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
     conv.add_argument("--tokenizer", type=Path, help="tokenizer.json to store instead of the source's own (GGUF/HF)")
@@ -181,7 +192,9 @@ def add_engine_commands(model_sub: Any) -> None:
     pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")
     pl.add_argument("--preset", choices=sorted([*PRESETS, *HF_PRESETS]), help="model (or --store)")
     pl.add_argument("--store", type=Path, help="a converted store (its config; measures its read bandwidth)")
-    pl.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "int8"], default="fp16", help="stored weight dtype")
+    pl.add_argument(
+        "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="stored weight dtype"
+    )
     pl.add_argument("--prompts", type=int, default=300, help="number of prompts (default: %(default)s)")
     pl.add_argument(
         "--prompt-tokens", type=int, default=512, help="longest prompt, BOS included (default: %(default)s)"
@@ -195,6 +208,19 @@ def add_engine_commands(model_sub: Any) -> None:
     )
     pl.add_argument("--h2d-gbps", type=float, help="host-to-GPU copy bandwidth, GB/s (default 12)")
     pl.add_argument("--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default 30)")
-    pl.add_argument("--cpu-tflops", type=float, help="sustained CPU TFLOP/s (default 0.5)")
+    pl.add_argument("--cpu-tflops", type=float, help="sustained CPU fp32 TFLOP/s (default 0.5)")
+    pl.add_argument("--cpu-bf16-tflops", type=float, help="sustained CPU bf16 TFLOP/s (default 1.0)")
+    pl.add_argument(
+        "--cpu-bf16", choices=["yes", "no"], help="the CPU has native bf16 (default: as this machine's CPU)"
+    )
+    pl.add_argument(
+        "--cores", type=int, default=8, help="CPU cores of a machine given by --ram-gb (default: %(default)s)"
+    )
+    pl.add_argument(
+        "--stance-labels",
+        type=int,
+        default=3,
+        help="stance labels scored per request, one pass each request (0 = no stance; default: %(default)s)",
+    )
     pl.add_argument("--max-batch-size", type=int, help="upper bound on the batch size")
     pl.set_defaults(handler=_plan)

@@ -150,6 +150,14 @@ def test_memory_plan_that_does_not_fit(benv):
 
 
 @SQLITE_ONLY
+def test_a_layer_pass_longer_than_the_stall_timeout_is_refused(benv):
+    # The watchdog hears from the engine once per layer: a plan whose single layer pass outlasts
+    # batch.stall_timeout would see every batch killed mid-prefill and retried until it fails.
+    check = _by_name(preflight(benv.config(batch={"stall_timeout": 1e-9})))["memory"]
+    assert check.ok is False and "batch.stall_timeout" in check.message and "one layer" in check.message
+
+
+@SQLITE_ONLY
 def test_doctor_command_passes_on_a_good_setup(benv, capsys):
     assert main(["doctor", "-c", str(benv.write_config())]) == 0
     out = capsys.readouterr().out

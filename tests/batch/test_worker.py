@@ -21,7 +21,7 @@ def _expected_stance(logprobs: dict[str, float], labels: dict[str, float]) -> tu
     total = sum(weights.values())
     probs = {k: w / total for k, w in weights.items()}
     best = max(probs, key=lambda k: probs[k])
-    return sum(probs[k] * labels[k] for k in labels), best, probs[best]
+    return sum(probs[k] * labels[k] for k in labels), best.strip(), probs[best]
 
 
 def test_plan_then_run_stores_theses_with_stance_and_rerun_adds_nothing(benv, night):
@@ -185,7 +185,7 @@ def test_stream_backend_from_a_converted_store(benv, night, tmp_path):
     summary = run_queue(config, benv.engine, progress=False)  # preflight checks the store
 
     assert (summary.status, summary.done) == ("ok", 3)
-    assert all(t.stance_label in (" up", " down", " flat") for t in benv.theses())
+    assert all(t.stance_label in ("up", "down", "flat") for t in benv.theses())
 
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)

@@ -18,9 +18,11 @@ from sqlalchemy.engine import Engine
 
 from robot_llm.cli import main
 from robot_llm.config import AppConfig, load_config
-from robot_llm.daemon import NIGHTLY_KIND, Daemon, acquire_lease, read_lease
+from robot_llm.daemon import Daemon
 from robot_llm.daemon_cli import format_status
 from robot_llm.db import GenerationRequest, Run, Thesis, make_engine, session_scope
+from robot_llm.lease import acquire_lease, read_lease
+from robot_llm.runs import NIGHTLY_KIND
 
 
 class Running:
@@ -67,6 +69,7 @@ def test_jobs_fire_and_status_shows_them(
     drop = tmp_path / "drop"
     drop.mkdir()
     data["signals"] = {"sources": [{"name": "robot", "drop_dir": str(drop)}]}
+    data["report"] = {"html_dir": "reports"}
     path = write_config(tmp_path, data)
     config = load_config(path)
     generated = (datetime.now(timezone.utc) - timedelta(minutes=5)).isoformat()
@@ -85,6 +88,13 @@ def test_jobs_fire_and_status_shows_them(
         sig = wait_for(lambda: _finished(daemon_engine, "ingest_signals"), 60, "the signal ingest")
         assert sig[0].status == "ok" and sig[0].counts["stored"] == 1
         assert (drop / "processed" / "s1.jsonl").exists()
+
+        # The morning: the report run, then its page and the index of mornings.
+        running.daemon.fire_now("morning_report")
+        wait_for(lambda: _finished(daemon_engine, "report"), 60, "the morning report")
+        pages = wait_for(lambda: list((tmp_path / "reports").glob("morning-*.html")), 60, "the morning page")
+        index = wait_for(lambda: (tmp_path / "reports" / "index.html").is_file(), 60, "the index of mornings")
+        assert index and len(pages) == 1 and 'id="chart-T00"' in pages[0].read_text(encoding="utf-8")
 
         text = format_status(config, daemon_engine, datetime.now(timezone.utc))
         assert f"pid {running.daemon.pid}" in text and f"host {running.daemon.host}" in text

@@ -16,8 +16,9 @@ from daemon_helpers import REPO, config_data, nightly_around, runs, start_daemon
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
-from robot_llm.daemon import NIGHTLY_KIND, read_lease
 from robot_llm.db import GenerationRequest, Thesis, make_engine, session_scope
+from robot_llm.lease import read_lease
+from robot_llm.runs import NIGHTLY_KIND
 
 
 @pytest.fixture

@@ -11,18 +11,18 @@ from zoneinfo import ZoneInfo
 import pytest
 from daemon_helpers import REPO, config_data, write_config
 
-from robot_llm.config import AppConfig, load_config
-from robot_llm.daemon import (
-    Daemon,
+from robot_llm.clock import (
     next_nightly_fire,
+    night_as_of,
     night_cutoff,
     non_trading_reason,
     served_trading_day,
     should_catch_up,
     upcoming_fires,
 )
+from robot_llm.config import AppConfig, load_config
+from robot_llm.daemon import Daemon
 from robot_llm.db import make_engine
-from robot_llm.plan import night_as_of
 
 UTC = timezone.utc
 

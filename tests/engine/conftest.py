@@ -25,4 +25,7 @@ def reference(tiny_dir: Path, tiny_config: YalmConfig) -> Yalm:
 def stores(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The fixture converted once per store dtype."""
     root = tmp_path_factory.mktemp("stores")
-    return {dtype: convert(tiny_dir, root / dtype, dtype=dtype) and root / dtype for dtype in ("fp16", "bf16", "int8")}
+    return {
+        dtype: convert(tiny_dir, root / dtype, dtype=dtype) and root / dtype
+        for dtype in ("fp16", "bf16", "int8", "int4")
+    }

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from robot_llm.llm.config import PRESETS
-from robot_llm.llm.planner import GB, Machine, PlanError, Work, layer_bytes, plan
+from robot_llm.llm.machine import Machine, cpu_has_native_bf16, free_cores
+from robot_llm.llm.planner import GB, PlanError, Work, layer_bytes, plan
 
 YALM = PRESETS["yalm-100b"]
 JOB = Work(num_prompts=300, prompt_tokens=512, max_new_tokens=128)
@@ -19,6 +23,8 @@ def test_layer_sizes_match_the_release() -> None:
     # docs/yalm-model.md §8: 2,516,957,872 bytes per fp16 layer.
     assert layer_bytes(YALM, "fp16") == 2_516_957_872
     assert 0.5 < layer_bytes(YALM, "int8") / layer_bytes(YALM, "fp16") < 0.55
+    # int4 at group 64: 4 bits + 32 bits of fp16 step and minimum per 64 weights = 4.5 bits (anchors: 0.71 GB).
+    assert 0.705e9 < layer_bytes(YALM, "int4") < 0.712e9
 
 
 def test_refuses_a_machine_too_small_for_one_sequence() -> None:
@@ -38,7 +44,10 @@ def test_refuses_ram_home_when_the_weights_do_not_fit() -> None:
 
 def test_small_gpu_streams_from_disk_with_kv_in_ram() -> None:
     p = plan(YALM, JOB, Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB))
-    assert (p.device, p.weight_home, p.kv_home) == ("cuda", "disk", "cpu")
+    # 64 GB cannot hold 188 GiB of fp16 layers: the RAM left next to the KV cache holds the first ones.
+    assert (p.device, p.weight_home, p.kv_home) == ("cuda", "split", "cpu")
+    assert 0 < p.ram_layers < YALM.num_layers
+    assert p.memory["ram"]["weights (RAM part)"] == p.ram_layers * layer_bytes(YALM, "fp16")
     assert 1 <= p.micro_batch <= p.batch_size <= 300 and _fits(p)
 
 
@@ -63,3 +72,55 @@ def test_describe_shows_every_tier_and_the_estimate() -> None:
     text = plan(YALM, JOB, Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB))).describe()
     for word in ("batch size", "gpu:", "ram:", "disk:", "KV cache", "estimated time"):
         assert word in text
+
+
+def test_cpu_compute_dtype_is_bf16_where_native_and_never_fp16() -> None:
+    work = Work(8, 64, 16)
+    bf16_cpu = Machine(ram_bytes=int(512 * GB), cpu_bf16=True)
+    assert plan(YALM, work, bf16_cpu, weight_dtype="int4").compute_dtype == "bf16"
+    assert plan(YALM, work, Machine(ram_bytes=int(512 * GB))).compute_dtype == "fp32"
+    assert plan(YALM, work, Machine(ram_bytes=int(512 * GB), gpu_bytes=int(80 * GB))).compute_dtype == "fp16"
+    # bf16's native GEMM rate is what the estimate uses.
+    slow = plan(YALM, work, Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cpu_bf16_flops=0.25e12))
+    assert slow.prefill_seconds > plan(YALM, work, bf16_cpu).prefill_seconds
+
+
+def test_stance_scoring_and_logits_are_counted() -> None:
+    machine = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB)
+    without = plan(YALM, JOB, machine, weight_dtype="int4")
+    scored = plan(YALM, replace(JOB, stance_labels=3), machine, weight_dtype="int4")
+    # Today's stance is one more pass per request over prompt + thesis + cue: a full weight stream each.
+    assert scored.stance_seconds >= scored.decode_seconds
+    assert scored.total_seconds - without.total_seconds >= 300 * scored.stance_seconds * 0.99
+    # 3 labels x 648 positions x 128k vocabulary of fp32 logits, and their log-softmax.
+    assert scored.memory["ram"]["logits"] == 2 * 3 * 648 * YALM.vocab_size * 4
+    assert "stance" in scored.describe()
+
+
+def test_threads_follow_the_free_cores(tmp_path: Path) -> None:
+    assert free_cores(2, load=1.4) == 1 and free_cores(16, load=0.2) == 16 and free_cores(2, load=9.0) == 1
+    p = plan(YALM, Work(4, 64, 8), Machine(ram_bytes=int(512 * GB), cores=16, threads=12))
+    assert p.threads == 12 and "12 compute thread(s)" in p.describe()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")
+    assert cpu_has_native_bf16(info)
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 f16c\n")
+    assert not cpu_has_native_bf16(info)
+
+
+def _kv(p) -> int:
+    return sum(items.get("KV cache", 0) for items in p.memory.values())
+
+
+def test_a_shared_prefix_is_counted_once_per_batch() -> None:
+    # Rows that share a P-token template head keep (T - P) slots of their own; the head is stored once.
+    machine = Machine(ram_bytes=int(512 * GB), gpu_bytes=int(80 * GB))
+    alone = plan(YALM, Work(32, 512, 128), machine, max_batch_size=32)
+    shared = plan(YALM, Work(32, 512, 128, shared_prefix_tokens=384), machine, max_batch_size=32)
+    assert alone.batch_size == shared.batch_size == 32
+    slots = 512 + 128 - 1
+    want = (32 * (slots - 384) + 384) / (32 * slots)
+    assert _kv(shared) / _kv(alone) == pytest.approx(want)
+    # More rows fit in the same memory when they share their head.
+    tight = Machine(ram_bytes=int(200 * GB), gpu_bytes=int(24 * GB))
+    assert plan(YALM, Work(300, 512, 128, 384), tight).batch_size > plan(YALM, Work(300, 512, 128), tight).batch_size

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from robot_llm.llm.cli import main
 from robot_llm.llm.generate import SamplingParams
+from robot_llm.llm.machine import cpu_has_native_bf16
 from robot_llm.llm.planner import PlanError
 from robot_llm.llm.runtime import ModelSettings, open_model
 
@@ -17,8 +19,12 @@ PROMPTS = ["Акции выросли", "The index fell after the report", "Не
 def test_stream_runtime_generates_what_the_memory_backend_generates(tiny_dir: Path, stores: dict[str, Path]) -> None:
     vocab = tiny_dir / "vocab" / "voc_tiny.sp"
     params = SamplingParams(max_new_tokens=6, greedy=True)
-    stream = open_model(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", memory_budget_bytes=4 << 30))
-    memory = open_model(ModelSettings(vocab=vocab, backend="memory", checkpoint=tiny_dir / "weights", device="cpu"))
+    stream = open_model(
+        ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", dtype="fp32", memory_budget_bytes=4 << 30)
+    )
+    memory = open_model(
+        ModelSettings(vocab=vocab, backend="memory", checkpoint=tiny_dir / "weights", device="cpu", dtype="fp32")
+    )
     try:
         assert stream.model_id.startswith("yalm-tiny/fp16@") and memory.model_id.startswith("yalm-tiny/fp32@")
         ours, theirs = stream.generate(PROMPTS, params), memory.generate(PROMPTS, params)
@@ -31,6 +37,29 @@ def test_stream_runtime_generates_what_the_memory_backend_generates(tiny_dir: Pa
         memory.close()
 
 
+def test_the_stream_engine_opens_as_planned(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    vocab = tiny_dir / "vocab" / "voc_tiny.sp"
+    threads = torch.get_num_threads()
+    auto = open_model(ModelSettings(vocab=vocab, store=stores["int4"], device="cpu", memory_budget_bytes=4 << 30))
+    try:
+        # Everything fits: the layers live in RAM; the CPU computes in bf16 exactly where it is native.
+        assert auto.model.home == "ram" and auto.model.ram_layers == 2
+        assert auto.model.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+        completions = auto.generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True))
+        assert all(c.new_token_count == 3 for c in completions)
+    finally:
+        auto.close()
+    pinned = open_model(
+        ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", home="split", dtype="fp32", threads=1)
+    )
+    try:
+        assert (pinned.model.home, pinned.model.ram_layers, pinned.model.dtype) == ("disk", 1, torch.float32)
+        assert torch.get_num_threads() == 1
+    finally:
+        pinned.close()
+        torch.set_num_threads(threads)
+
+
 def test_runtime_refuses_a_ram_home_over_budget(tiny_dir: Path, stores: dict[str, Path]) -> None:
     settings = ModelSettings(
         vocab=tiny_dir / "vocab" / "voc_tiny.sp", store=stores["fp16"], home="ram", memory_budget_bytes=1 << 20
@@ -39,9 +68,12 @@ def test_runtime_refuses_a_ram_home_over_budget(tiny_dir: Path, stores: dict[str
         open_model(settings)
 
 
-def test_convert_verify_commands(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_convert_verify_commands(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: str
+) -> None:
     store = tmp_path / "store"
-    assert main(["model", "convert", str(tiny_dir), str(store), "--dtype", "int8"]) == 0
+    assert main(["model", "convert", str(tiny_dir), str(store), "--dtype", dtype]) == 0
     assert main(["model", "verify", str(store)]) == 0
     assert "OK" in capsys.readouterr().out
     path = store / "output.safetensors"
@@ -55,6 +87,34 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     args = ["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "8", "--ram-gb", "64", "--disk-gbps", "3.5"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "batch size" in out and "weights homed in disk" in out and "estimated time" in out
+    assert "batch size" in out and "weights homed in split" in out and "estimated time" in out
+    assert "stance: one 3-row pass" in out
     assert main(["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "4", "--ram-gb", "16"]) == 1
     assert "refused" in capsys.readouterr().out
+    assert main([*args, "--dtype", "int4"]) == 0
+    assert "weights stored as int4" in capsys.readouterr().out
+
+
+def test_the_stream_engine_reports_liveness_after_every_layer(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    # The watchdog's unit of liveness is one layer (of one prefill micro-batch), not a whole forward pass.
+    vocab = tiny_dir / "vocab" / "voc_tiny.sp"
+    loaded = open_model(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", micro_batch=2))
+    model = loaded.model
+    layers = loaded.config.num_layers
+    forwards: list[int] = []
+    beats: list[int] = []
+    inner = model.forward
+
+    def counted(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        forwards.append(len(beats))
+        return inner(ids, *args, **kwargs)
+
+    model.forward = counted  # type: ignore[method-assign]
+    try:
+        loaded.generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True), on_step=lambda: beats.append(1))
+    finally:
+        loaded.close()
+    # Prefill of 3 rows in micro-batches of 2: 2 beats per layer; 2 decode steps: 1 per layer; +1 per pass.
+    assert len(forwards) == 3
+    assert len(beats) == layers * 2 + 1 + 2 * (layers + 1)
+    assert model.on_layer is None

@@ -1,4 +1,4 @@
-"""Weight store: convert (fp16/bf16/int8), verify, resume after interruption, disk-space refusal."""
+"""Weight store: convert (fp16/bf16/int8/int4), verify, resume after interruption, disk-space refusal."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 
 from robot_llm.llm.checkpoint import module_plan
 from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.quant import dequantize_int4_into, quantize_int4
 from robot_llm.llm.store import (
     MANIFEST,
+    MIN_SUFFIX,
     PROGRESS,
     SCALE_SUFFIX,
     Store,
@@ -27,7 +29,7 @@ from robot_llm.llm.store import (
 )
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "int8", "int4"])
 def test_convert_writes_one_file_per_module_and_a_manifest(
     stores: dict[str, Path], tiny_config: YalmConfig, dtype: str
 ) -> None:
@@ -45,13 +47,19 @@ def test_convert_writes_one_file_per_module_and_a_manifest(
     for f in manifest["files"]:
         assert (store / f["name"]).stat().st_size == f["size"]
         assert sha256_file(store / f["name"]) == f["sha256"]
-    assert (manifest["quantization"] is not None) == (dtype == "int8")
+    assert (manifest["quantization"] is not None) == (dtype in ("int8", "int4"))
     assert verify(store) == []
     layer = Store(store).load("layer", 1)
     if dtype == "int8":
         assert layer["attention.dense.weight"].dtype == torch.int8
         assert layer["attention.dense.weight" + SCALE_SUFFIX].dtype == torch.float32
         assert layer["attention.dense.bias"].dtype == torch.float16
+    elif dtype == "int4":
+        # 64x64 = 4096 weights in 64 groups of 64: 32 bytes of codes + fp16 step and minimum per group.
+        assert layer["attention.dense.weight"].dtype == torch.uint8
+        assert layer["attention.dense.weight"].shape == (64, 32)
+        assert layer["attention.dense.weight" + MIN_SUFFIX].shape == (64,)
+        assert Store(store).layout("layer", 1).shape("attention.dense.weight") == (64, 64)
     else:
         assert all(t.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype] for t in layer.values())
 
@@ -86,8 +94,9 @@ def test_verify_detects_a_corrupted_file(stores: dict[str, Path], tmp_path: Path
     assert len(problems) == 2
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_interrupted_conversion_resumes_without_redoing_finished_files(
-    stores: dict[str, Path], tiny_dir: Path, tmp_path: Path
+    stores: dict[str, Path], tiny_dir: Path, tmp_path: Path, dtype: str
 ) -> None:
     store = tmp_path / "store"
     finished: list[str] = []
@@ -98,7 +107,7 @@ def test_interrupted_conversion_resumes_without_redoing_finished_files(
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        convert(tiny_dir, store, dtype="int8", on_file=stop_after_two)
+        convert(tiny_dir, store, dtype=dtype, on_file=stop_after_two)
     assert finished == ["embedding.safetensors", "projector.safetensors"]
     assert not (store / MANIFEST).exists() and (store / PROGRESS).exists()
     with pytest.raises(StoreError, match="run convert again to resume"):
@@ -107,13 +116,13 @@ def test_interrupted_conversion_resumes_without_redoing_finished_files(
     (store / "layer_000.safetensors.partial").write_bytes(b"half a file")  # killed mid-write
 
     reported: list[str] = []
-    manifest = convert(tiny_dir, store, dtype="int8", on_file=lambda e, d, t: reported.append(e.name))
+    manifest = convert(tiny_dir, store, dtype=dtype, on_file=lambda e, d, t: reported.append(e.name))
     assert reported[:2] == finished and len(reported) == 5
     assert {name: (store / name).stat().st_mtime_ns for name in finished} == before
     assert not list(store.glob("*.partial")) and not (store / PROGRESS).exists()
     assert verify(store) == []
-    # Same bytes as an uninterrupted conversion.
-    assert manifest.to_json() == read_manifest(stores["int8"]).to_json()
+    # Same bytes as an uninterrupted conversion (int4: its shape metadata included).
+    assert manifest.to_json() == read_manifest(stores[dtype]).to_json()
 
 
 def test_conversion_is_refused_when_the_disk_is_too_small(tiny_dir: Path, tmp_path: Path) -> None:
@@ -132,3 +141,24 @@ def test_int8_group_quantization_error_is_within_half_a_step() -> None:
     assert bool(((out - w).abs() <= step / 2 + 1e-7).all())
     # A width the group does not divide falls back to one scale per output channel.
     assert quantize_int8(torch.randn(8, 172), group_size=64)[1].shape == (8, 1)
+
+
+@pytest.mark.parametrize("shape", [(96, 256), (8, 172), (7, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_round_trip_is_within_half_a_step(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    codes, step, minimum = quantize_int4(w, group_size=64)
+    groups = -(-w.numel() // 64)  # (8, 172) and (7, 3) end in a padded group
+    assert codes.dtype == torch.uint8 and codes.shape == (groups, 32) and step.shape == minimum.shape == (groups,)
+    out = dequantize_int4_into(codes, step, minimum, torch.full(shape, float("nan"), dtype=dtype))
+    half_step = (step.float() / 2).repeat_interleave(64)[: w.numel()].view(shape)
+    # bf16 arithmetic rounds step, product and sum to 8 significant bits: a few half-ulps of the range.
+    slack = 1e-6 if dtype == torch.float32 else 2**-6 * w.abs().max()
+    assert bool(((out.float() - w).abs() <= half_step + slack).all())
+
+
+def test_int4_group_size_is_refused_above_128(tiny_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match=r"group size must be an even number in 2\.\.128"):
+        convert(tiny_dir, tmp_path / "store", dtype="int4", group_size=256)
+    with pytest.raises(ValueError, match="got 63"):
+        quantize_int4(torch.randn(4, 4), group_size=63)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import itertools
 import sys
@@ -158,6 +159,10 @@ def write_config(folder: Path, db_url: str, tickers: tuple[str, ...] = ("SBER", 
     return path
 
 
+def _is_ours(spec: importlib.machinery.ModuleSpec | None) -> bool:
+    return spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(REPO)
+
+
 def load_strategy(name: str) -> ModuleType:
     """Import ``robot_llm.strategies.<name>``.
 
@@ -166,7 +171,9 @@ def load_strategy(name: str) -> ModuleType:
     same name, so the tests exercise the files a user gets, under the name a user imports.
     """
     package = "robot_llm.strategies"
-    if package not in sys.modules and importlib.util.find_spec(package) is None:
+    # An editable install of another checkout (a worktree next to this one) would map the
+    # name to that checkout's folder: only this checkout's own files count.
+    if package not in sys.modules and not _is_ours(importlib.util.find_spec(package)):
         spec = importlib.util.spec_from_file_location(
             package, REPO / "strategies" / "__init__.py", submodule_search_locations=[str(REPO / "strategies")]
         )

@@ -271,3 +271,19 @@ def test_adapter_main(db_url: str, engine: Engine, tmp_path: Path, freqtrade_ada
     # Candles close at 03:00, 04:00, 05:00, 06:00 UTC; the thesis was committed at 04:00.
     assert "no valid thesis" in lines[0]
     assert all("ENTER LONG" in line and "stance +0.90" in line for line in lines[1:])
+
+
+def test_adapter_main_right_after_a_night(
+    db_url: str, engine: Engine, tmp_path: Path, freqtrade_adapter: ModuleType, capsys
+) -> None:
+    """Theses committed after the last closed candle (the demo's case) show on the candle still forming."""
+    thesis = seed_thesis(engine, ticker="SBER", as_of=T, available_at=T + timedelta(minutes=10), stance=0.9)
+    config = write_config(tmp_path, db_url)
+    as_of = T + timedelta(minutes=20)
+    argv = ["-c", str(config), "--as-of", as_of.isoformat(), "--ticker", "SBER", "--candles", "3"]
+    assert freqtrade_adapter.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("  close", "  next"))]
+    assert len(rows) == 4
+    assert all("no valid thesis" in line for line in rows[:3])  # closed at 04:00, 05:00, 06:00
+    assert rows[3].startswith(f"  next  {(T + timedelta(hours=1)).isoformat()}")
+    assert f"thesis {thesis} stance +0.90" in rows[3] and rows[3].endswith("ENTER LONG")

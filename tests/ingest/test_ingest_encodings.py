@@ -139,6 +139,14 @@ def test_contradicted_declaration_is_overridden(
     assert any(w.startswith(f"decoded as {detected} (detected; the document said or implied {said}") for w in warnings)
 
 
+@pytest.mark.parametrize("encoding", WILD)
+def test_declared_utf_8_that_is_not(encoding: str) -> None:
+    """UTF-8 fails to decode, so feedparser falls back to chardet and says so."""
+    titles, warnings = _titles(_document(encoding, declare="utf-8"), {"content-type": "application/rss+xml"})
+    assert titles == _expected(encoding)
+    assert any(w.startswith("encoding: document declared as utf-8, but parsed as") for w in warnings)
+
+
 def test_better_encoding_keeps_what_is_plausible() -> None:
     russian = _document("windows-1251", declare=None)
     assert better_encoding(russian, "windows-1251") is None

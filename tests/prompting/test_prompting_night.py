@@ -8,8 +8,9 @@ from zoneinfo import ZoneInfo
 import pytest
 from apscheduler.triggers.cron import CronTrigger
 
+from robot_llm.clock import cron_trigger, night_as_of, parse_as_of
 from robot_llm.errors import RobotLLMError
-from robot_llm.plan import cron_trigger, derive_seed, night_as_of, parse_as_of
+from robot_llm.plan import derive_seed
 
 MSK = ZoneInfo("Europe/Moscow")
 

@@ -82,7 +82,7 @@ def test_plan_is_point_in_time_and_idempotent(engine, make_config, tokenizer):
     assert "отчитался о прибыли" in sber.prompt
     assert sber.prompt_tokens == len(tokenizer.encode(sber.prompt))
     assert sber.prompt_sha256 == hashlib.sha256(sber.prompt.encode()).hexdigest()
-    assert sber.template_version == "1"
+    assert sber.template_version == "2"
     assert sber.valid_until == AS_OF + config.prompts.valid_for
     assert set(sber.params) == PARAM_KEYS
     assert sber.params["stance"]["labels"] == {" рост": 1.0, " падение": -1.0, " нейтрально": 0.0}

@@ -38,10 +38,11 @@ from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 
 from robot_llm.llm.backends import BackendError, ModelRequest
+from robot_llm.llm.backends.deepspeed_ops import prepare_ops
 from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.family import KVCache, Params, StepInfo, prepare_step, resolve_dtype
-from robot_llm.llm.store import MANIFEST, Store
+from robot_llm.llm.store import MANIFEST, QUANTIZED, Store
 from robot_llm.llm.yalm import embed, output_head, rope, transformer_layer
 
 log = logging.getLogger(__name__)
@@ -189,8 +190,10 @@ def _modules(checkpoint: Path, cfg: YalmConfig, trust_pickle: bool) -> Iterator[
         yield from iter_release_modules(checkpoint, cfg, trust_pickle=trust_pickle)
         return
     store = Store(checkpoint)
-    if store.manifest.dtype == "int8":
-        raise BackendError(f"{checkpoint}: the deepspeed engine needs a float store, this one is int8")
+    if store.manifest.dtype in QUANTIZED:
+        raise BackendError(
+            f"{checkpoint}: the deepspeed engine needs a float store, this one is {store.manifest.dtype}"
+        )
     for kind, index, _, _ in module_plan(cfg):
         yield kind, index, store.load(kind, index)
 
@@ -215,6 +218,7 @@ class DeepSpeedModel:
         accel = get_accelerator()
         if self.dtype == torch.float16 and not accel.is_fp16_supported():
             raise BackendError(f"fp16 is not supported by DeepSpeed on {accel.device_name()}; use fp32 or bf16")
+        prepare_ops(offload)
         init_distributed()
         self.device = torch.device(accel.current_device_name())
         self._owned_dir = None

@@ -1,8 +1,8 @@
 """The ``stream`` backend: :class:`robot_llm.llm.engine.StreamingModel` over a weight store.
 
 ``request.checkpoint`` is a store folder (with ``manifest.json``) or a release
-folder; a release is first converted into a temporary store (fp16, or int8
-when ``request.dtype == "int8"``) that is deleted with the model.
+folder; a release is first converted into a temporary store (fp16, or int8 /
+int4 when ``request.dtype`` names one) that is deleted with the model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from robot_llm.llm.backends import BackendError, ModelRequest
 from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.store import MANIFEST, Store, convert
+from robot_llm.llm.store import MANIFEST, QUANTIZED, Store, convert
 
 
 def open_store(checkpoint: Path, request: ModelRequest, store_dtype: str, work_dir: Path | None = None) -> Store:
@@ -30,11 +30,12 @@ def open_store(checkpoint: Path, request: ModelRequest, store_dtype: str, work_d
 
 
 def create(request: ModelRequest) -> StreamingModel:
-    """Stream the model from a store; ``--dtype int8`` means an int8 store computed in fp32 (fp16 on CUDA)."""
+    """Stream the model from a store; ``--dtype int8|int4`` means such a store computed in the default dtype."""
     if request.offload is not None:
         raise BackendError("--offload applies to the deepspeed engine; the stream engine takes --home disk|ram")
-    store_dtype = "int8" if request.dtype == "int8" else "fp16"
-    compute = None if request.dtype == "int8" else request.dtype
+    quantized = request.dtype in QUANTIZED
+    store_dtype = request.dtype if quantized else "fp16"
+    compute = None if quantized else request.dtype
     temporary = not (request.checkpoint / MANIFEST).is_file()
     store = open_store(request.checkpoint, request, store_dtype)
     model = StreamingModel(store, home=request.home or "disk", device=request.device, dtype=compute)

@@ -1,0 +1,62 @@
+"""Large reads with many requests in flight: what an NVMe drive needs to reach its bandwidth.
+
+One synchronous reader keeps one request outstanding at a time; a fast drive
+(and a virtual disk in front of one) reaches its rated bandwidth only with
+16-32 requests queued, as ``fio --iodepth`` shows. :func:`read_span` cuts a
+span into aligned chunks and issues them from a pool of threads: each thread
+sits in ``preadv`` (which releases the GIL; with O_DIRECT the drive DMAs into
+the buffer, so the waiting costs no CPU), so ``depth`` threads keep ``depth``
+requests in flight. No extra dependency (io_uring / libaio bindings) is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+#: Requests in flight by default (fio's knee on NVMe and virtio disks is 16-32).
+DEFAULT_DEPTH = 16
+#: Chunks are at least this large (smaller requests waste the drive's per-request budget) ...
+MIN_CHUNK = 1 << 20
+#: ... and at most this large (so a layer of a few hundred MB still spreads over ``depth`` requests).
+MAX_CHUNK = 16 << 20
+_ALIGN = 4096
+
+
+def io_pool(depth: int = DEFAULT_DEPTH) -> ThreadPoolExecutor:
+    """A pool of ``depth`` reader threads for :func:`read_span`."""
+    if depth < 1:
+        raise ValueError(f"read depth must be >= 1, got {depth}")
+    return ThreadPoolExecutor(max_workers=depth, thread_name_prefix="disk-io")
+
+
+def chunk_size(length: int, depth: int) -> int:
+    """Chunk length that spreads ``length`` bytes over about ``depth`` aligned requests."""
+    per_request = -(-length // max(depth, 1))
+    return min(MAX_CHUNK, max(MIN_CHUNK, -(-per_request // _ALIGN) * _ALIGN))
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read until ``view`` is full or the file ends; returns the bytes read."""
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
+        if n <= 0:
+            break
+        pos += n
+    return pos
+
+
+def read_span(fd: int, view: memoryview, start: int, pool: Executor | None = None, depth: int = 1) -> int:
+    """Read ``len(view)`` bytes of ``fd`` from offset ``start`` into ``view``; returns the bytes read.
+
+    With a ``pool`` the span is read as aligned chunks, ``depth`` at a time
+    (the pool should have that many threads). Fewer bytes than asked means the
+    file ended early; a chunk that stops short is followed only by empty ones.
+    """
+    length = len(view)
+    if pool is None or depth <= 1 or length <= MIN_CHUNK:
+        return _pread_full(fd, view, start)
+    step = chunk_size(length, depth)
+    futures = [pool.submit(_pread_full, fd, view[pos : pos + step], start + pos) for pos in range(0, length, step)]
+    return sum(f.result() for f in futures)

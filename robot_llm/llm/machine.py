@@ -1,0 +1,117 @@
+"""What the planner knows about a machine, and how this one is detected.
+
+Pure Python (torch is imported only to ask CUDA for its memory): the daemon's
+``doctor`` and ``model plan`` use it without loading the model.
+
+The default rates describe a typical desktop (NVMe, PCIe 4, a consumer GPU,
+8-16 cores); ``model plan`` measures the disk of a given store, takes the rest
+from its options, and ``benchmarks/offload.py`` measures this machine's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the planner knows about the hardware (bytes, bytes/s, FLOP/s, cores).
+
+    ``cpu_flops`` is the sustained fp32 GEMM rate, ``cpu_bf16_flops`` the bf16
+    one where the CPU has native bf16 (``cpu_bf16``; AVX512-BF16 or AMX), else
+    unused. ``threads`` is how many intra-op threads compute gets (0 = all
+    ``cores``).
+    """
+
+    ram_bytes: int
+    gpu_bytes: int = 0
+    disk_read_bps: float = 3.0 * GB
+    h2d_bps: float = 12.0 * GB
+    gpu_flops: float = 30e12
+    cpu_flops: float = 0.5e12
+    cpu_bf16_flops: float = 1.0e12
+    cpu_bf16: bool = False
+    ram_bps: float = 10.0 * GB
+    cores: int = 1
+    threads: int = 0
+    label: str = ""
+
+    @property
+    def has_gpu(self) -> bool:
+        """True when a GPU computes."""
+        return self.gpu_bytes > 0
+
+    @property
+    def compute_threads(self) -> int:
+        """Intra-op threads compute gets."""
+        return self.threads or self.cores
+
+    def cpu_rate(self, dtype: str) -> float:
+        """Sustained CPU GEMM rate in ``dtype`` (fp16 has no fast CPU path: fp32's rate at best)."""
+        return self.cpu_bf16_flops if dtype == "bf16" and self.cpu_bf16 else self.cpu_flops
+
+
+def with_label(machine: Machine, label: str) -> Machine:
+    """A copy of ``machine`` with a label (for printing)."""
+    return replace(machine, label=label)
+
+
+def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True when the CPU flags list AVX512-BF16 or AMX-BF16 (bf16 GEMMs then beat fp32 several times)."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def free_cores(cores: int, load: float | None = None) -> int:
+    """Cores not busy with other work: ``cores`` minus the 1-minute load average, at least 1.
+
+    On shared cores more threads than free cores make every step wait for the
+    slowest thread (measured: a decode step 4x slower with 2 threads than 1
+    on 2 cores while another process ran).
+    """
+    if load is None:
+        load = os.getloadavg()[0]
+    return max(1, min(cores, round(cores - load)))
+
+
+def detect_machine(disk_read_bps: float | None = None) -> Machine:
+    """This machine: RAM from the OS, GPU memory from torch when CUDA is present, CPU flags, free cores."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = 0
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.mem_get_info()[1]
+    except ImportError:
+        gpu = 0
+    kwargs = {"disk_read_bps": disk_read_bps} if disk_read_bps else {}
+    cores = usable_cores()
+    return Machine(
+        ram_bytes=ram,
+        gpu_bytes=gpu,
+        cpu_bf16=cpu_has_native_bf16(),
+        cores=cores,
+        threads=free_cores(cores),
+        label="this machine",
+        **kwargs,
+    )

@@ -1,0 +1,83 @@
+"""Reads with many requests in flight: same bytes as one sequential read, depth really reached, short files refused."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from robot_llm.llm import diskio
+from robot_llm.llm.diskio import MIN_CHUNK, chunk_size, io_pool, read_span
+from robot_llm.llm.store import FileLayout, StoreError, aligned_buffer, direct_span, read_into
+
+
+def _file(path: Path, size: int) -> bytes:
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
+    path.write_bytes(data.tobytes())
+    return data.tobytes()
+
+
+def test_chunks_are_aligned_and_bounded() -> None:
+    assert chunk_size(200 << 20, 16) == 25 << 19  # 12.5 MiB: a 200 MB layer over 16 requests
+    assert chunk_size(3 << 20, 16) == MIN_CHUNK
+    assert chunk_size(1 << 30, 16) == diskio.MAX_CHUNK
+    assert chunk_size((5 << 20) + 1, 2) % 4096 == 0
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+def test_parallel_read_returns_the_same_bytes(tmp_path: Path, depth: int) -> None:
+    data = _file(tmp_path / "f", (6 << 20) + 12345)  # ends mid-chunk
+    view = memoryview(bytearray(len(data) + 4096))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    pool = io_pool(depth)
+    try:
+        assert read_span(fd, view, 0, pool, depth) == len(data)  # asked for more than the file holds
+        assert bytes(view[: len(data)]) == data
+        assert read_span(fd, view[:1000], 5000, pool, depth) == 1000
+        assert bytes(view[:1000]) == data[5000:6000]
+    finally:
+        pool.shutdown()
+        os.close(fd)
+
+
+def test_the_requested_depth_is_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _file(tmp_path / "f", 8 << 20)
+    real, lock = os.preadv, threading.Lock()
+    active, peak = 0, 0
+
+    def slow_preadv(fd: int, buffers: list, offset: int) -> int:  # a drive with 20 ms per request
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.02)
+        with lock:
+            active -= 1
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(diskio.os, "preadv", slow_preadv)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    pool = io_pool(4)
+    try:
+        assert read_span(fd, memoryview(bytearray(8 << 20)), 0, pool, 4) == 8 << 20
+    finally:
+        pool.shutdown()
+        os.close(fd)
+    assert peak == 4
+
+
+def test_a_truncated_layer_file_is_refused_with_parallel_reads(stores: dict[str, Path], tmp_path: Path) -> None:
+    source = stores["fp16"] / "layer_001.safetensors"
+    layout = FileLayout.read(source)
+    target = tmp_path / "layer_001.safetensors"
+    target.write_bytes(source.read_bytes()[: layout.data_offset + layout.data_size // 2])
+    pool = io_pool(4)
+    try:
+        with pytest.raises(StoreError, match="shorter than its header says"):
+            read_into(target, layout, aligned_buffer(direct_span(layout)), direct=True, pool=pool, depth=4)
+    finally:
+        pool.shutdown()

@@ -1,0 +1,220 @@
+"""Followups (the stance labels) scored from a finished row's live KV cache, on both fixtures.
+
+Both fixtures: the yalm-tiny reference model in memory, and the demo checkpoint (the one
+``robot-llm demo`` builds, with its own trained vocabulary) converted to a store and run by
+the streaming engine. The cached scores must equal a re-prefill (:func:`score_pieces`)
+within fp32 rounding, every completion must stay what it would be alone, and the whole
+batch must take at most one weight pass more than generation alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from robot_llm.llm.config_hf import Gemma3Config
+from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.family import ForwardModel, InMemoryModel, random_weights
+from robot_llm.llm.generate import Followup, SamplingParams, generate, score_pieces
+from robot_llm.llm.slots import SlotState
+from robot_llm.llm.tokenizer import YalmTokenizer
+from robot_llm.llm.yalm import Yalm
+
+REPO = Path(__file__).resolve().parents[2]
+RU = Followup("\nИтог для цены:", (" рост", " падение", " нейтрально"))
+EN = Followup("\nPrice outlook:", (" up", " down", " flat", ""))
+PARAMS = [
+    SamplingParams(max_new_tokens=12, greedy=True),
+    SamplingParams(max_new_tokens=9, temperature=0.9, top_p=0.9, seed=5, stop=(" ", "а")),
+    SamplingParams(max_new_tokens=20, top_k=30, seed=11),
+    SamplingParams(max_new_tokens=1, greedy=True),
+    SamplingParams(max_new_tokens=6, temperature=1.3, seed=2, stop=("\n",)),
+]
+
+
+@dataclass
+class Counting:
+    """A model wrapper that records every forward pass and whether it used a cache."""
+
+    inner: ForwardModel
+    calls: list[tuple[int, int, bool]]
+
+    @property
+    def config(self) -> Any:
+        return self.inner.config
+
+    def new_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.new_cache(*args, **kwargs)
+
+    def forward(self, ids: torch.Tensor, cache: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls.append((ids.shape[0], ids.shape[1], cache is not None))
+        return self.inner.forward(ids, cache, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StreamingModel, YalmTokenizer]]:
+    """The demo checkpoint, converted to an fp32 store and streamed from disk."""
+    from robot_llm.llm.demo_checkpoint import build_demo_checkpoint
+    from robot_llm.llm.store import convert
+
+    root = tmp_path_factory.mktemp("demo")
+    sources = [REPO / "robot_llm" / "demo_data" / "feeds", REPO / "prompts"]
+    checkpoint = build_demo_checkpoint(root / "release", sources)
+    convert(checkpoint.weights_dir, root / "store", dtype="fp32", config=checkpoint.config, reserve_bytes=0)
+    model = StreamingModel(root / "store", device="cpu", dtype="fp32", micro_batch=2)
+    yield model, YalmTokenizer(checkpoint.vocab)
+    model.close()
+
+
+def _check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str], followups: list[Followup]) -> None:
+    params = PARAMS[: len(prompts)]
+    counted = Counting(model, [])
+    got = generate(counted, tokenizer, prompts, params, batch_size=len(prompts), followups=followups)  # type: ignore[arg-type]
+    plain = Counting(model, [])
+    without = generate(plain, tokenizer, prompts, params, batch_size=len(prompts))  # type: ignore[arg-type]
+    assert all(cached for _, _, cached in counted.calls), "a followup was re-prefilled instead of read from the cache"
+    assert len(counted.calls) <= len(plain.calls) + 1
+    for prompt, p, f, c, w in zip(prompts, params, followups, got, without, strict=True):
+        assert replace(c, followup_logprobs=None) == w
+        assert w == generate(model, tokenizer, [prompt], p)[0]
+        assert c.followup_logprobs is not None
+        want = score_pieces(model, tokenizer, prompt + c.text + f.cue, f.continuations)
+        assert [len(x) for x in c.followup_logprobs] == [len(x) for x in want]
+        for mine, ref in zip(c.followup_logprobs, want, strict=True):
+            assert mine == pytest.approx(ref, abs=1e-4)
+
+
+def test_followups_from_the_cache_on_the_tiny_fixture(
+    tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str]
+) -> None:
+    _check(tiny_model, tokenizer, [*prompts, prompts[0][:11]], [RU, EN, RU, EN, RU])
+
+
+def test_followups_from_the_cache_on_the_demo_store(demo: tuple[StreamingModel, YalmTokenizer]) -> None:
+    model, tokenizer = demo
+    prompts = [
+        "### Обзор аналитика\nИнструмент: Сбербанк (SBER)\nТезис:",
+        "### Analyst note\nInstrument: Apple (AAPL), exchange NASDAQ\nNews:\n- no significant news.\nThesis:",
+        "Новости:\n- Нефть подорожала\nТезис:",
+        "Thesis:",
+    ]
+    _check(model, tokenizer, prompts, [RU, EN, RU, EN])
+
+
+def test_followups_from_the_cache_on_gemma3_with_sliding_windows(tokenizer: YalmTokenizer, prompts: list[str]) -> None:
+    # Windows of 5 positions, shorter than every prompt: the masks measure in positions, across masked slots.
+    cfg = Gemma3Config(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=tokenizer.vocab_size,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window_size=5,
+        query_pre_attn_scalar=16.0,
+    )
+    model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+    _check(model, tokenizer, [*prompts, prompts[2][:9]], [RU, EN, RU, EN, RU])
+
+
+def test_a_followup_too_long_for_the_window_is_left_out(tiny_model: Yalm, tokenizer: YalmTokenizer) -> None:
+    prompt = "Рубль ослаб " * 4
+    room = tiny_model.config.max_position_embeddings - len(tokenizer.encode(prompt))
+    long = Followup("\nИтог" * room, (" рост",))
+    got = generate(tiny_model, tokenizer, [prompt], SamplingParams(max_new_tokens=2, greedy=True), followups=[long])
+    assert got[0].followup_logprobs is None and got[0].new_token_count == 2
+
+
+def test_slot_state_masks_rewinds_and_gives_back_unkept_slots() -> None:
+    state = SlotState.empty(2, 16, torch.tensor([2, 0]))
+    length = state.commit(0, state.append_layout(0, 4))
+    assert length == 4
+    assert state.valid[:, :4].tolist() == [[False, False, True, True], [True, True, True, True]]
+    assert state.next_pos.tolist() == [2, 4]
+    state.active[0] = False
+    layout = state.append_layout(4, 1)
+    assert layout.real.tolist() == [[False], [True]] and layout.positions.tolist() == [[0], [4]]
+    length = state.commit(4, layout)
+    assert length == 5 and state.valid[0].sum() == 2
+    state.rewind(1, 3)
+    assert state.valid[1, :5].tolist() == [True, True, True, False, False] and int(state.next_pos[1]) == 3
+    # A step that keeps nothing gives all its slots back.
+    state.active[1] = False
+    assert state.commit(5, state.append_layout(5, 3)) == 5
+    with pytest.raises(ValueError, match="cannot rewind"):
+        state.rewind(0, 3)
+
+
+HEAD = "### Обзор аналитика\nИнструмент: Северный Лес (SVLS), биржа MOEX\nТезис: рост экспорта.\n\nИнструмент:"
+TAILS = [" Сбербанк (SBER)\nТезис:", " Apple\nТезис:", " Газпром, биржа MOEX, новостей нет\nТезис:"]
+
+
+def _shared_vs_unshared(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str]) -> None:
+    """Prefill and three decode steps with the common head shared, against the plain left-padded path."""
+    from robot_llm.llm.generate import shared_prefix_length
+
+    ids = [tokenizer.encode(p) for p in prompts]
+    shared = shared_prefix_length(ids)
+    assert shared >= 8
+    width = max(len(x) for x in ids)
+    pad = torch.tensor([width - len(x) for x in ids])
+    full = torch.tensor([[tokenizer.eos_id] * (width - len(x)) + x for x in ids])
+    plain = model.new_cache(len(ids), width + 3, pad)
+    want = [model.forward(full, plain)]
+    prefix = model.new_cache(1, shared)
+    model.forward(torch.tensor([ids[0][:shared]]), prefix)
+    cache = model.new_cache(len(ids), width - shared + 3, pad)
+    cache.share_prefix(prefix)
+    got = [model.forward(full[:, shared:], cache)]
+    for step in range(3):
+        token = torch.full((len(ids), 1), 5 + step)
+        want.append(model.forward(token, plain))
+        got.append(model.forward(token, cache))
+    for b, n in enumerate(len(x) for x in ids):
+        # Row b's own tokens: the last n - shared prefill slots, then every decode step.
+        assert (got[0][b, -(n - shared) :] - want[0][b, -(n - shared) :]).abs().max() <= 1e-4
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert (g - w).abs().max() <= 1e-4
+    assert cache.k[0].shape[1] == plain.k[0].shape[1] - shared  # the head is stored once, not per row
+
+
+def test_shared_prefix_logits_equal_the_unshared_path_on_the_tiny_fixture(
+    tiny_model: Yalm, tokenizer: YalmTokenizer
+) -> None:
+    _shared_vs_unshared(tiny_model, tokenizer, ["Рубль ослаб к доллару, а" + t[:6] for t in TAILS])
+
+
+def test_shared_prefix_logits_equal_the_unshared_path_on_the_demo_store(
+    demo: tuple[StreamingModel, YalmTokenizer],
+) -> None:
+    model, tokenizer = demo
+    _shared_vs_unshared(model, tokenizer, [HEAD + t for t in TAILS])
+
+
+def test_shared_prefix_in_generation_changes_no_result(demo: tuple[StreamingModel, YalmTokenizer]) -> None:
+    model, tokenizer = demo
+    prompts = [HEAD + t for t in TAILS]
+    params = PARAMS[:3]
+    followups = [RU, RU, EN]
+    passes = Counting(model, [])
+    shared = generate(passes, tokenizer, prompts, params, followups=followups, share_prefix=8)  # type: ignore[arg-type]
+    alone = generate(model, tokenizer, prompts, params, followups=followups, batch_size=1)
+    from robot_llm.llm.generate import shared_prefix_length
+
+    head = shared_prefix_length([tokenizer.encode(p) for p in prompts])
+    assert head >= 8 and passes.calls[0] == (1, head, True)  # the head's own pass, one row
+    assert passes.calls[1][:2] == (3, max(len(tokenizer.encode(p)) for p in prompts) - head)
+    assert all(cached for _, _, cached in passes.calls)
+    for s, a in zip(shared, alone, strict=True):
+        assert replace(s, followup_logprobs=None) == replace(a, followup_logprobs=None)
+        assert s.followup_logprobs is not None and a.followup_logprobs is not None
+        for x, y in zip(s.followup_logprobs, a.followup_logprobs, strict=True):
+            assert x == pytest.approx(y, abs=1e-4)
