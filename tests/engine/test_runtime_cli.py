@@ -118,3 +118,22 @@ def test_the_stream_engine_reports_liveness_after_every_layer(tiny_dir: Path, st
     assert len(forwards) == 3
     assert len(beats) == layers * 2 + 1 + 2 * (layers + 1)
     assert model.on_layer is None
+
+
+def test_refill_slots_keep_every_result(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    # Continuous batching through the runtime: batch 2 (planned), five prompts, freed rows refilled.
+    vocab = tiny_dir / "vocab" / "voc_tiny.sp"
+    prompts = [*PROMPTS, "Рубль", "Индекс Мосбиржи вырос"]
+    params = [SamplingParams(max_new_tokens=n, greedy=True) for n in (2, 9, 4, 7, 3)]
+    plain = open_model(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", max_batch_size=2))
+    refill = open_model(
+        ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", max_batch_size=2, refill_slots=32)
+    )
+    try:
+        assert refill.generate(prompts, params) == plain.generate(prompts, params)
+        assert refill.model.stats.forwards < plain.model.stats.forwards
+    finally:
+        plain.close()
+        refill.close()
+    with pytest.raises(Exception, match="refill_slots"):
+        ModelSettings(vocab=vocab, store=stores["fp16"], refill_slots=-1)
