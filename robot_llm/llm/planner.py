@@ -54,10 +54,12 @@ class Work:
     ``shared_prefix_tokens`` of every prompt are a common head (a template's) whose KV is
     stored once per batch, not once per row.
 
-    ``stance_labels`` > 0 means every request's stance is then scored the way
-    the night does it today: one more forward pass per request over prompt +
-    thesis + cue (``stance_tokens``, default prompt + new + 8), batched over
-    the labels, with full-vocabulary fp32 logits and their log-softmax.
+    ``stance_labels`` > 0 means every thesis's stance is then scored from its row's
+    KV cache: one step of ``stance_tokens`` tokens per row (default 32: the cue, a
+    re-tokenised tail and the labels' pieces, :func:`~robot_llm.llm.generate.followup_slots`)
+    that rides on a decode step except after the batch's last row, so at most one weight
+    pass per batch, with fp32 logits of those tokens only; plus, once per template per
+    night, the labels after a content-free prompt (one pass of ``stance_labels`` rows).
     """
 
     num_prompts: int
@@ -69,8 +71,8 @@ class Work:
 
     @property
     def score_tokens(self) -> int:
-        """Tokens of one stance-scoring pass."""
-        return self.stance_tokens or self.prompt_tokens + self.max_new_tokens + 8
+        """Tokens per row of the step that scores the stance from the cache."""
+        return self.stance_tokens or 32
 
     @property
     def seq_slots(self) -> int:
@@ -99,12 +101,13 @@ class Plan:
     ram_layers: int = 0
     threads: int = 1
     stance_seconds: float = 0.0
+    calibration_seconds: float = 0.0
 
     @property
     def total_seconds(self) -> float:
-        """Estimated wall time of the whole job (stance scoring included)."""
-        per_batch = self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds
-        return self.num_batches * per_batch + self.work.num_prompts * self.stance_seconds
+        """Estimated wall time of the whole job (stance scoring included: one step per batch)."""
+        per_batch = self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds + self.stance_seconds
+        return self.num_batches * per_batch + self.calibration_seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -132,7 +135,7 @@ class Plan:
             lines.extend(f"    {name:<22} {_fmt(size)}" for name, size in items.items() if size)
         lines.append(
             f"estimated time: prefill {_dur(self.prefill_seconds)}/batch, decode {self.decode_seconds:.2f} s/step"
-            + (f", stance {self.stance_seconds:.2f} s/request" if self.stance_seconds else "")
+            + (f", stance {self.stance_seconds:.2f} s/batch" if self.stance_seconds else "")
             + f", total {_dur(self.total_seconds)} ({self.tokens_per_second:.3g} tok/s)"
         )
         lines.extend(f"note: {n}" for n in self.notes)
@@ -328,9 +331,10 @@ def _try(
         gpu["layer slots"] = 2 * lb
     compute_tier["compute buffers"] = compute_buffers
     (compute_tier if kv_home == "device" else ram)["KV cache"] = kv
-    # Logits come back to RAM in fp32: the last position per row while generating; every position of
-    # every label continuation (plus its log-softmax) while scoring a stance.
-    ram["logits"] = max(2 * batch * cfg.vocab_size * 4, 2 * work.stance_labels * work.score_tokens * cfg.vocab_size * 4)
+    # Logits come back to RAM in fp32: the last position per row while generating; every token of the
+    # step that scores the stance from the cache (and of the content-free calibration pass).
+    stance_logits = batch * work.score_tokens + work.stance_labels * work.prompt_tokens if work.stance_labels else 0
+    ram["logits"] = 2 * max(batch, stance_logits) * cfg.vocab_size * 4
     cap = gpu_cap if cuda else ram_cap
     # The largest prefill micro-batch whose activations fit next to everything else.
     fixed = sum(compute_tier.values())
@@ -340,9 +344,10 @@ def _try(
     decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
 
     def activations(rows: int) -> int:
-        # Prefill and the stance passes are split into micro-batches of ``rows`` rows alike.
-        scoring = activation_bytes(cfg, labels, min(rows, labels), T, T, c) if labels else 0
-        return max(activation_bytes(cfg, batch, rows, P, P, c), scoring, decode_act)
+        # Prefill, the stance step and the calibration pass are split into micro-batches of ``rows`` rows alike.
+        scoring = activation_bytes(cfg, batch, rows, T, slots + T, c) if labels else 0
+        calibration = activation_bytes(cfg, labels, min(rows, labels), P, P, c) if labels else 0
+        return max(activation_bytes(cfg, batch, rows, P, P, c), scoring, calibration, decode_act)
 
     micro = next((rows for rows in range(batch, 0, -1) if fixed + activations(rows) <= cap), 0)
     tier_name = "GPU memory" if cuda else "RAM"
@@ -365,15 +370,17 @@ def _try(
     mean_slots = P + work.max_new_tokens / 2
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
-    stance = timing.pass_seconds(work.stance_labels, work.score_tokens, work.score_tokens) if work.stance_labels else 0
+    stance = timing.pass_seconds(batch, T, slots + T) if labels else 0.0
+    calibration = timing.pass_seconds(labels, P, P) if labels else 0.0
+    n_batches = math.ceil(work.num_prompts / batch)
     notes = []
     if ram_layers < L:
         streamed = (L - ram_layers) * lb
         notes.append(f"streams {_fmt(streamed)} of weights from disk per pass at {machine.disk_read_bps / GB:.1f} GB/s")
-    if work.stance_labels:
+    if labels:
         notes.append(
-            f"stance: one {work.stance_labels}-row pass of {work.score_tokens} tokens per request "
-            f"({_dur(work.num_prompts * stance)} of the total)"
+            f"stance: from each row's KV cache, at most one {T}-token step per batch, plus one "
+            f"{labels}-row calibration pass per template per night ({_dur(n_batches * stance + calibration)} in all)"
         )
     return Plan(
         device="cuda" if cuda else "cpu",
@@ -387,12 +394,13 @@ def _try(
         capacity=capacity,
         prefill_seconds=prefill,
         decode_seconds=decode,
-        num_batches=math.ceil(work.num_prompts / batch),
+        num_batches=n_batches,
         work=work,
         notes=notes,
         ram_layers=ram_layers,
         threads=machine.compute_threads,
         stance_seconds=stance,
+        calibration_seconds=calibration,
     )
 
 

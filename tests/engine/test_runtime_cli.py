@@ -88,7 +88,7 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "batch size" in out and "weights homed in split" in out and "estimated time" in out
-    assert "stance: one 3-row pass" in out
+    assert "stance: from each row's KV cache" in out and "3-row calibration pass" in out
     assert main(["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "4", "--ram-gb", "16"]) == 1
     assert "refused" in capsys.readouterr().out
     assert main([*args, "--dtype", "int4"]) == 0
