@@ -1,4 +1,6 @@
-"""Every promise the README makes in code: each fenced block and each ``robot-llm ...`` command runs.
+"""Every promise the READMEs make in code: each fenced block and each ``robot-llm ...`` command runs.
+
+README.md, then strategies/README.md (on the database the README's demo made).
 
 * ``python`` blocks run as written, in a folder holding a ``robot-llm.yaml`` over a migrated
   database with a thesis in it (what a reader has after ``db upgrade`` and a night).
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -31,7 +34,7 @@ import pytest
 from robot_llm.cli import build_parser
 from robot_llm.db import make_engine
 from robot_llm.migrate import upgrade
-from tests.forecasts.conftest import seed_thesis
+from tests.forecasts.conftest import load_strategy, seed_thesis
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -108,11 +111,12 @@ def reader_folder(tmp_path: Path) -> Path:
 
 
 def _cli(command: str, cwd: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``robot-llm ...`` (or ``python ...``) with this interpreter; FILE is ``config``, REV is -1."""
     args = shlex.split(_strip_comment(command))
-    assert args[0] == "robot-llm", command
-    args = [str(config) if a == "FILE" else "-1" if a == "REV" else a for a in args[1:]]
+    assert args[0] in ("robot-llm", "python"), command
+    rest = [str(config) if a == "FILE" else "-1" if a == "REV" else a for a in args[1:]]
     return subprocess.run(
-        [sys.executable, "-m", "robot_llm.cli", *args],
+        [sys.executable, *(["-m", "robot_llm.cli"] if args[0] == "robot-llm" else []), *rest],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -143,23 +147,33 @@ def _check_fixture_output(shown: list[str], actual: str) -> None:
             assert got[key] == value, key
 
 
-def test_every_readme_block_runs(reader_folder: Path) -> None:
-    text = README.read_text(encoding="utf-8")
+def _python_block(block: Block, where: str, folder: Path) -> bool:
+    """Run a python block in ``folder``; False when it needs freqtrade and that is not installed here."""
+    if "from freqtrade" in block.text and importlib.util.find_spec("freqtrade") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{where}: freqtrade must be installed in CI (pip install -e '.[freqtrade]')")
+        return False
+    load_strategy("freqtrade_adapter")  # robot_llm.strategies as installed, in a checkout too
+    namespace: dict[str, object] = {"__name__": "__readme__"}
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        exec(compile(block.text, where, "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    return True
+
+
+def _run_blocks(path: Path, folder: Path) -> int:
+    """Run every block of the Markdown file ``path`` in ``folder``; returns how many ran."""
     ran = 0
-    for block in blocks(text):
-        where = f"README.md:{block.line}"
+    for block in blocks(path.read_text(encoding="utf-8")):
+        where = f"{path.relative_to(REPO)}:{block.line}"
         if block.lang == "python":
-            namespace: dict[str, object] = {"__name__": "__readme__"}
-            cwd = os.getcwd()
-            os.chdir(reader_folder)
-            try:
-                exec(compile(block.text, where, "exec"), namespace)
-            finally:
-                os.chdir(cwd)
-            ran += 1
+            ran += _python_block(block, where, folder)
             continue
         cmds = commands(block)
-        if not any(c.startswith(("robot-llm", "bash ", "pip ")) for c, _ in cmds):
+        if not any(c.startswith(("robot-llm", "bash ", "pip ", "python ")) for c, _ in cmds):
             assert block.text.startswith("feeds (RSS/Atom)"), f"{where}: a block this test does not know: {block}"
             continue  # the architecture diagram
         for command, shown in cmds:
@@ -172,17 +186,24 @@ def test_every_readme_block_runs(reader_folder: Path) -> None:
                 # CI runs install.sh (install-and-test.sh calls it); the demo runs here, as a reader runs it.
                 assert "bash scripts/install.sh" in (REPO / "scripts" / "install-and-test.sh").read_text()
                 command = "robot-llm demo"
-            cwd = REPO if re.search(r"\s(config|tests)/", command) else reader_folder
-            proc = _cli(command, cwd, reader_folder / "robot-llm.yaml")
+            cwd = REPO if re.search(r"\s(config|tests)/", command) else folder
+            proc = _cli(command, cwd, folder / "robot-llm.yaml")
             assert proc.returncode == 0, f"{where}: {command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
             if command.startswith("robot-llm db downgrade"):
-                upgrade(f"sqlite:///{reader_folder / 'robot-llm.sqlite'}")  # for the blocks after it
+                upgrade(f"sqlite:///{folder / 'robot-llm.sqlite'}")  # for the blocks after it
             if shown and command.startswith("robot-llm model check-fixture"):
                 _check_fixture_output(shown, proc.stdout)
             elif shown:
                 _shown_lines_in_order(shown, proc.stdout)
             ran += 1
-    assert ran >= 10  # the README has at least this many runnable commands and snippets
+    return ran
+
+
+def test_every_readme_block_runs(reader_folder: Path) -> None:
+    # At least this many runnable commands and snippets in each.
+    assert _run_blocks(README, reader_folder) >= 10
+    # strategies/README.md works on the demo's database, which the README's demo just made.
+    assert _run_blocks(REPO / "strategies" / "README.md", reader_folder) >= 5
 
 
 def test_inline_commands_parse(capsys: pytest.CaptureFixture[str]) -> None:

@@ -128,6 +128,8 @@ class StreamingModel:
     a disk home: the first that many layers are held in RAM, the rest streamed
     (for RAM that holds part of the model). ``read_depth`` is how many large
     reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
+    ``kv_dtype`` ``int8``/``int4`` keeps the KV cache compressed
+    (:mod:`robot_llm.llm.kvquant`); None keeps it in the compute dtype.
     ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
@@ -144,6 +146,7 @@ class StreamingModel:
         drop_cache: bool = True,
         ram_layers: int = 0,
         read_depth: int = DEFAULT_DEPTH,
+        kv_dtype: str | None = None,
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -155,6 +158,7 @@ class StreamingModel:
         self.dtype = resolve_dtype(dtype)
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
+        self.kv_dtype = kv_dtype
         self.micro_batch = micro_batch
         # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
         # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
@@ -332,7 +336,9 @@ class StreamingModel:
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
         """An empty cache in the compute dtype on the KV home."""
-        return KVCache.allocate(self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad)
+        return KVCache.allocate(
+            self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad, kv_dtype=self.kv_dtype
+        )
 
     @torch.inference_mode()
     def forward(

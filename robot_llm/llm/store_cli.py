@@ -119,11 +119,11 @@ def _plan(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     machine = replace(machine, **{k: v for k, v in overrides.items() if v})
-    work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens, stance_labels=args.stance_labels)
+    work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens, stance_tokens=args.stance_tokens)
     print(
         f"model: {args.preset or args.store} ({config.num_layers} layers, hidden {config.hidden_size}); "
         f"work: {work.num_prompts} prompts x {work.prompt_tokens} tokens + {work.max_new_tokens} new"
-        + (f", stance over {work.stance_labels} labels" if work.stance_labels else "")
+        + (f", stance over {work.stance_tokens} cue and label tokens" if work.stance_tokens else "")
     )
     print(
         f"machine: GPU {machine.gpu_bytes / GB:.0f} GB, RAM {machine.ram_bytes / GB:.0f} GB, "
@@ -194,10 +194,10 @@ def add_engine_commands(model_sub: Any) -> None:
         "--cores", type=int, default=8, help="CPU cores of a machine given by --ram-gb (default: %(default)s)"
     )
     pl.add_argument(
-        "--stance-labels",
+        "--stance-tokens",
         type=int,
-        default=3,
-        help="stance labels scored per request, one pass each request (0 = no stance; default: %(default)s)",
+        default=16,
+        help="cue and label tokens per row of the stance pass from the KV cache (0 = none; default: %(default)s)",
     )
     pl.add_argument("--max-batch-size", type=int, help="upper bound on the batch size")
     pl.set_defaults(handler=_plan)
