@@ -42,10 +42,14 @@ def test_demo_runs_a_whole_night_and_is_idempotent(tmp_path: Path) -> None:
     assert "RANDOM weights" in out  # the demo says its text is meaningless
     assert (workdir / "demo.yaml").is_file()
     assert list((workdir / "model" / "store").glob("*.safetensors"))
+    assert re.findall(r"^\[(\d)/5\]", out, re.M) == ["1", "2", "3", "4", "5"]  # every step, in order
+    (page,) = (workdir / "reports").glob("morning-*.html")
+    assert f"HTML report with charts: {page}" in out and (workdir / "reports" / "index.html").is_file()
     tickers = ["SBER", "GAZP", "LKOH", "YDEX", "AAPL", "NVDA"]
     morning = out.split("=== The morning ===")[1].split("=== Example strategy")[0]
     for ticker in tickers:
-        assert re.search(rf"^{ticker} \(.*\): stance [+-]\d\.\d\d", morning, re.M), ticker
+        # The stance label is the word, without the space it was scored with: "(рост)", not "( рост)".
+        assert re.search(rf"^{ticker} \(.*\): stance [+-]\d\.\d\d \(\w+\)", morning, re.M), ticker
     decisions = out.split("=== Example strategy")[1].split("=== Morning report ===")[0]
     lines = [line.split() for line in decisions.splitlines() if line.startswith("  ")]
     assert [line[0] for line in lines] == tickers
