@@ -53,7 +53,7 @@ ops_built() {
     "$VENV/bin/python" - <<'PY' 2>/dev/null
 import sys
 from deepspeed.git_version_info import installed_ops
-sys.exit(0 if installed_ops.get("shm_comm") else 1)
+sys.exit(0 if installed_ops.get("deepspeed_shm_comm") else 1)
 PY
 }
 
