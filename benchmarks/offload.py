@@ -1,27 +1,27 @@
-"""Offload benchmark: naive per-token streaming vs the batched streaming engine vs DeepSpeed ZeRO-Inference.
+"""Offload benchmark: the streaming engine per weight dtype vs DeepSpeed ZeRO-Inference, honestly.
 
-A mid-size YaLM config with random fp32 weights is written to a store on disk.
-Every measured configuration then runs in its own child process (so peak RSS
-is its own) on the same work (prompts of ``prompt`` tokens, ``new`` generated
-tokens each, greedy), with the store's page cache dropped first so that "disk"
-means disk:
+A mid-size YaLM config with random weights is written to one store per weight
+dtype (fp32, bf16, int8, int4). Every configuration then runs **in its own
+fresh process**, with the same intra-op thread count, an untimed warm-up pass
+first, the store's page cache dropped, and the night's work inside the timed
+region: greedy generation of ``new`` tokens for every prompt, then the stance
+of every row scored the way the worker does it now, from the row's KV cache
+(one more pass of the batch over the cue and the label pieces).
 
-* naive: one prompt at a time, every layer read synchronously for every token
-  (the original ZeRO-Offload / AirLLM schedule);
-* engine at batch 1, 8 and 32: each layer read once per step for the whole
-  batch, the next layer prefetched while the current one computes;
-* DeepSpeed ZeRO-3 with NVMe parameter offload at batch 32 (fp32 on CPU, so it
-  reads the same bytes per step as our fp32 store);
-* DeepSpeed at batch 8 as well, where a 2-core CPU is I/O-bound rather than compute-bound;
-* (full size only) the engine from an fp16 store, half the bytes per step: the release's own
-  dtype, which DeepSpeed cannot use on a CPU;
-* the engine under a RAM budget of a quarter of a (larger) store, planned by
-  :mod:`robot_llm.llm.planner`.
+Rows: the engine with weights cold on disk at batch 1 and 32 for each dtype
+(fp32 computed in fp32; bf16/int8/int4 in bf16 where the CPU has it natively,
+else fp32), the fp32 model held in RAM by the engine, and DeepSpeed ZeRO-3
+with NVMe parameter offload in fp32 and bf16. Next to each: the raw read
+bandwidth measured right before it with 16 requests in flight (fio's queue
+depth), the measured decode step and its roofline (max of the step's bytes
+over that bandwidth and its FLOPs over the GEMM rate measured in the same
+setting), and peak RSS against the planner's estimate for that row. Headline
+ratios come from these fresh processes only. Two more rows time a night's real
+work (:mod:`night`: thesis_ru prompts, stance re-prefilled per thesis as before
+vs scored from the KV cache as now) and count its weight passes. The last line
+is one JSON object.
 
-It also measures the raw sequential read bandwidth of the same layer files.
-The last line printed is one JSON object with the headline figures.
-
-    python benchmarks/offload.py [--quick] [--dir WORK_DIR]
+    python benchmarks/offload.py [--quick] [--dir WORK_DIR] [--threads N]
 """
 
 from __future__ import annotations
@@ -40,378 +40,272 @@ from typing import Any
 
 import torch
 
-from robot_llm.llm.checkpoint import ModuleKind, module_plan
-from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.config import ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.family import Params
-from robot_llm.llm.machine import Machine, detect_machine
-from robot_llm.llm.planner import Work, plan
+from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
+from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
 from robot_llm.llm.store import Store, drop_page_cache, measure_read_bandwidth, write_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from night import run_night, vocabulary  # the benchmarks folder is no package
 
+_MID = {"hidden_size": 1024, "embedding_size": 256, "intermediate_size": 2730, "num_attention_heads": 16}
 SIZES: dict[str, dict[str, Any]] = {
-    "full": {
-        "config": YalmConfig(
-            num_layers=12,
-            hidden_size=1024,
-            embedding_size=256,
-            intermediate_size=2730,
-            num_attention_heads=16,
-            max_position_embeddings=1024,  # room for the night's thesis prompts
-            vocab_size=4000,
-        ),
-        "prompt": 8,
-        "new": 32,
-        "naive_prompts": 2,
-        "budget_layers": 48,
-        "budget_new": 4,
-        "night_batch": 8,
-        "fp16_rows": True,
-    },
-    "quick": {
-        "config": YalmConfig(
-            num_layers=4,
-            hidden_size=1024,
-            embedding_size=256,
-            intermediate_size=2730,
-            num_attention_heads=16,
-            max_position_embeddings=1024,  # room for the night's thesis prompts
-            vocab_size=4000,
-        ),
-        "prompt": 4,
-        "new": 12,
-        "naive_prompts": 1,
-        "budget_layers": 36,
-        "budget_new": 2,
-        "night_batch": 4,
-        "fp16_rows": False,
-    },
+    "full": {"layers": 12, "prompt": 8, "new": 32, "batches": (1, 32), "dtypes": ("fp32", "bf16", "int8", "int4")},
+    "quick": {"layers": 4, "prompt": 4, "new": 8, "batches": (1, 32), "dtypes": ("fp32", "int4")},
 }
+NIGHT_BATCH = {"full": 8, "quick": 4}
+LABELS = 3  # stance continuations per request (рост / падение / нейтрально)
+CUE = 6  # tokens of the stance cue appended to prompt + thesis
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def random_modules(cfg: YalmConfig, distinct_layers: int | None = None) -> Iterator[tuple[ModuleKind, int, Params]]:
-    """Random release-shaped modules one at a time (never the whole model in memory).
-
-    With ``distinct_layers`` only that many layers are drawn and later layers repeat
-    the last of them (same bytes, separate files): a large store written quickly.
-    """
-    drawn: dict[int, Params] = {}
+def random_modules(cfg: YalmConfig) -> Iterator[tuple[ModuleKind, int, Params]]:
+    """Release-shaped random modules, one at a time (the same weights for every store dtype)."""
     g = torch.Generator().manual_seed(0)
-    for kind, index, _, shapes in module_plan(cfg):
-        source = index if distinct_layers is None or kind != "layer" else min(index, distinct_layers - 1)
-        if kind == "layer" and source in drawn:
-            yield kind, index, drawn[source]
-            continue
+    for kind, index, shapes in module_plan(cfg):
         params = {}
         for name, shape in shapes.items():
             t = torch.randn(shape, generator=g)
-            if len(shape) == 2:
-                t *= 0.02
-            elif name.endswith("norm.weight"):
-                t = 1.0 + 0.1 * t
-            else:
-                t *= 0.1
-            params[name] = t
-        if kind == "layer" and distinct_layers is not None:
-            drawn[source] = params
+            params[name] = t * 0.02 if len(shape) == 2 else 1.0 + 0.1 * t if name.endswith("norm.weight") else t * 0.1
         yield kind, index, params
 
 
-def run_batches(model: Any, ids: torch.Tensor, new: int, batch: int) -> None:
-    """Greedy generation of ``new`` tokens for every row, ``batch`` rows at a time."""
-    for start in range(0, ids.shape[0], batch):
+def compute_dtype(store_dtype: str) -> str:
+    """fp32 stores compute in fp32; the others in bf16 where the CPU has it natively (the plan's auto)."""
+    return "fp32" if store_dtype == "fp32" or not cpu_has_native_bf16() else "bf16"
+
+
+# --------------------------------------------------------------------------- child process
+
+
+def night(model: Any, cfg: YalmConfig, prompts: int, prompt: int, new: int, batch: int) -> dict[str, float]:
+    """The timed work: generate, then score every row's stance from its cache. Returns the phase times."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, cfg.vocab_size, (prompts, prompt), generator=g)
+    started = time.perf_counter()
+    decode, steps, stance = 0.0, 0, 0.0
+    for start in range(0, prompts, batch):
         chunk = ids[start : start + batch]
-        cache = model.new_cache(chunk.shape[0], chunk.shape[1] + new - 1)
+        cache = model.new_cache(chunk.shape[0], prompt + new - 1 + CUE + LABELS)
         logits = model.forward(chunk, cache, last_only=True)
         for _ in range(new - 1):
+            t = time.perf_counter()
             logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache, last_only=True)
+            decode, steps = decode + time.perf_counter() - t, steps + 1
+        # The cue and the label pieces ride on the rows' caches: one more pass of the batch.
+        t = time.perf_counter()
+        cue = torch.randint(5, cfg.vocab_size, (chunk.shape[0], CUE + LABELS), generator=g)
+        torch.log_softmax(model.forward(cue, cache), dim=-1)
+        stance += time.perf_counter() - t
+    total = time.perf_counter() - started
+    return {"seconds": total, "stance_s": stance, "step_s": decode / steps}
 
 
-def child(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Measured configurations run one after the other in this process (ordered by growing memory,
-    so the peak RSS reported after each run is that run's own peak)."""
+def gemm_rate(cfg: YalmConfig, batch: int, dtype: str) -> float:
+    """FLOP/s of this layer's largest matmul at ``batch`` rows in ``dtype`` (threads as set)."""
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    x = torch.randn(batch, cfg.hidden_size).to(dt)
+    w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size).to(dt)
+    torch.nn.functional.linear(x, w)
+    started, n = time.perf_counter(), 0
+    while time.perf_counter() - started < 0.5:
+        torch.nn.functional.linear(x, w)
+        n += 1
+    return 2 * batch * w.numel() * n / (time.perf_counter() - started)
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(spec["threads"])
     store = Store(spec["store"])
     cfg = store.config
-    results = []
-    for run in spec["runs"]:
-        log(f"{run['label']}: {run['prompts']} prompts x {run['new']} tokens, batch {run['batch']} ...")
-        if run["kind"].startswith("night"):
-            drop_page_cache([store.path / f.name for f in store.manifest.files])
-            night = run_night(store.path, run, Path(run["vocab"]))
-            night["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            night["tok_s"] = run["prompts"] * run["new"] / night["seconds"]
-            log(
-                f"{run['label']}: {night['passes_per_thesis']:.2f} passes per thesis, "
-                f"{night['stance_passes_per_batch']:.2f} stance passes per batch, {night['seconds']:.1f} s"
-            )
-            results.append(night)
-            continue
-        ids = torch.randint(
-            5, cfg.vocab_size, (run["prompts"], run["prompt"]), generator=torch.Generator().manual_seed(1)
-        )
-        if run["kind"] == "deepspeed":
-            from robot_llm.llm.backends.deepspeed import DeepSpeedModel
-
-            model: Any = DeepSpeedModel(store.path, cfg, offload="nvme", dtype="fp32", offload_dir=run["nvme"])
-        else:
-            from robot_llm.llm.engine import StreamingModel
-
-            model = StreamingModel(
-                store, home="disk", device="cpu", prefetch=run["kind"] != "naive", micro_batch=run.get("micro")
-            )
-        raw_bps = raw_read_bandwidth(store.layer_files())
+    if spec["kind"].startswith("night"):  # a night's real work, passes counted (benchmarks/night.py)
         drop_page_cache([store.path / f.name for f in store.manifest.files])
-        started = time.perf_counter()
-        run_batches(model, ids, run["new"], run["batch"])
-        elapsed = time.perf_counter() - started
-        result: dict[str, Any] = {
-            "tok_s": run["prompts"] * run["new"] / elapsed,
-            "seconds": elapsed,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "raw_bps": raw_bps,
-        }
-        if run["kind"] == "deepspeed":
-            result["swap_bytes"] = sum(p.stat().st_size for p in model.swap_files())
-            model.close()
-        else:
-            model.close()
-            s = model.stats
-            result |= {"read_bps": s.read_bandwidth, "io_hidden": s.io_hidden_fraction}
-        log(
-            f"{run['label']}: {result['tok_s']:.2f} tok/s in {elapsed:.1f} s, "
-            f"peak RSS {result['peak_rss'] / 2**20:.0f} MiB"
-        )
-        results.append(result)
-    return results
+        result = run_night(store.path, spec, Path(spec["vocab"]))
+        result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return result
+    if spec["kind"] == "deepspeed":
+        from robot_llm.llm.backends.deepspeed import DeepSpeedModel
+
+        model: Any = DeepSpeedModel(store.path, cfg, offload="nvme", dtype=spec["dtype"], offload_dir=spec["nvme"])
+    else:
+        from robot_llm.llm.engine import StreamingModel
+
+        model = StreamingModel(store, home=spec["home"], device="cpu", dtype=spec["dtype"])
+    model.forward(torch.tensor([[5, 6]]))  # untimed warm-up: allocator, kernels, first reads
+    # The disk's bandwidth right now, over the largest (fp32) layer files: small files measure latency.
+    raw_files = Store(spec["raw_store"]).layer_files()
+    raw_bps = sum(p.stat().st_size for p in raw_files) / sum(
+        p.stat().st_size / measure_read_bandwidth(p, depth=16) for p in raw_files
+    )
+    drop_page_cache([store.path / f.name for f in store.manifest.files])
+    if spec["kind"] == "deepspeed":
+        drop_page_cache(model.swap_files())
+    result = night(model, cfg, spec["prompts"], spec["prompt"], spec["new"], spec["batch"])
+    result |= {"raw_bps": raw_bps, "gemm": gemm_rate(cfg, spec["batch"], spec["dtype"])}
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if spec["kind"] != "deepspeed":
+        result |= {"read_bps": model.stats.read_bandwidth, "io_hidden": model.stats.io_hidden_fraction}
+    model.close()
+    return result
 
 
-def raw_read_bandwidth(files: list[Path]) -> float:
-    """Sequential O_DIRECT read bandwidth over these files, measured now (the disk is shared and varies)."""
-    total = sum(p.stat().st_size for p in files)
-    return total / sum(p.stat().st_size / measure_read_bandwidth(p) for p in files)
-
-
-def run_child(store: Path, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run ``runs`` in a fresh process (its own peak RSS, its own DeepSpeed state)."""
-    spec = {"store": str(store), "runs": runs}
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration in a fresh process (its own peak RSS, its own torch/DeepSpeed state)."""
+    log(f"{spec['label']} ...")
     out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"benchmark child failed (exit {out.returncode})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"benchmark child failed (exit {out.returncode}): {spec['label']}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    log(f"{spec['label']}: {spec['prompts'] * spec['new'] / result['seconds']:.2f} tok/s, {result['seconds']:.1f} s")
+    return result
+
+
+# --------------------------------------------------------------------------- parent
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model and work (< 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="4 layers, fp32 and int4 only (a few minutes)")
     parser.add_argument("--dir", type=Path, help="work folder (default: a temporary folder, removed afterwards)")
+    parser.add_argument("--threads", type=int, help="intra-op threads in every row (default: the free cores)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-
     size = SIZES["quick" if args.quick else "full"]
-    cfg: YalmConfig = size["config"]
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="robot-llm-offload-"))
     work.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or detect_machine().compute_threads
     try:
-        report = benchmark(cfg, size, work)
+        report = benchmark(size, work, threads, NIGHT_BATCH["quick" if args.quick else "full"])
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report))
 
 
-def benchmark(cfg: YalmConfig, size: dict[str, Any], work: Path) -> dict[str, Any]:
+def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) -> dict[str, Any]:
     started = time.perf_counter()
-    main_store = work / "store"
-    if not (main_store / "manifest.json").exists():
-        log(f"writing a {cfg.num_layers}-layer fp32 store with random weights to {main_store}")
-        write_store(main_store, cfg, random_modules(cfg), dtype="fp32")
-    store = Store(main_store)
-    layer_files = store.layer_files()
-    store_bytes = store.manifest.total_bytes
-
-    raw_bytes = sum(p.stat().st_size for p in layer_files)
-    raw_bps = raw_read_bandwidth(layer_files)
-    log(f"raw sequential read of the layer files: {raw_bps / 1e6:.0f} MB/s")
-
+    # 1024 positions: room for the night rows' thesis prompts.
+    cfg = YalmConfig(num_layers=size["layers"], max_position_embeddings=1024, vocab_size=4000, **_MID)
+    stores = {}
+    for dtype in size["dtypes"]:
+        stores[dtype] = work / f"store-{dtype}"
+        if not (stores[dtype] / "manifest.json").exists():
+            log(f"writing the {cfg.num_layers}-layer {dtype} store")
+            write_store(stores[dtype], cfg, random_modules(cfg), dtype=dtype)
     P, N = size["prompt"], size["new"]
-    work_shape = {"prompt": P, "new": N}
-    engine_runs = [
-        work_shape
-        | {"label": "naive (batch 1, no prefetch)", "kind": "naive", "batch": 1, "prompts": size["naive_prompts"]}
-    ]
-    engine_runs += [
-        work_shape
-        | {
-            "label": f"engine batch {b}",
-            "kind": "engine",
-            "batch": b,
-            "prompts": size["naive_prompts"] if b == 1 else b,
-        }
-        for b in (1, 8, 32)
-    ]
-    runs = dict(zip(["naive", "b1", "b8", "b32"], run_child(main_store, engine_runs), strict=True))
-    # DeepSpeed at batch 8 too: there this CPU is I/O-bound, so the comparison shows scheduling, not FLOPs.
-    ds_runs = [
-        work_shape
-        | {"label": f"DeepSpeed ZeRO-3 NVMe batch {b}", "kind": "deepspeed", "batch": b, "prompts": b}
-        | {"nvme": str(work / "nvme")}
-        for b in (8, 32)
-    ]
-    # The same engine runs again in the DeepSpeed process: torch code measurably runs faster in a
-    # process where DeepSpeed has run (cause not found), so only same-process pairs compare fairly.
-    ds_runs += [
-        work_shape | {"label": f"engine batch {b}, after DeepSpeed", "kind": "engine", "batch": b, "prompts": b}
-        for b in (8, 32)
-    ]
-    runs["deepspeed_b8"], runs["deepspeed"], runs["ds_proc_b8"], runs["ds_proc_b32"] = run_child(main_store, ds_runs)
+    base = {"prompt": P, "new": N, "threads": threads, "raw_store": str(stores["fp32"])}
+    specs: dict[str, dict[str, Any]] = {}
+    for dtype in size["dtypes"]:
+        for b in size["batches"]:
+            specs[f"{dtype}_b{b}"] = base | {
+                "label": f"engine {dtype} store, disk, batch {b}",
+                "kind": "engine",
+                "home": "disk",
+                "store": str(stores[dtype]),
+                "dtype": compute_dtype(dtype),
+                "batch": b,
+                "prompts": b,
+            }
+    specs["fp32_ram_b32"] = specs["fp32_b32"] | {"label": "engine fp32 held in RAM, batch 32", "home": "ram"}
+    for dtype in ("fp32", "bf16") if "bf16" in stores else ("fp32",):
+        for b in size["batches"]:
+            specs[f"ds_{dtype}_b{b}"] = base | {
+                "label": f"DeepSpeed ZeRO-3 NVMe {dtype}, batch {b}",
+                "kind": "deepspeed",
+                "store": str(stores[dtype]),
+                "dtype": dtype,
+                "batch": b,
+                "prompts": b,
+                "nvme": str(work / "nvme"),
+            }
+    runs = {key: run_child(spec) for key, spec in specs.items()}
     shutil.rmtree(work / "nvme", ignore_errors=True)
-
-    if size["fp16_rows"]:
-        # Our default store keeps the release's fp16 (half the bytes); DeepSpeed cannot run fp16 on a CPU.
-        half_store = work / "store-fp16"
-        if not (half_store / "manifest.json").exists():
-            write_store(half_store, cfg, random_modules(cfg), dtype="fp16")
-        half_runs = [
-            work_shape | {"label": f"engine batch {b}, fp16 store", "kind": "engine", "batch": b, "prompts": b}
-            for b in (8, 32)
-        ]
-        runs["fp16_b8"], runs["fp16_b32"] = run_child(half_store, half_runs)
-
-    machine = detect_machine(raw_bps)
-    estimate = plan(
-        cfg, Work(32, P, N), machine, weight_dtype="fp32", compute_dtype="fp32", weight_home="disk", max_batch_size=32
-    )
-    estimated_rss = sum(estimate.memory["ram"].values())
-
-    # Budget run: a store four times the RAM budget, batch and micro-batch from the planner.
-    big_cfg = YalmConfig(**(cfg.to_dict() | {"num_layers": size["budget_layers"]}))
-    big_store = work / "big-store"
-    if not (big_store / "manifest.json").exists():
-        log(f"writing a {big_cfg.num_layers}-layer store for the budget run")
-        write_store(big_store, big_cfg, random_modules(big_cfg, distinct_layers=2), dtype="fp32")
-    big_bytes = Store(big_store).manifest.total_bytes
-    budget = big_bytes // 4
-    budget_plan = plan(
-        big_cfg,
-        Work(32, P, size["budget_new"]),
-        Machine(ram_bytes=machine.ram_bytes, disk_read_bps=raw_bps),
-        weight_dtype="fp32",
-        compute_dtype="fp32",
-        weight_home="disk",
-        memory_budget_bytes=budget,
-        headroom=1.0,
-    )
-    budget_run = {
-        "label": f"engine under a {budget / 2**20:.0f} MiB budget (store {big_bytes / 2**20:.0f} MiB)",
-        "kind": "engine",
-        "prompt": P,
-        "new": size["budget_new"],
-        "batch": budget_plan.batch_size,
-        "micro": budget_plan.micro_batch,
-        "prompts": 32,
-    }
-    runs["budget"] = run_child(big_store, [budget_run])[0]
-
-    # A night's work, generation plus stance: as the worker did it before, and as it does it now.
-    night_shape = {"prompt": 0, "new": N, "batch": size["night_batch"], "prompts": 2 * size["night_batch"]}
-    night_runs = [
-        night_shape | {"label": f"night, {label}", "kind": kind, "vocab": str(vocabulary(work))}
-        for kind, label in (("night-rescore", "stance re-prefilled"), ("night", "stance from the KV cache"))
-    ]
-    runs["night_rescore"], runs["night"] = run_child(main_store, night_runs)
-
-    b32 = runs["b32"]
-    result = {
-        "naive_tok_s": round(runs["naive"]["tok_s"], 3),
-        "engine_tok_s": {str(b): round(runs[f"b{b}"]["tok_s"], 3) for b in (1, 8, 32)},
-        "deepspeed_tok_s": round(runs["deepspeed"]["tok_s"], 3),
-        "speedup_vs_naive": round(b32["tok_s"] / runs["naive"]["tok_s"], 2),
-        "speedup_vs_deepspeed": round(runs["ds_proc_b32"]["tok_s"] / runs["deepspeed"]["tok_s"], 2),
-        "stream_read_fraction": round(b32["read_bps"] / b32["raw_bps"], 3),
-        "io_hidden_fraction": round(b32["io_hidden"], 3),
-        "peak_rss_vs_estimate": round(b32["peak_rss"] / estimated_rss, 3),
-        "peak_rss_vs_budget": round(runs["budget"]["peak_rss"] / budget, 3),
-        "passes_per_thesis": round(runs["night"]["passes_per_thesis"], 3),
-        "stance_passes_per_batch": round(runs["night"]["stance_passes_per_batch"], 3),
-        "bytes_streamed_per_thesis": int(runs["night"]["bytes_streamed_per_thesis"]),
-        "passes_per_thesis_rescore": round(runs["night_rescore"]["passes_per_thesis"], 3),
-        "stance_passes_per_batch_rescore": round(runs["night_rescore"]["stance_passes_per_batch"], 3),
-    }
-    print(
-        f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, fp32 store {store_bytes / 2**20:.0f} MiB "
-        f"({raw_bytes / cfg.num_layers / 2**20:.0f} MiB per layer); work: prompts of {P} tokens, {N} new tokens each"
-    )
-    print(
-        f"raw sequential read bandwidth (O_DIRECT): {raw_bps / 1e6:.0f} MB/s at the start, "
-        f"{b32['raw_bps'] / 1e6:.0f} MB/s right before the batch-32 run"
-    )
-    print(f"{'configuration':<40} {'tok/s':>8} {'seconds':>8} {'peak RSS':>9} {'read MB/s':>9} {'I/O hidden':>10}")
-    for key, label in [
-        ("naive", "naive: batch 1, no prefetch"),
-        ("b1", "engine batch 1"),
-        ("b8", "engine batch 8"),
-        ("b32", "engine batch 32"),
-        ("deepspeed_b8", "DeepSpeed ZeRO-3 NVMe, batch 8"),
-        ("deepspeed", "DeepSpeed ZeRO-3 NVMe, batch 32"),
-        ("ds_proc_b8", "engine batch 8, in the DeepSpeed process"),
-        ("ds_proc_b32", "engine batch 32, in the DeepSpeed process"),
-        *(
-            [("fp16_b8", "engine batch 8, fp16 store"), ("fp16_b32", "engine batch 32, fp16 store")]
-            if "fp16_b8" in runs
-            else []
-        ),
-        ("budget", f"engine, budget {budget / 2**20:.0f} MiB, batch {budget_plan.batch_size}"),
-    ]:
-        r = runs[key]
-        read = f"{r['read_bps'] / 1e6:9.0f}" if "read_bps" in r else f"{'-':>9}"
-        hidden = f"{100 * r['io_hidden']:9.0f}%" if "io_hidden" in r else f"{'-':>10}"
-        print(f"{label:<40} {r['tok_s']:8.2f} {r['seconds']:8.1f} {r['peak_rss'] / 2**20:8.0f}M {read} {hidden}")
-    print(f"DeepSpeed wrote {runs['deepspeed']['swap_bytes'] / 2**20:.0f} MiB of NVMe swap files")
-    print(f"engine batch 32 / naive: {result['speedup_vs_naive']}x")
-
-    def ratio(ours: str, theirs: str) -> str:
-        return f"{runs[ours]['tok_s'] / runs[theirs]['tok_s']:.2f}x"
-
-    print(
-        f"engine / DeepSpeed, same process: batch 8 {ratio('ds_proc_b8', 'deepspeed_b8')}, "
-        f"batch 32 {ratio('ds_proc_b32', 'deepspeed')}; separate processes: batch 8 "
-        f"{ratio('b8', 'deepspeed_b8')}, batch 32 {ratio('b32', 'deepspeed')}"
-    )
-    if "fp16_b8" in runs:
-        print(
-            f"fp16 store / DeepSpeed (fp32): batch 8 {runs['fp16_b8']['tok_s'] / runs['deepspeed_b8']['tok_s']:.2f}x, "
-            f"batch 32 {runs['fp16_b32']['tok_s'] / runs['deepspeed']['tok_s']:.2f}x"
-        )
-    print(
-        f"streaming read bandwidth / raw: {result['stream_read_fraction']:.0%}; "
-        f"I/O hidden behind compute: {result['io_hidden_fraction']:.0%}"
-    )
-    print(
-        f"peak RSS batch 32: {b32['peak_rss'] / 2**20:.0f} MiB vs planner estimate {estimated_rss / 2**20:.0f} MiB "
-        f"({result['peak_rss_vs_estimate']:.2f}x)"
-    )
-    print(
-        f"peak RSS under budget: {runs['budget']['peak_rss'] / 2**20:.0f} MiB vs budget {budget / 2**20:.0f} MiB "
-        f"({result['peak_rss_vs_budget']:.2f}x) with a store of {big_bytes / 2**20:.0f} MiB"
-    )
-    for key, label in (("night_rescore", "stance re-prefilled (before)"), ("night", "stance from the cache (now)")):
-        r = runs[key]
+    nights = {}
+    for kind, label in (("night-rescore", "stance re-prefilled (before)"), ("night", "stance from the cache (now)")):
+        shape = {"prompt": 0, "new": N, "batch": night_batch, "prompts": 2 * night_batch, "threads": threads}
+        spec = shape | {"label": f"night, {label}", "kind": kind, "store": str(stores["fp32"])}
+        nights[label] = run_child(spec | {"vocab": str(vocabulary(work))})
+    result = report(cfg, specs, runs, threads)
+    for label, r in nights.items():
         print(
             f"night, {label}: {r['theses']} theses in {r['batches']} batches, {r['generation_passes']} generation + "
             f"{r['stance_passes']} stance weight passes ({r['passes_per_thesis']:.2f} per thesis, "
             f"{r['stance_passes_per_batch']:.2f} stance per batch), "
             f"{r['bytes_streamed_per_thesis'] / 2**20:.0f} MiB streamed per thesis, {r['seconds']:.1f} s"
         )
+    now, before = nights["stance from the cache (now)"], nights["stance re-prefilled (before)"]
+    result |= {
+        "passes_per_thesis": round(now["passes_per_thesis"], 3),
+        "stance_passes_per_batch": round(now["stance_passes_per_batch"], 3),
+        "bytes_streamed_per_thesis": int(now["bytes_streamed_per_thesis"]),
+        "passes_per_thesis_rescore": round(before["passes_per_thesis"], 3),
+        "stance_passes_per_batch_rescore": round(before["stance_passes_per_batch"], 3),
+    }
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")
     return result
+
+
+def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], threads: int) -> dict:
+    L, params = cfg.num_layers, layer_params(cfg)
+    ram = detect_machine().ram_bytes
+    print(
+        f"model: {L} layers, hidden {cfg.hidden_size}, {params / 1e6:.1f} M parameters per layer; "
+        f"{threads} intra-op thread(s) in every row; the stance of every row scored inside the timed work"
+    )
+    print(
+        f"{'configuration':<38} {'tok/s':>7} {'stance':>7} {'step s':>7} {'roofline':>8} {'raw GB/s':>8} "
+        f"{'read GB/s':>9} {'RSS MiB':>8} {'plan MiB':>8}"
+    )
+    ratios: dict[str, float] = {}
+    for key, spec in specs.items():
+        r = runs[key]
+        tok_s = spec["prompts"] * spec["new"] / r["seconds"]
+        r["tok_s"] = tok_s
+        weight_dtype = Store(spec["store"]).manifest.dtype
+        step_bytes = L * layer_bytes(cfg, weight_dtype) if spec.get("home", "disk") == "disk" else 0
+        r["roofline_s"] = max(step_bytes / r["raw_bps"], 2 * spec["batch"] * params * L / r["gemm"])
+        est = plan(
+            cfg,
+            Work(spec["batch"], spec["prompt"], spec["new"] + CUE + LABELS),
+            Machine(ram_bytes=ram),
+            weight_dtype=weight_dtype,
+            compute_dtype=spec["dtype"],
+            weight_home=spec.get("home", "disk"),
+            max_batch_size=spec["batch"],
+            headroom=1.0,
+        )
+        engine = spec["kind"] == "engine"  # the planner models our engine, not DeepSpeed's buffers
+        r["estimate"] = sum(est.memory["ram"].values()) if engine else None
+        read = f"{r['read_bps'] / 1e9:9.2f}" if "read_bps" in r else f"{'-':>9}"
+        planned = f"{r['estimate'] / 2**20:8.0f}" if engine else f"{'-':>8}"
+        print(
+            f"{spec['label']:<38} {tok_s:7.2f} {r['stance_s']:6.1f}s {r['step_s']:7.3f} {r['roofline_s']:8.3f} "
+            f"{r['raw_bps'] / 1e9:8.2f} {read} {r['peak_rss'] / 2**20:8.0f} {planned}"
+        )
+
+    def ratio(name: str, ours: str, theirs: str) -> None:
+        if ours in runs and theirs in runs:
+            ratios[name] = round(runs[ours]["tok_s"] / runs[theirs]["tok_s"], 2)
+
+    ratio("fp32_b32_vs_deepspeed_fp32_b32", "fp32_b32", "ds_fp32_b32")
+    ratio("bf16_b32_vs_deepspeed_bf16_b32", "bf16_b32", "ds_bf16_b32")
+    ratio("fp32_b1_vs_deepspeed_fp32_b1", "fp32_b1", "ds_fp32_b1")
+    ratio("bf16_b1_vs_deepspeed_bf16_b1", "bf16_b1", "ds_bf16_b1")
+    ratio("fp32_disk_b32_vs_ram_b32", "fp32_b32", "fp32_ram_b32")
+    ratio("int4_b1_vs_fp32_b1", "int4_b1", "fp32_b1")
+    steps = {k: round(runs[k]["step_s"] / runs[k]["roofline_s"], 2) for k in runs if not k.startswith("ds_")}
+    rss = {k: round(r["peak_rss"] / r["estimate"], 2) for k, r in runs.items() if r["estimate"]}
+    print("headline ratios (fresh processes only): " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
+    print("decode step / roofline: " + ", ".join(f"{k} {v}x" for k, v in steps.items()))
+    print("peak RSS / planner estimate: " + ", ".join(f"{k} {v}x" for k, v in rss.items()))
+    return {"ratios": ratios, "step_vs_roofline": steps, "rss_vs_estimate": rss, "threads": threads}
 
 
 if __name__ == "__main__":

@@ -414,6 +414,7 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "fp32", "bf16", "fp16", "int8", "int4"] = "auto"
     threads: int | None = Field(default=None, ge=1, le=1024)
     micro_batch: int | None = Field(default=None, ge=1, le=4096)
+    kv_dtype: Literal["auto", "fp32", "bf16", "fp16", "int8", "int4"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     memory_budget: Size | None = None

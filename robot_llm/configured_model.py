@@ -174,6 +174,7 @@ def model_settings(config: AppConfig) -> ModelSettings:
         dtype="auto" if m.dtype in ("int8", "int4") else m.dtype,
         threads=m.threads,
         micro_batch=m.micro_batch,
+        kv_dtype=m.kv_dtype,
         device=m.device,
         max_batch_size=m.max_batch_size,
         memory_budget_bytes=m.memory_budget,

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.llm.config import embedding_is_head
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
 from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.quant import dequantize_int4_into
@@ -128,6 +129,8 @@ class StreamingModel:
     a disk home: the first that many layers are held in RAM, the rest streamed
     (for RAM that holds part of the model). ``read_depth`` is how many large
     reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
+    ``kv_dtype`` ``int8``/``int4`` keeps the KV cache compressed
+    (:mod:`robot_llm.llm.kvquant`); None keeps it in the compute dtype.
     ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
@@ -144,6 +147,7 @@ class StreamingModel:
         drop_cache: bool = True,
         ram_layers: int = 0,
         read_depth: int = DEFAULT_DEPTH,
+        kv_dtype: str | None = None,
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -155,6 +159,7 @@ class StreamingModel:
         self.dtype = resolve_dtype(dtype)
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
+        self.kv_dtype = kv_dtype
         self.micro_batch = micro_batch
         # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
         # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
@@ -168,8 +173,13 @@ class StreamingModel:
         self.read_depth = read_depth
         self.stats = StreamStats()
         self.rope = self.family.rope(cfg)
+        # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
+        self.embed_device = self.device if embedding_is_head(cfg) else torch.device("cpu")
         self.resident: Resident = {
-            kind: {k: t.to(self.device, self.dtype) for k, t in self.store.load(kind).items()}
+            kind: {
+                k: t.to(self.embed_device if kind == "embedding" else self.device, self.dtype)
+                for k, t in self.store.load(kind).items()
+            }
             for kind in cfg.resident_shapes()
         }
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
@@ -332,7 +342,9 @@ class StreamingModel:
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
         """An empty cache in the compute dtype on the KV home."""
-        return KVCache.allocate(self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad)
+        return KVCache.allocate(
+            self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad, kv_dtype=self.kv_dtype
+        )
 
     @torch.inference_mode()
     def forward(
@@ -348,7 +360,7 @@ class StreamingModel:
         cfg, fam = self.config, self.family
         B, T = ids.shape
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        x = fam.embed(ids.to(self.device), self.resident, cfg)
+        x = fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device)
         rows = B if T == 1 or not self.micro_batch else self.micro_batch
         if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
             self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.config import ModelConfig, module_plan
+from robot_llm.llm.kvquant import KV_QUANTIZED, QuantKV, materialize, store
 from robot_llm.llm.slots import SlotState, StepLayout
 
 Params = dict[str, Tensor]
@@ -83,10 +84,12 @@ class KVCache:
     ``layout``, when set, is the layout of the next step instead of a plain append.
     ``prefix``, when set (:meth:`share_prefix`), is a one-row cache of the tokens every
     row starts with: stored once, attended by every row, whose own tokens follow it.
+    A cache allocated with ``kv_dtype`` ``int8``/``int4`` keeps ``k``/``v`` compressed
+    (:class:`~robot_llm.llm.kvquant.QuantKV`), dequantized one layer at a time for attention.
     """
 
-    k: list[Tensor]
-    v: list[Tensor]
+    k: list[Tensor | QuantKV]
+    v: list[Tensor | QuantKV]
     pad: Tensor
     slots: SlotState
     length: int = 0
@@ -103,11 +106,18 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pad: Tensor | None = None,
+        kv_dtype: str | None = None,
     ) -> KVCache:
-        """Allocate an empty cache for ``batch`` rows of up to ``max_len`` slots."""
+        """An empty cache for ``batch`` rows of up to ``max_len`` slots (``kv_dtype`` int8/int4: compressed)."""
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+        def one() -> Tensor | QuantKV:
+            if kv_dtype in KV_QUANTIZED:
+                return QuantKV.empty(shape, kv_dtype, device)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        k = [one() for _ in range(cfg.num_layers)]
+        v = [one() for _ in range(cfg.num_layers)]
         pad_t = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to("cpu", torch.long)
         if pad_t.shape != (batch,):
             raise ValueError(f"pad must have shape ({batch},), got {tuple(pad_t.shape)}")
@@ -128,7 +138,9 @@ class KVCache:
         if self.prefix is None:
             return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
         p = self.prefix
-        return LayerKV(self.k[index], self.v[index], self.length, p.k[index][:, : p.length], p.v[index][:, : p.length])
+        return LayerKV(
+            self.k[index], self.v[index], self.length, _head(p.k[index], p.length), _head(p.v[index], p.length)
+        )
 
     def share_prefix(self, prefix: KVCache) -> None:
         """Let every row continue ``prefix`` (a filled one-row cache) before its own tokens; call before any step."""
@@ -159,15 +171,15 @@ class KVCache:
 class LayerKV:
     """One layer's cache tensors and the first slot the current step writes."""
 
-    k: Tensor
-    v: Tensor
+    k: Tensor | QuantKV
+    v: Tensor | QuantKV
     start: int
-    prefix_k: Tensor | None = None
-    prefix_v: Tensor | None = None
+    prefix_k: Tensor | QuantKV | None = None
+    prefix_v: Tensor | QuantKV | None = None
 
     def rows(self, a: int, b: int) -> LayerKV:
         """The view of rows ``a:b`` (the shared prefix stays whole)."""
-        return LayerKV(self.k[a:b], self.v[a:b], self.start, self.prefix_k, self.prefix_v)
+        return LayerKV(_rows(self.k, a, b), _rows(self.v, a, b), self.start, self.prefix_k, self.prefix_v)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this step's ``k``/``v`` ``[B, T, kv, hd]`` into the cache; return every key/value to attend.
@@ -175,15 +187,24 @@ class LayerKV:
         With a shared prefix, its slots come first, broadcast to every row for this step only.
         """
         end = self.start + k.shape[1]
-        self.k[:, self.start : end] = k.to(self.k.device, self.k.dtype)
-        self.v[:, self.start : end] = v.to(self.v.device, self.v.dtype)
-        keys, values = self.k[:, :end].to(k.device, k.dtype), self.v[:, :end].to(v.device, v.dtype)
+        store(self.k, self.start, k)
+        store(self.v, self.start, v)
+        keys, values = materialize(self.k, end, k.device, k.dtype), materialize(self.v, end, v.device, v.dtype)
         if self.prefix_k is None or self.prefix_v is None:
             return keys, values
-        shape = (k.shape[0], *self.prefix_k.shape[1:])
-        pk = self.prefix_k.to(k.device, k.dtype).expand(shape)
-        pv = self.prefix_v.to(v.device, v.dtype).expand(shape)
-        return torch.cat((pk, keys), dim=1), torch.cat((pv, values), dim=1)
+        length = self.prefix_k.shape[1]
+        pk = materialize(self.prefix_k, length, k.device, k.dtype)
+        pv = materialize(self.prefix_v, length, v.device, v.dtype)
+        shape = (k.shape[0], *pk.shape[1:])
+        return torch.cat((pk.expand(shape), keys), dim=1), torch.cat((pv.expand(shape), values), dim=1)
+
+
+def _rows(t: Tensor | QuantKV, a: int, b: int) -> Tensor | QuantKV:
+    return t.rows(a, b) if isinstance(t, QuantKV) else t[a:b]
+
+
+def _head(t: Tensor | QuantKV, end: int) -> Tensor | QuantKV:
+    return t.head(end) if isinstance(t, QuantKV) else t[:, :end]
 
 
 # --------------------------------------------------------------------------- step metadata

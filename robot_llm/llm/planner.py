@@ -17,14 +17,15 @@ Pure Python: importing it does not import torch.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import ModelConfig, Shapes
+from robot_llm.llm.config import ModelConfig, Shapes, embedding_is_head
 from robot_llm.llm.machine import Machine
-from robot_llm.llm.quant import int4_bytes
+from robot_llm.llm.quant import KV_QUANTIZED, int4_bytes, kv_bits_per_value
 
 GiB = 2**30
 GB = 1e9
@@ -54,28 +55,23 @@ class Work:
     ``shared_prefix_tokens`` of every prompt are a common head (a template's) whose KV is
     stored once per batch, not once per row.
 
-    ``stance_labels`` > 0 means every request's stance is then scored the way
-    the night does it today: one more forward pass per request over prompt +
-    thesis + cue (``stance_tokens``, default prompt + new + 8), batched over
-    the labels, with full-vocabulary fp32 logits and their log-softmax.
+    ``stance_tokens`` > 0 means every row's stance is then scored the way the
+    worker does it: from the row's own KV cache, the cue and the label pieces
+    (that many tokens per row) in one more pass of the batch, whose fp32
+    logits come back for every one of those positions.
     """
 
     num_prompts: int
     prompt_tokens: int
     max_new_tokens: int
     shared_prefix_tokens: int = 0
-    stance_labels: int = 0
     stance_tokens: int = 0
 
     @property
-    def score_tokens(self) -> int:
-        """Tokens of one stance-scoring pass."""
-        return self.stance_tokens or self.prompt_tokens + self.max_new_tokens + 8
-
-    @property
     def seq_slots(self) -> int:
-        """KV slots per sequence of its own (the last generated token is never fed back; the shared head is not)."""
-        return self.prompt_tokens - self.shared_prefix_tokens + max(self.max_new_tokens, 1) - 1
+        """KV slots per sequence of its own (the last generated token is never fed back; the shared head is not;
+        the stance's cue and labels are)."""
+        return self.prompt_tokens - self.shared_prefix_tokens + max(self.max_new_tokens, 1) - 1 + self.stance_tokens
 
 
 @dataclass(frozen=True)
@@ -88,6 +84,7 @@ class Plan:
     batch_size: int
     weight_home: Literal["ram", "disk", "split"]
     kv_home: Literal["device", "cpu"]
+    kv_dtype: str
     micro_batch: int
     memory: dict[str, dict[str, int]]
     capacity: dict[str, int]
@@ -101,10 +98,15 @@ class Plan:
     stance_seconds: float = 0.0
 
     @property
+    def kv(self) -> tuple[Literal["device", "cpu"], str]:
+        """The KV cache's (home, dtype)."""
+        return self.kv_home, self.kv_dtype
+
+    @property
     def total_seconds(self) -> float:
         """Estimated wall time of the whole job (stance scoring included)."""
-        per_batch = self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds
-        return self.num_batches * per_batch + self.work.num_prompts * self.stance_seconds
+        per_batch = self.prefill_seconds + self.work.max_new_tokens * self.decode_seconds + self.stance_seconds
+        return self.num_batches * per_batch
 
     @property
     def tokens_per_second(self) -> float:
@@ -120,7 +122,8 @@ class Plan:
             f"weights homed in {self.weight_home}"
             + (f" ({self.ram_layers} layers in RAM, the rest on disk)" if self.weight_home == "split" else "")
             + ", KV cache in "
-            + ("GPU memory" if self.kv_home == "device" and self.device == "cuda" else "RAM"),
+            + ("GPU memory" if self.kv_home == "device" and self.device == "cuda" else "RAM")
+            + f" as {self.kv_dtype}",
             f"{self.threads} compute thread(s)",
             "memory per tier:",
         ]
@@ -132,7 +135,7 @@ class Plan:
             lines.extend(f"    {name:<22} {_fmt(size)}" for name, size in items.items() if size)
         lines.append(
             f"estimated time: prefill {_dur(self.prefill_seconds)}/batch, decode {self.decode_seconds:.2f} s/step"
-            + (f", stance {self.stance_seconds:.2f} s/request" if self.stance_seconds else "")
+            + (f", stance {self.stance_seconds:.2f} s/batch" if self.stance_seconds else "")
             + f", total {_dur(self.total_seconds)} ({self.tokens_per_second:.3g} tok/s)"
         )
         lines.extend(f"note: {n}" for n in self.notes)
@@ -188,12 +191,17 @@ def _groups(width: int, group: int) -> int:
     return width // group if group > 0 and width % group == 0 else 1
 
 
+def embedding_params(cfg: ModelConfig) -> int:
+    """Parameters of the token embedding."""
+    return sum(_numel(s) for s in cfg.resident_shapes()["embedding"].values())
+
+
 def resident_params(cfg: ModelConfig) -> int:
     """Parameters that stay resident: embedding (also a tied LM head), YaLM's projector, the output head."""
     return sum(_numel(s) for module in cfg.resident_shapes().values() for s in module.values())
 
 
-def kv_bytes(cfg: ModelConfig, batch: int, slots: int, dtype_bytes: int) -> int:
+def kv_bytes(cfg: ModelConfig, batch: int, slots: int, dtype_bytes: float) -> float:
     """K and V of every layer for ``batch`` sequences of ``slots`` positions."""
     return 2 * cfg.num_layers * batch * slots * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
@@ -221,6 +229,7 @@ def plan(
     memory_budget_bytes: int | None = None,
     headroom: float = 0.9,
     weight_home: Home | None = None,
+    kv_dtype: str | None = None,
 ) -> Plan:
     """The fastest placement that fits; raises :class:`PlanError` when none does.
 
@@ -230,7 +239,9 @@ def plan(
     first layers in RAM, as many as fit next to the batch, the rest on disk);
     ``compute_dtype`` None or ``"auto"`` means fp16 on a GPU, and on the CPU
     bf16 where it is native (:attr:`Machine.cpu_bf16`), else fp32 (never fp16:
-    CPUs have no fast fp16 GEMM).
+    CPUs have no fast fp16 GEMM). ``kv_dtype`` pins the KV cache's dtype;
+    None or ``"auto"`` tries the compute dtype, int8 and int4 (compressed,
+    :mod:`robot_llm.llm.kvquant`) and keeps the fastest, the least compressed on a tie.
     """
     if work.num_prompts < 1 or work.prompt_tokens < 1 or work.max_new_tokens < 0:
         raise PlanError(f"nothing to plan for {work}")
@@ -249,21 +260,23 @@ def plan(
     cap_batch = min(work.num_prompts, max_batch_size or work.num_prompts)
     homes: list[Home] = [weight_home] if weight_home else ["ram", "split", "disk"]
     kv_homes: list[Literal["device", "cpu"]] = ["device", "cpu"] if machine.has_gpu else ["device"]
+    kv_dtypes = [kv_dtype] if kv_dtype not in (None, "auto") else [cdtype, *KV_QUANTIZED]
+    if cfg.head_dim % 2:  # int4 packs pairs of a head's values
+        kv_dtypes = [d for d in kv_dtypes if d != "int4"] or kv_dtypes
     best: Plan | None = None
     reasons: list[str] = []
-    for home in homes:
-        for kv_home in kv_homes:
-            candidate = None
-            for batch in _descending(cap_batch):
-                candidate = _try(cfg, work, machine, weight_dtype, cdtype, home, kv_home, batch, ram, gpu)
-                if isinstance(candidate, Plan):
-                    break
+    for home, kv_home, kvd in itertools.product(homes, kv_homes, kv_dtypes):
+        candidate = None
+        for batch in _descending(cap_batch):
+            candidate = _try(cfg, work, machine, weight_dtype, cdtype, home, (kv_home, kvd), batch, ram, gpu)
             if isinstance(candidate, Plan):
-                candidate = _rebalance(cfg, work, machine, candidate, ram, gpu, cap_batch)
-                if best is None or candidate.total_seconds < best.total_seconds:
-                    best = candidate
-            elif candidate is not None:
-                reasons.append(f"weights in {home}, KV on {kv_home}: {candidate}")
+                break
+        if isinstance(candidate, Plan):
+            candidate = _rebalance(cfg, work, machine, candidate, ram, gpu, cap_batch)
+            if best is None or candidate.total_seconds < best.total_seconds:
+                best = candidate
+        elif candidate is not None:
+            reasons.append(f"weights in {home}, KV on {kv_home} in {kvd}: {candidate}")
     if best is None:
         raise PlanError("the run cannot fit even with batch size 1:\n  " + "\n  ".join(reasons))
     return best
@@ -287,11 +300,11 @@ def _rebalance(cfg: ModelConfig, work: Work, machine: Machine, p: Plan, ram: int
     lo, hi = p.batch_size, min(cap, 2 * p.batch_size - 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        got = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv_home, mid, ram, gpu)
+        got = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, mid, ram, gpu)
         lo, hi = (mid, hi) if isinstance(got, Plan) else (lo, mid - 1)
     batches = math.ceil(work.num_prompts / lo)
     even = math.ceil(work.num_prompts / batches)
-    final = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv_home, even, ram, gpu)
+    final = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
     return final if isinstance(final, Plan) else p
 
 
@@ -302,20 +315,22 @@ def _try(
     weight_dtype: str,
     cdtype: str,
     home: Home,
-    kv_home: Literal["device", "cpu"],
+    kv: tuple[Literal["device", "cpu"], str],
     batch: int,
     ram_cap: int,
     gpu_cap: int,
 ) -> Plan | str:
-    """The plan for exactly this batch, or why it does not fit."""
+    """The plan for exactly this batch with the KV cache ``kv`` = (home, dtype), or why it does not fit."""
+    kv_home, kv_dtype = kv
     L, c = cfg.num_layers, DTYPE_BYTES[cdtype]
+    kv_elem = kv_bits_per_value(kv_dtype, cfg.head_dim) / 8 if kv_dtype in KV_QUANTIZED else DTYPE_BYTES[kv_dtype]
     lb = layer_bytes(cfg, weight_dtype)
     converts = weight_dtype != cdtype
     cuda = machine.has_gpu
     # CPU: the reader converts the next layer while this one computes, one buffer set per slot.
     compute_buffers = layer_params(cfg) * c * (1 if cuda else 2) if converts else 0
     slots = work.seq_slots
-    kv = kv_bytes(cfg, batch, slots, c) + kv_bytes(cfg, 1, work.shared_prefix_tokens, c)
+    kv_total = int(kv_bytes(cfg, batch, slots, kv_elem) + kv_bytes(cfg, 1, work.shared_prefix_tokens, kv_elem))
     ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if cuda else 0)}
     gpu: dict[str, int] = {"cuda context": CUDA_CONTEXT_BYTES} if cuda else {}
     compute_tier = gpu if cuda else ram
@@ -323,25 +338,29 @@ def _try(
         ram["weights (RAM home)"] = L * lb
     else:
         ram["staging slots"] = 2 * lb
-    compute_tier["resident modules"] = resident_params(cfg) * c
+    host_embedding = 0 if embedding_is_head(cfg) or not cuda else embedding_params(cfg) * c
+    compute_tier["resident modules"] = resident_params(cfg) * c - host_embedding
+    if host_embedding:
+        ram["embedding (lookup)"] = host_embedding
     if cuda:
         gpu["layer slots"] = 2 * lb
     compute_tier["compute buffers"] = compute_buffers
-    (compute_tier if kv_home == "device" else ram)["KV cache"] = kv
+    (compute_tier if kv_home == "device" else ram)["KV cache"] = kv_total
     # Logits come back to RAM in fp32: the last position per row while generating; every position of
     # every label continuation (plus its log-softmax) while scoring a stance.
-    ram["logits"] = max(2 * batch * cfg.vocab_size * 4, 2 * work.stance_labels * work.score_tokens * cfg.vocab_size * 4)
+    ram["logits"] = 2 * batch * max(1, work.stance_tokens) * cfg.vocab_size * 4
     cap = gpu_cap if cuda else ram_cap
     # The largest prefill micro-batch whose activations fit next to everything else.
     fixed = sum(compute_tier.values())
-    if cuda and kv_home == "cpu":
-        fixed += 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim * c  # one layer's K/V copied up
-    P, labels, T = work.prompt_tokens, work.stance_labels, work.score_tokens
+    if (cuda and kv_home == "cpu") or kv_dtype in KV_QUANTIZED:
+        # One layer's K/V in the compute dtype for attention (copied up, dequantized, or both).
+        fixed += 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim * c
+    P, T = work.prompt_tokens, work.stance_tokens
     decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
 
     def activations(rows: int) -> int:
-        # Prefill and the stance passes are split into micro-batches of ``rows`` rows alike.
-        scoring = activation_bytes(cfg, labels, min(rows, labels), T, T, c) if labels else 0
+        # Prefill and the stance pass are split into micro-batches of ``rows`` rows alike.
+        scoring = activation_bytes(cfg, batch, rows, T, slots, c) if T else 0
         return max(activation_bytes(cfg, batch, rows, P, P, c), scoring, decode_act)
 
     micro = next((rows for rows in range(batch, 0, -1) if fixed + activations(rows) <= cap), 0)
@@ -361,20 +380,17 @@ def _try(
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
     memory["disk"] = {"weight store": L * lb + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv_home)
+    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv_home, kv_elem, kv_dtype in KV_QUANTIZED)
     mean_slots = P + work.max_new_tokens / 2
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
-    stance = timing.pass_seconds(work.stance_labels, work.score_tokens, work.score_tokens) if work.stance_labels else 0
+    stance = timing.pass_seconds(batch, T, slots) if T else 0.0
     notes = []
     if ram_layers < L:
         streamed = (L - ram_layers) * lb
         notes.append(f"streams {_fmt(streamed)} of weights from disk per pass at {machine.disk_read_bps / GB:.1f} GB/s")
-    if work.stance_labels:
-        notes.append(
-            f"stance: one {work.stance_labels}-row pass of {work.score_tokens} tokens per request "
-            f"({_dur(work.num_prompts * stance)} of the total)"
-        )
+    if T:
+        notes.append(f"stance: from each row's KV cache, one more pass of the batch over {T} cue and label tokens")
     return Plan(
         device="cuda" if cuda else "cpu",
         weight_dtype=weight_dtype,
@@ -382,6 +398,7 @@ def _try(
         batch_size=batch,
         weight_home=home,
         kv_home=kv_home,
+        kv_dtype=kv_dtype,
         micro_batch=micro,
         memory=memory,
         capacity=capacity,
@@ -407,19 +424,23 @@ class _Timing:
     dtype: str
     ram_layers: int
     kv_home: str
+    kv_elem_bytes: float
+    kv_quantized: bool
 
     def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
         """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
         cfg, m, L = self.cfg, self.machine, self.cfg.num_layers
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        c = DTYPE_BYTES[self.dtype]
         params = layer_params(cfg)
         rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
         compute = (2 * batch * tokens * params + 4 * batch * tokens * slots * q_width) / rate
         if self.converts and not m.has_gpu:  # the reader's dequantization shares the cores with compute
             compute += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
-        if m.has_gpu and self.kv_home == "cpu" and tokens == 1:
-            compute += 2 * batch * slots * kv_width * c / m.h2d_bps
+        kv_values = 2 * batch * slots * kv_width
+        if m.has_gpu and self.kv_home == "cpu" and tokens == 1:  # the compressed bytes are what moves up
+            compute += kv_values * self.kv_elem_bytes / m.h2d_bps
+        if self.kv_quantized and not m.has_gpu:
+            compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         from_ram = self.layer_bytes / m.h2d_bps if m.has_gpu else 0.0
         from_disk = max(self.layer_bytes / m.disk_read_bps, from_ram)
         return self.ram_layers * max(from_ram, compute) + (L - self.ram_layers) * max(from_disk, compute)

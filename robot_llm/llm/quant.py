@@ -30,6 +30,18 @@ _LEVELS = 15
 _MIN_STEP = 2.0**-14
 
 
+#: KV cache dtypes stored compressed (:mod:`robot_llm.llm.kvquant`): int8 symmetric with an fp16
+#: scale per head and slot; int4 asymmetric with an fp16 step and minimum per head and slot.
+KV_QUANTIZED = ("int8", "int4")
+_KV_BITS = {"int8": (8, 16), "int4": (4, 32)}
+
+
+def kv_bits_per_value(kv_dtype: str, head_dim: int) -> float:
+    """Stored bits per K or V value of a compressed KV cache (``int8``/``int4``; scales included)."""
+    code, scales = _KV_BITS[kv_dtype]
+    return code + scales / head_dim
+
+
 def int4_groups(numel: int, group_size: int) -> int:
     """Number of groups of a matrix with ``numel`` elements."""
     return math.ceil(numel / group_size)

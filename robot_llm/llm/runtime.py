@@ -64,7 +64,9 @@ class ModelSettings:
       other work, :func:`robot_llm.llm.machine.free_cores`).
     * ``micro_batch``: most rows of a prefill pass at once (None: planned; a
       pin lowers the planned one, never raises it).
-    * ``max_new_tokens`` / ``stance_labels``: the night's work per request, for
+    * ``kv_dtype``: the KV cache's dtype (``auto``: planned; ``int8``/``int4``
+      compressed, :mod:`robot_llm.llm.kvquant`; or a float dtype).
+    * ``max_new_tokens`` / ``stance_tokens``: the night's work per request, for
       the plan made when the model opens (longest prompts the window allows,
       ``max_positions`` when it is shorter than the model's).
     * ``offload_dir``: DeepSpeed NVMe swap folder / converted store folder.
@@ -84,8 +86,9 @@ class ModelSettings:
     gpu_memory_budget_bytes: int | None = None
     threads: int | None = None
     micro_batch: int | None = None
+    kv_dtype: str = "auto"
     max_new_tokens: int = 128
-    stance_labels: int = 3
+    stance_tokens: int = 16
     max_positions: int | None = None
     offload_dir: Path | None = None
     offload: Literal["cpu", "nvme"] = "nvme"
@@ -181,7 +184,8 @@ class LoadedModel:
         if not isinstance(model, StreamingModel) or count == 0:
             return self.settings.max_batch_size
         home = "ram" if model.home == "ram" else "split" if model.ram_layers else "disk"
-        settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype))
+        kv_dtype = model.kv_dtype or _dtype_name(model.dtype)
+        settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype), kv_dtype=kv_dtype)
         work = Work(count, prompt_tokens, new_tokens, shared)
         job = plan_run(settings, self.config, work, model.store.manifest.dtype)
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
@@ -209,10 +213,11 @@ def machine_for(settings: ModelSettings) -> Machine:
 
 
 def night_work(settings: ModelSettings, config: ModelConfig) -> Work:
-    """The worst batch of a night: ``max_batch_size`` prompts that fill the window, then their stance."""
+    """The worst batch of a night: ``max_batch_size`` prompts that fill the window with their thesis and stance."""
     window = min(settings.max_positions or config.max_position_embeddings, config.max_position_embeddings)
     new = min(settings.max_new_tokens, window - 1)
-    return Work(settings.max_batch_size, window - new, new, stance_labels=settings.stance_labels)
+    stance = min(settings.stance_tokens, window - new - 1)
+    return Work(settings.max_batch_size, window - new - stance, new, stance_tokens=stance)
 
 
 def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dtype: str) -> Plan:
@@ -226,6 +231,7 @@ def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dt
         max_batch_size=settings.max_batch_size,
         memory_budget_bytes=settings.memory_budget_bytes,
         weight_home=None if settings.home == "auto" else settings.home,
+        kv_dtype=settings.kv_dtype,
     )
 
 
@@ -319,5 +325,6 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
         dtype=night.compute_dtype,
         kv_home=night.kv_home,
         micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
+        kv_dtype=night.kv_dtype if night.kv_dtype in ("int8", "int4") else None,
     )
     return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype))

@@ -59,8 +59,8 @@ def test_model_that_fits_in_ram_is_homed_there() -> None:
 
 
 def test_batch_grows_with_memory_and_respects_the_caps() -> None:
-    small = plan(YALM, JOB, Machine(ram_bytes=int(128 * GB)))
-    large = plan(YALM, JOB, Machine(ram_bytes=int(512 * GB)))
+    small = plan(YALM, JOB, Machine(ram_bytes=int(128 * GB)), kv_dtype="fp32")
+    large = plan(YALM, JOB, Machine(ram_bytes=int(512 * GB)), kv_dtype="fp32")
     assert small.device == "cpu" and small.batch_size < large.batch_size
     assert plan(YALM, JOB, Machine(ram_bytes=int(512 * GB)), max_batch_size=16).batch_size <= 16
     assert plan(YALM, Work(3, 64, 16), Machine(ram_bytes=int(512 * GB))).batch_size == 3
@@ -87,13 +87,17 @@ def test_cpu_compute_dtype_is_bf16_where_native_and_never_fp16() -> None:
 
 def test_stance_scoring_and_logits_are_counted() -> None:
     machine = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB)
-    without = plan(YALM, JOB, machine, weight_dtype="int4")
-    scored = plan(YALM, replace(JOB, stance_labels=3), machine, weight_dtype="int4")
-    # Today's stance is one more pass per request over prompt + thesis + cue: a full weight stream each.
-    assert scored.stance_seconds >= scored.decode_seconds
-    assert scored.total_seconds - without.total_seconds >= 300 * scored.stance_seconds * 0.99
-    # 3 labels x 648 positions x 128k vocabulary of fp32 logits, and their log-softmax.
-    assert scored.memory["ram"]["logits"] == 2 * 3 * 648 * YALM.vocab_size * 4
+    without = plan(YALM, JOB, machine, weight_dtype="int4", kv_dtype="int4", max_batch_size=30)
+    scored = plan(
+        YALM, replace(JOB, stance_tokens=16), machine, weight_dtype="int4", kv_dtype="int4", max_batch_size=30
+    )
+    # The stance rides on each row's cache: one more weight stream per batch, not per request.
+    assert scored.decode_seconds <= scored.stance_seconds < 2 * scored.prefill_seconds
+    extra = scored.total_seconds - without.total_seconds
+    assert scored.num_batches * scored.stance_seconds * 0.99 <= extra < 300 * scored.decode_seconds
+    # Every row keeps 16 more slots, and the pass's fp32 logits (and their log-softmax) come back to RAM.
+    assert scored.memory["ram"]["KV cache"] > without.memory["ram"]["KV cache"]
+    assert scored.memory["ram"]["logits"] == 2 * scored.batch_size * 16 * YALM.vocab_size * 4
     assert "stance" in scored.describe()
 
 
@@ -115,8 +119,8 @@ def _kv(p) -> int:
 def test_a_shared_prefix_is_counted_once_per_batch() -> None:
     # Rows that share a P-token template head keep (T - P) slots of their own; the head is stored once.
     machine = Machine(ram_bytes=int(512 * GB), gpu_bytes=int(80 * GB))
-    alone = plan(YALM, Work(32, 512, 128), machine, max_batch_size=32)
-    shared = plan(YALM, Work(32, 512, 128, shared_prefix_tokens=384), machine, max_batch_size=32)
+    alone = plan(YALM, Work(32, 512, 128), machine, max_batch_size=32, kv_dtype="fp16")
+    shared = plan(YALM, Work(32, 512, 128, shared_prefix_tokens=384), machine, max_batch_size=32, kv_dtype="fp16")
     assert alone.batch_size == shared.batch_size == 32
     slots = 512 + 128 - 1
     want = (32 * (slots - 384) + 384) / (32 * slots)
@@ -124,3 +128,17 @@ def test_a_shared_prefix_is_counted_once_per_batch() -> None:
     # More rows fit in the same memory when they share their head.
     tight = Machine(ram_bytes=int(200 * GB), gpu_bytes=int(24 * GB))
     assert plan(YALM, Work(300, 512, 128, 384), tight).batch_size > plan(YALM, Work(300, 512, 128), tight).batch_size
+
+
+def test_a_compressed_kv_cache_is_chosen_when_memory_bounds_the_batch() -> None:
+    machine = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB)
+    plain = plan(YALM, JOB, machine, weight_dtype="int4", kv_dtype="fp16")
+    auto = plan(YALM, JOB, machine, weight_dtype="int4")
+    assert auto.kv_dtype in ("int8", "int4") and auto.batch_size > plain.batch_size
+    assert auto.total_seconds < plain.total_seconds and f"as {auto.kv_dtype}" in auto.describe()
+    # 4 bits + an fp16 step and minimum per 80-wide head and slot: 4.4 bits against fp16's 16.
+    int4 = plan(YALM, JOB, machine, weight_dtype="int4", kv_dtype="int4", max_batch_size=8)
+    fp16 = plan(YALM, JOB, machine, weight_dtype="int4", kv_dtype="fp16", max_batch_size=8)
+    assert int4.memory["ram"]["KV cache"] / fp16.memory["ram"]["KV cache"] == pytest.approx(4.4 / 16, rel=1e-3)
+    # Where memory is plentiful nothing is gained by compressing: the least compressed ties win.
+    assert plan(YALM, Work(4, 64, 8), Machine(ram_bytes=int(512 * GB))).kv_dtype == "fp32"

@@ -50,11 +50,15 @@ def test_the_stream_engine_opens_as_planned(tiny_dir: Path, stores: dict[str, Pa
     finally:
         auto.close()
     pinned = open_model(
-        ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", home="split", dtype="fp32", threads=1)
+        ModelSettings(
+            vocab=vocab, store=stores["fp16"], device="cpu", home="split", dtype="fp32", threads=1, kv_dtype="int8"
+        )
     )
     try:
         assert (pinned.model.home, pinned.model.ram_layers, pinned.model.dtype) == ("disk", 1, torch.float32)
-        assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1 and pinned.model.kv_dtype == "int8"
+        completions = pinned.generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True))
+        assert all(c.new_token_count == 3 for c in completions)
     finally:
         pinned.close()
         torch.set_num_threads(threads)
@@ -88,7 +92,7 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "batch size" in out and "weights homed in split" in out and "estimated time" in out
-    assert "stance: one 3-row pass" in out
+    assert "stance: from each row's KV cache" in out
     assert main(["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "4", "--ram-gb", "16"]) == 1
     assert "refused" in capsys.readouterr().out
     assert main([*args, "--dtype", "int4"]) == 0
