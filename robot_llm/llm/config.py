@@ -271,3 +271,13 @@ def config_from_dict(data: dict[str, Any], family: str = "yalm") -> ModelConfig:
     """Build the config of ``family`` from its :meth:`ModelConfig.to_dict` form."""
     config: ModelConfig = config_class(family).from_dict(data)
     return config
+
+
+def embedding_is_head(cfg: ModelConfig) -> bool:
+    """True when the output head multiplies by the embedding matrix (YaLM, Gemma, tied Llama/Qwen).
+
+    An untied model (its output module holds its own ``[vocab, ...]`` matrix) needs the
+    embedding only for the lookup, which the streaming engine then does in host RAM.
+    """
+    output = cfg.resident_shapes()["output"]
+    return not any(len(shape) == 2 and shape[0] == cfg.vocab_size for shape in output.values())

@@ -26,6 +26,18 @@ def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
     return cls(**{k: v for k, v in data.items() if k in names})
 
 
+def _rope(hf: dict[str, Any], layer_type: str | None = None) -> tuple[float | None, dict[str, Any] | None]:
+    """``(rope_theta, scaling dict or None)`` from a ``config.json`` of either generation: transformers 4
+    writes ``rope_theta`` and ``rope_scaling``, transformers 5 one ``rope_parameters`` dict (per layer type
+    for Gemma 3)."""
+    params = hf.get("rope_parameters")
+    if params is not None:
+        params = params.get(layer_type, {}) if layer_type else params
+        scaling = None if params.get("rope_type", "default") == "default" else params
+        return params.get("rope_theta"), scaling
+    return hf.get("rope_theta"), hf.get("rope_scaling")
+
+
 def _check_positive(cfg: Any, names: tuple[str, ...]) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
@@ -145,6 +157,7 @@ class LlamaConfig:
         """From a Hugging Face ``config.json`` of a Llama, Mistral, Qwen2 or Qwen3 model."""
         model_type = hf.get("model_type", "llama")
         n = hf["num_attention_heads"]
+        theta, scaling = _rope(hf)
         window = hf.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             window = None
@@ -158,8 +171,8 @@ class LlamaConfig:
             max_position_embeddings=hf["max_position_embeddings"],
             vocab_size=hf["vocab_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=theta or 10000.0,
+            rope_scaling=scaling,
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
             o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
@@ -259,7 +272,10 @@ class Gemma3Config:
         layers = hf["num_hidden_layers"]
         pattern = hf.get("sliding_window_pattern", 6)
         types = hf.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-        scaling = hf.get("rope_scaling") or {}
+        theta, scaling = _rope(hf, FULL)
+        local_theta, _ = _rope(hf, SLIDING)
+        if (scaling or {}).get("rope_type", (scaling or {}).get("type", "linear")) != "linear":
+            raise ValueError(f"Gemma 3 rope scaling {scaling} is not supported (only linear)")
         return cls(
             num_layers=layers,
             hidden_size=hf["hidden_size"],
@@ -272,10 +288,62 @@ class Gemma3Config:
             layer_types=tuple(types),
             sliding_window_size=hf.get("sliding_window", 512),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 1_000_000.0),
-            rope_local_base_freq=hf.get("rope_local_base_freq", 10_000.0),
-            rope_scaling_factor=float(scaling.get("factor", 1.0)),
+            rope_theta=theta or 1_000_000.0,
+            rope_local_base_freq=local_theta or hf.get("rope_local_base_freq", 10_000.0),
+            rope_scaling_factor=float((scaling or {}).get("factor", 1.0)),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
         )
+
+
+#: Named Hugging Face family configs (for the planner; a converted store carries its own config).
+HF_PRESETS: dict[str, LlamaConfig | Gemma3Config] = {
+    "llama-3.1-70b": LlamaConfig(
+        num_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "llama-3.1-8b": LlamaConfig(
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "gemma-3-270m": Gemma3Config(
+        num_layers=18,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        max_position_embeddings=32768,
+        vocab_size=262144,
+        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(18)),
+    ),
+}

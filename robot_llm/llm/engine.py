@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.llm.config import embedding_is_head
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
 from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.quant import dequantize_int4_into
@@ -172,8 +173,13 @@ class StreamingModel:
         self.read_depth = read_depth
         self.stats = StreamStats()
         self.rope = self.family.rope(cfg)
+        # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
+        self.embed_device = self.device if embedding_is_head(cfg) else torch.device("cpu")
         self.resident: Resident = {
-            kind: {k: t.to(self.device, self.dtype) for k, t in self.store.load(kind).items()}
+            kind: {
+                k: t.to(self.embed_device if kind == "embedding" else self.device, self.dtype)
+                for k, t in self.store.load(kind).items()
+            }
             for kind in cfg.resident_shapes()
         }
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
@@ -354,7 +360,7 @@ class StreamingModel:
         cfg, fam = self.config, self.family
         B, T = ids.shape
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        x = fam.embed(ids.to(self.device), self.resident, cfg)
+        x = fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device)
         rows = B if T == 1 or not self.micro_batch else self.micro_batch
         if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
             self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import ModelConfig, Shapes
+from robot_llm.llm.config import ModelConfig, Shapes, embedding_is_head
 from robot_llm.llm.machine import Machine
 from robot_llm.llm.quant import KV_QUANTIZED, int4_bytes, kv_bits_per_value
 
@@ -191,6 +191,11 @@ def _groups(width: int, group: int) -> int:
     return width // group if group > 0 and width % group == 0 else 1
 
 
+def embedding_params(cfg: ModelConfig) -> int:
+    """Parameters of the token embedding."""
+    return sum(_numel(s) for s in cfg.resident_shapes()["embedding"].values())
+
+
 def resident_params(cfg: ModelConfig) -> int:
     """Parameters that stay resident: embedding (also a tied LM head), YaLM's projector, the output head."""
     return sum(_numel(s) for module in cfg.resident_shapes().values() for s in module.values())
@@ -333,7 +338,10 @@ def _try(
         ram["weights (RAM home)"] = L * lb
     else:
         ram["staging slots"] = 2 * lb
-    compute_tier["resident modules"] = resident_params(cfg) * c
+    host_embedding = 0 if embedding_is_head(cfg) or not cuda else embedding_params(cfg) * c
+    compute_tier["resident modules"] = resident_params(cfg) * c - host_embedding
+    if host_embedding:
+        ram["embedding (lookup)"] = host_embedding
     if cuda:
         gpu["layer slots"] = 2 * lb
     compute_tier["compute buffers"] = compute_buffers

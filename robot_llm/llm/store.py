@@ -290,17 +290,38 @@ def convert(
     trust_pickle: bool = False,
     on_file: Callable[[StoreFile, int, int], None] | None = None,
 ) -> Manifest:
-    """Convert a release checkpoint into a store, one module at a time; resumes unfinished work.
+    """Convert a YaLM release checkpoint into a store, one module at a time; resumes unfinished work.
 
-    ``config`` defaults to ``RELEASE_DIR/config.json``. The conversion is refused
-    before any file is written when the free space of ``store_dir`` minus
-    ``reserve_bytes`` cannot hold the files still to write. ``on_file(file,
-    done, total)`` is called after each file is in place (and for files an
-    earlier run already finished).
+    ``config`` defaults to ``RELEASE_DIR/config.json``. See :func:`convert_modules`.
     """
-    _check_dtype(dtype, group_size)
     release = Path(release_dir)
     cfg = config or _release_config(release)
+    modules = iter_release_modules(release, cfg, trust_pickle=trust_pickle)
+    return convert_modules(
+        cfg, modules, store_dir, dtype=dtype, group_size=group_size, reserve_bytes=reserve_bytes, on_file=on_file
+    )
+
+
+def convert_modules(
+    cfg: ModelConfig,
+    modules: Iterable[tuple[ModuleKind, int, Params]],
+    store_dir: str | Path,
+    *,
+    dtype: str = "fp16",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    reserve_bytes: int = 1 << 30,
+    on_file: Callable[[StoreFile, int, int], None] | None = None,
+) -> Manifest:
+    """Write ``modules`` (``(kind, index, params)`` in forward order, read lazily) into a store.
+
+    Every importer (release checkpoint, GGUF, Hugging Face folder) ends here. The
+    conversion is refused before any file is written when the free space of
+    ``store_dir`` minus ``reserve_bytes`` cannot hold the files still to write; it
+    resumes an interrupted conversion (modules already written are skipped).
+    ``on_file(file, done, total)`` is called after each file is in place (and for
+    files an earlier run already finished).
+    """
+    _check_dtype(dtype, group_size)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     if (store / MANIFEST).exists():
@@ -327,7 +348,6 @@ def convert(
         name = file_name(kind, index)
         if name in done and on_file is not None:
             on_file(done[name], len(done), total)
-    modules = iter_release_modules(release, cfg, trust_pickle=trust_pickle)
     for kind, index, params in modules:
         name = file_name(kind, index)
         if name in done:

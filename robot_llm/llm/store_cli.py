@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import PRESETS, YalmConfig
+from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
+from robot_llm.llm.config_hf import HF_PRESETS
 
 GB = 1e9
 
@@ -39,16 +40,29 @@ def _convert(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
             bar.set_postfix_str(entry.name)
 
+    source = args.release_dir
     try:
-        manifest = convert(
-            args.release_dir,
-            args.store_dir,
-            dtype=args.dtype,
-            config=config,
-            group_size=args.group_size,
-            trust_pickle=args.trust_pickle,
-            on_file=on_file,
-        )
+        if source.suffix == ".gguf" or ((source / "config.json").is_file() and any(source.glob("*.safetensors"))):
+            from robot_llm.llm.importers import import_model
+
+            manifest = import_model(
+                source,
+                args.store_dir,
+                dtype=args.dtype,
+                group_size=args.group_size,
+                tokenizer=args.tokenizer,
+                on_file=on_file,
+            )
+        else:
+            manifest = convert(
+                source,
+                args.store_dir,
+                dtype=args.dtype,
+                config=config,
+                group_size=args.group_size,
+                trust_pickle=args.trust_pickle,
+                on_file=on_file,
+            )
     except StoreError as exc:
         raise RobotLLMError(str(exc)) from exc
     finally:
@@ -87,8 +101,9 @@ def _plan(args: argparse.Namespace) -> int:
     from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
     from robot_llm.llm.planner import PlanError, Work, plan
 
+    config: ModelConfig
     if args.preset:
-        config = YalmConfig.preset(args.preset)
+        config = HF_PRESETS[args.preset] if args.preset in HF_PRESETS else YalmConfig.preset(args.preset)
     elif args.store:
         from robot_llm.llm.store import read_manifest
 
@@ -149,8 +164,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 def add_engine_commands(model_sub: Any) -> None:
     """Add ``convert``, ``verify`` and ``plan`` to the ``model`` subparsers."""
-    conv = model_sub.add_parser("convert", help="convert a release checkpoint into a streaming weight store")
-    conv.add_argument("release_dir", type=Path, help="release checkpoint folder")
+    conv = model_sub.add_parser(
+        "convert", help="convert a YaLM release, a GGUF file or a Hugging Face folder into a streaming weight store"
+    )
+    conv.add_argument(
+        "release_dir",
+        metavar="SOURCE",
+        type=Path,
+        help="YaLM release folder, .gguf file, or Hugging Face folder (config.json, *.safetensors, tokenizer.json)",
+    )
     conv.add_argument("store_dir", type=Path, help="store folder to write (resumes an unfinished one)")
     conv.add_argument(
         "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="default: %(default)s"
@@ -160,6 +182,7 @@ def add_engine_commands(model_sub: Any) -> None:
     )
     conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
+    conv.add_argument("--tokenizer", type=Path, help="tokenizer.json to store instead of the source's own (GGUF/HF)")
     conv.set_defaults(handler=_convert)
 
     ver = model_sub.add_parser("verify", help="check every store file against its manifest")
@@ -167,7 +190,7 @@ def add_engine_commands(model_sub: Any) -> None:
     ver.set_defaults(handler=_verify)
 
     pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")
-    pl.add_argument("--preset", choices=sorted(PRESETS), help="model (or --store)")
+    pl.add_argument("--preset", choices=sorted([*PRESETS, *HF_PRESETS]), help="model (or --store)")
     pl.add_argument("--store", type=Path, help="a converted store (its config; measures its read bandwidth)")
     pl.add_argument(
         "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="stored weight dtype"

