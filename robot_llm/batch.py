@@ -29,7 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from robot_llm.clock import aware_utc
 from robot_llm.configured_model import BatchModel, open_configured_model
 from robot_llm.db import error_line
-from robot_llm.errors import RobotLLMError
+from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, RobotLLMError
 from robot_llm.request_queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
 from robot_llm.stance import Calibration, StanceResult, StanceSpec, parse_stance_spec, score_stance
 from robot_llm.watchdog import Watchdog
@@ -38,7 +38,13 @@ if TYPE_CHECKING:
     from robot_llm.config import AppConfig
     from robot_llm.llm.generate import SamplingParams
 
-__all__ = ["BatchError", "RunSummary", "run_queue", "sampling_params", "summary_line"]
+__all__ = [
+    "BatchError",
+    "RunSummary",
+    "run_queue",
+    "sampling_params",
+    "summary_line",
+]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +99,15 @@ class RunSummary:
     def tokens_per_s(self) -> float:
         """Generated tokens per second of batch time."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def exit_code(self) -> int:
+        """The process exit status of ``batch run`` for this run (README: "Exit codes")."""
+        if self.failed:
+            return EXIT_REQUESTS_FAILED
+        if self.blocked_by is not None:
+            return EXIT_BLOCKED
+        return 0
 
 
 class _Progress:
@@ -276,7 +291,8 @@ def _work(
     calibration = Calibration()  # content-free label priors, once per template per night
     blocked_by: str | None = None
     status, error = "ok", None
-    drained = False
+    drained = crashed = False
+    in_flight: list[int] = []
     try:
         while not stop.is_set():
             watchdog.progress()
@@ -284,7 +300,8 @@ def _work(
             if not claimed:
                 drained = True
                 break
-            watchdog.progress([r.id for r in claimed])
+            in_flight = [r.id for r in claimed]
+            watchdog.progress(in_flight)
             started = time.monotonic()
             rows, errors, new_tokens = _run_batch(model, claimed, watchdog.progress, calibration)
             tally.seconds += time.monotonic() - started
@@ -296,19 +313,28 @@ def _work(
                 queue.store(rows, tally, total)
             if errors:
                 queue.fail(errors, {r.id: r.attempts for r in claimed}, tally, total)
+            in_flight = []
             watchdog.progress([])
             bar.update(tally, total, tally.handled - before)
         if not drained:
             status, error = "aborted", "stopped on request (signal); the rest of the queue waits for the next run"
+        elif tally.failed:
+            # Not a crash: the run went through the queue, but the night lacks these theses.
+            status = "failed"
+            error = (
+                f"{tally.failed} request(s) failed for good after {config.batch.max_attempts} attempts "
+                "(see `robot-llm batch status`)"
+            )
     except SQLAlchemyError as exc:
-        status, error = "failed", f"database error: {error_line(exc)}"
+        status, error, crashed = "failed", f"database error: {error_line(exc)}", True
     except BaseException as exc:
-        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        status, error, crashed = "failed", f"{type(exc).__name__}: {exc}", True
+        _release(queue, in_flight)
         raise
     finally:
         bar.close()
         watchdog.halt()
-        if status == "failed":
+        if crashed:
             _record_failure(queue, tally, total, error or "")
         else:
             try:
@@ -318,7 +344,7 @@ def _work(
                     f"{tally.done} thesis(es) are stored, but the end of run #{run_id} could not be recorded: "
                     f"{error_line(exc)}"
                 ) from None
-    if status == "failed":
+    if crashed:
         raise BatchError(
             f"{error}; {tally.done} thesis(es) stored by this run are intact; "
             f"run `robot-llm batch run -c {config.source or 'FILE'}` again to resume"
@@ -340,6 +366,13 @@ def _work(
         blocked_by=blocked_by,
         failures=tuple(tally.failures),
     )
+
+
+def _release(queue: RequestQueue, request_ids: list[int]) -> None:
+    try:
+        queue.release(request_ids)
+    except SQLAlchemyError as exc:
+        log.error("the requests in flight could not be released (their leases expire): %s", error_line(exc))
 
 
 def _record_failure(queue: RequestQueue, tally: Tally, total: int, error: str) -> None:
@@ -364,5 +397,5 @@ def summary_line(summary: RunSummary) -> str:
     if summary.stopped:
         parts.append("stopped on request")
     if summary.blocked_by:
-        parts.append(f"another worker holds the SQLite queue: {summary.blocked_by}")
+        parts.append(f"nothing more could be claimed: another worker holds the SQLite queue: {summary.blocked_by}")
     return ", ".join(parts)

@@ -95,9 +95,10 @@ def _run(args: argparse.Namespace) -> int:
     print(summary_line(summary))
     for request_id, error in summary.failures:
         print(f"  request #{request_id} failed: {error}")
-    # Requests that failed for good are the night's business, not the worker's: they are in
-    # `batch status` and `report`, and the daemon reads them from the queue.
-    return 0
+    # A clean stop on request (SIGTERM, Ctrl-C) exits 0: what was done is stored, the rest waits.
+    if summary.exit_code:
+        print(f"error: {summary_line(summary)}", file=sys.stderr)
+    return summary.exit_code
 
 
 def _status(args: argparse.Namespace) -> int:

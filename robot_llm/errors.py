@@ -6,6 +6,14 @@ as one line and exits non-zero, with a traceback only under ``-vv``. Anything el
 
 from __future__ import annotations
 
+#: Exit status of ``batch run`` / ``demo`` when some requests failed for good (theses are missing).
+EXIT_REQUESTS_FAILED = 1
+#: Exit status of ``batch run`` when nothing could be done: another live worker holds the SQLite queue.
+EXIT_BLOCKED = 4
+# The others: 0 all done (or ``batch run`` stopped cleanly on request); 2 a RobotLLMError below;
+# 3 the watchdog ended a stalled batch (robot_llm.watchdog.WATCHDOG_EXIT_CODE); 128 + N the
+# demo stopped by signal N (130 Ctrl-C, 143 SIGTERM).
+
 
 class RobotLLMError(Exception):
     """A problem the user can fix (bad input, missing file, unreachable server...)."""

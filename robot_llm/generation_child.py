@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from robot_llm.clock import aware_utc
-from robot_llm.errors import RobotLLMError
+from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, RobotLLMError
 from robot_llm.watchdog import WATCHDOG_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -86,6 +86,10 @@ class ChildOutcome:
                 text += " after it ignored SIGTERM for daemon.shutdown_timeout"
             elif -self.returncode == signal.SIGKILL:
                 text += " (not by robot-llm: the kernel's out-of-memory killer, or an operator)"
+        elif self.returncode == EXIT_REQUESTS_FAILED:
+            text = f"the generation child (pid {self.pid}) finished, but requests failed for good (batch status)"
+        elif self.returncode == EXIT_BLOCKED:
+            text = f"the generation child (pid {self.pid}) could do nothing: another worker holds the queue"
         else:
             text = f"the generation child (pid {self.pid}) exited with code {self.returncode}"
         if self.timed_out:

@@ -18,6 +18,7 @@ from sqlalchemy import or_, update
 from robot_llm.clock import aware_utc
 from robot_llm.db import DaemonLease, DatabaseError, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
+from robot_llm.runs import process_gone
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -97,9 +98,10 @@ def acquire_lease(
     """Take the lease atomically, or raise LeaseHeldError naming the live holder's host and pid.
 
     One statement decides: insert the row, or on conflict overwrite it only if its holder
-    released it, let it expire, or is us. Both PostgreSQL and SQLite evaluate that
-    ``ON CONFLICT ... DO UPDATE ... WHERE`` under the row's lock, so two daemons starting
-    at once cannot both win.
+    released it, let it expire, is us, or is a process of this host that is gone (a SIGKILLed
+    daemon is taken over at once, not after its lease ran out). Both PostgreSQL and SQLite
+    evaluate that ``ON CONFLICT ... DO UPDATE ... WHERE`` under the row's lock, so two daemons
+    starting at once cannot both win.
     """
     now = aware_utc(now or utcnow(), "now")
     insert = _upsert(engine)
@@ -115,15 +117,20 @@ def acquire_lease(
         "state": "starting",
         "released": False,
     }
+    # Read first, in its own transaction (a read before the write in one SQLite transaction
+    # could fail to upgrade to a write lock): whose lease we take over, and whether it is dead.
+    previous = read_lease(engine, name)
+    takeover = [table.c.expires_at <= now, table.c.released.is_(True), table.c.holder == holder]
+    dead = previous is not None and not previous.released and process_gone(previous.host, previous.pid)
+    if dead:
+        assert previous is not None
+        takeover.append(table.c.holder == previous.holder)  # only if that dead daemon still holds it
     stmt = insert(table).values(**values)
     stmt = stmt.on_conflict_do_update(
         index_elements=[table.c.name],
         set_={k: stmt.excluded[k] for k in values if k != "name"},
-        where=or_(table.c.expires_at <= now, table.c.released.is_(True), table.c.holder == holder),
+        where=or_(*takeover),
     )
-    # Read first, in its own transaction, only to say whose stale lease we take over: a read
-    # before the write in one SQLite transaction could fail to upgrade to a write lock.
-    previous = read_lease(engine, name)
     with session_scope(engine) as session:
         session.execute(stmt)
         row = session.get(DaemonLease, name, populate_existing=True)
@@ -134,14 +141,16 @@ def acquire_lease(
         left = (current.expires_at - now).total_seconds()
         raise LeaseHeldError(
             f"another robot-llm daemon is running on this database: host {current.host}, pid {current.pid} "
-            f"(state {current.state}, last heartbeat {age:.0f}s ago, lease expires in {left:.0f}s). "
-            "Stop it first; if it died, its lease expires by itself."
+            f"(state {current.state}, last heartbeat {age:.0f}s ago, lease expires in {left:.0f}s, at "
+            f"{current.expires_at:%Y-%m-%d %H:%M:%SZ}). Stop it first; if it died on another host, "
+            "its lease expires by itself (a dead daemon of this host is taken over at once)."
         )
     if previous is not None and previous.holder != holder and not previous.released:
         log.warning(
-            "took over a stale daemon lease from host %s pid %s (its heartbeat stopped at %s)",
+            "took over the daemon lease of host %s pid %s (%s; its last heartbeat %s)",
             previous.host,
             previous.pid,
+            "that process is gone" if dead else "its lease had expired",
             previous.heartbeat_at.isoformat(),
         )
     return current

@@ -163,7 +163,7 @@ class NightlyJob:
         done, total = queue.get("done", 0), sum(queue.values())
         # SIGTERM before the child installed its handler (still importing) kills it outright;
         # that is still the clean stop we asked for, not a failure.
-        stopped = outcome.stop_requested and outcome.returncode in (0, -signal.SIGTERM)
+        stopped = outcome.stop_requested and outcome.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
         if outcome.returncode != 0 and not stopped:
             error = outcome.describe()
             self._fail_orphaned_worker_runs(outcome.pid, error)

@@ -21,6 +21,7 @@ request first, the late thesis is dropped, never stored twice.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -29,12 +30,14 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from robot_llm.db import GenerationRequest, Run, Thesis, utcnow
-from robot_llm.runs import beat_run, finish_run, start_run
+from robot_llm.runs import beat_run, finish_run, process_gone, start_run
 
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
 
 __all__ = ["ClaimedRequest", "RequestQueue", "Tally", "alive_window", "heartbeat_interval"]
+
+log = logging.getLogger("robot_llm.batch")
 
 
 @dataclass
@@ -160,18 +163,59 @@ class RequestQueue:
         )
         return self.run_id
 
+    def _take_over_dead_workers(self, conn: Connection, now: datetime) -> None:
+        """Close the generate runs of this host whose process is gone, and free their requests now.
+
+        Without this, an immediate rerun after a SIGKILL would find the dead worker's run
+        alive (its last heartbeat is recent) and its requests leased for ``batch.lease``.
+        Runs on other hosts are left to their heartbeat and leases.
+        """
+        rows = conn.execute(
+            select(Run.id, Run.host, Run.pid, Run.counts).where(
+                Run.kind == "generate", Run.status == "running", Run.id != self.run_id
+            )
+        ).all()
+        for row in rows:
+            if not process_gone(row.host, row.pid):
+                continue
+            conn.execute(
+                update(Run)
+                .where(Run.id == row.id, Run.status == "running")
+                .values(
+                    status="aborted",
+                    finished_at=now,
+                    error=f"its worker (pid {row.pid}) is gone (killed or crashed); taken over by {self.worker_id}",
+                )
+            )
+            owner = (row.counts or {}).get("worker_id")
+            if owner:
+                # Claimable at once; the attempt it spent stays counted.
+                conn.execute(
+                    update(GenerationRequest)
+                    .where(GenerationRequest.lease_owner == owner, GenerationRequest.status == "running")
+                    .values(lease_expires_at=now - timedelta(seconds=1), updated_at=now)
+                )
+            log.warning("took over the queue of worker run #%s (pid %s on this host is gone)", row.id, row.pid)
+
     def _other_live_worker(self, conn: Connection, now: datetime) -> str | None:
+        window = alive_window(self.config)
         row = conn.execute(
-            select(Run.id, Run.host, Run.pid)
+            select(Run.id, Run.host, Run.pid, Run.heartbeat_at)
             .where(
                 Run.kind == "generate",
                 Run.status == "running",
                 Run.id != self.run_id,
-                Run.heartbeat_at > now - alive_window(self.config),
+                Run.heartbeat_at > now - window,
             )
             .limit(1)
         ).first()
-        return None if row is None else f"run #{row.id} (host {row.host}, pid {row.pid})"
+        if row is None:
+            return None
+        dead_after = (row.heartbeat_at + window).strftime("%Y-%m-%d %H:%M:%SZ")
+        return (
+            f"run #{row.id} (host {row.host}, pid {row.pid}) is alive; "
+            f"it is taken for dead if its heartbeat stops, at {dead_after} at the earliest"
+        )
 
     def claim(self, limit: int) -> tuple[list[ClaimedRequest], str | None]:
         """Claim up to ``limit`` requests; returns them, or ([], who) when another SQLite worker is active."""
@@ -180,6 +224,7 @@ class RequestQueue:
         with self.engine.connect() as conn:
             _begin_write(conn)
             now = utcnow()
+            self._take_over_dead_workers(conn, now)
             if self.sqlite:
                 other = self._other_live_worker(conn, now)
                 if other is not None:
@@ -320,6 +365,33 @@ class RequestQueue:
                 update(Run)
                 .where(Run.id == self.run_id, Run.status == "running")
                 .values(heartbeat_at=now, **self._progress_values(tally, total))
+            )
+            conn.commit()
+
+    def release(self, request_ids: list[int]) -> None:
+        """Give back requests this worker claimed but will not finish (it was interrupted).
+
+        They are pending again at once and the interrupted attempt is not counted: the
+        interruption was the user's, not the request's.
+        """
+        if not request_ids:
+            return
+        with self.engine.connect() as conn:
+            _begin_write(conn)
+            conn.execute(
+                update(GenerationRequest)
+                .where(
+                    GenerationRequest.id.in_(request_ids),
+                    GenerationRequest.lease_owner == self.worker_id,
+                    GenerationRequest.status == "running",
+                )
+                .values(
+                    status="pending",
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    attempts=GenerationRequest.attempts - 1,
+                    updated_at=utcnow(),
+                )
             )
             conn.commit()
 

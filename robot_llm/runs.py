@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select, update
@@ -31,6 +32,7 @@ __all__ = [
     "finish_run",
     "night_complete",
     "night_recorded",
+    "process_gone",
     "queue_counts",
     "record_skipped",
     "start_run",
@@ -40,6 +42,27 @@ __all__ = [
 #: worker records its 'generate' rows; this row says how the child as a whole ended).
 NIGHTLY_KIND = "nightly"
 _DONE_STATUSES = ("ok", "skipped")
+
+
+def process_gone(host: str | None, pid: int | None) -> bool:
+    """Whether ``pid`` ran on *this* host and is gone (or a zombie): its rows can be taken over at once.
+
+    A process on another host, or one we cannot see, is never declared gone here; it is
+    taken for dead only when its heartbeat or lease expires.
+    """
+    if host != socket.gethostname() or pid is None or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by another user
+        return False
+    try:  # killed but not yet reaped by its parent: as dead as it gets
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:1]
+    except OSError:
+        return False
+    return state == ["Z"]
 
 
 def start_run(

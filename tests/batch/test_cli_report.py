@@ -20,9 +20,12 @@ def test_plan_run_status_and_report_commands(benv, night, capsys):
     assert main(["batch", "status", "-c", str(config_file)]) == 0
     assert "pending 4, running 0, done 0, failed 0" in capsys.readouterr().out
 
-    assert main(["batch", "run", "-c", str(config_file), "--as-of", as_of, "--skip-preflight"]) == 0
-    out = capsys.readouterr().out
+    # A request that failed for good makes the run fail (exit 1): the night lacks a thesis.
+    assert main(["batch", "run", "-c", str(config_file), "--as-of", as_of, "--skip-preflight"]) == 1
+    captured = capsys.readouterr()
+    out = captured.out
     assert "3 thesis(es) stored, 1 failed" in out and "window is 64" in out
+    assert "error: generate run" in captured.err
 
     assert main(["batch", "status", "-c", str(config_file)]) == 0
     assert "pending 0, running 0, done 3, failed 1" in capsys.readouterr().out
@@ -34,7 +37,7 @@ def test_plan_run_status_and_report_commands(benv, night, capsys):
     assert data["day"] == day and data["theses"] == benv.thesis_count() == 3
     assert data["theses_by_template"] == {"tiny": 3}
     kinds = {(r["kind"], r["status"]) for r in data["runs"]}
-    assert {("plan", "ok"), ("generate", "ok")} <= kinds
+    assert {("plan", "ok"), ("generate", "failed")} <= kinds
     (failure,) = data["failures"]
     assert failure["ticker"] == "T003" and "window is 64" in failure["error"]
     assert data["tokens_per_s"] > 0 and data["new_tokens"] == generate.counts["new_tokens"]

@@ -97,7 +97,8 @@ def test_a_request_that_keeps_failing_is_failed_and_the_rest_go_on(benv, night, 
     assert all(requests[i].status == "done" for i in good)
     assert sorted(t.request_id for t in benv.theses()) == good
     run = benv.runs()[-1]
-    assert run.status == "ok" and run.counts["failed"] == 1 and run.counts["retried"] == 1
+    assert run.status == "failed" and "1 request(s) failed for good" in run.error
+    assert run.counts["failed"] == 1 and run.counts["retried"] == 1 and summary.exit_code == 1
     assert summary.failures == ((bad, requests[bad].last_error),)
 
 

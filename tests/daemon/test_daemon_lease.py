@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 from datetime import datetime, timedelta, timezone
 
@@ -69,3 +73,32 @@ def test_simultaneous_starts_have_exactly_one_winner(engine: Engine) -> None:
     assert len(winners) == 1 and len(refused) == 3
     lease = read_lease(engine)
     assert lease is not None and lease.holder == winners[0]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid no longer exists
+    return proc.pid
+
+
+def test_a_dead_daemon_of_this_host_is_taken_over_at_once(engine: Engine) -> None:
+    here = socket.gethostname()
+    dead = _dead_pid()
+    acquire_lease(engine, holder="killed", host=here, pid=dead, ttl=timedelta(hours=1), now=T0)
+    # Its lease has an hour left, but its process is gone: no wait.
+    taken = acquire_lease(engine, holder="new", host=here, pid=os.getpid(), ttl=TTL, now=T0 + timedelta(seconds=5))
+    assert (taken.holder, taken.pid) == ("new", os.getpid())
+    assert not renew_lease(engine, "killed", TTL, "running", now=T0 + timedelta(seconds=6))
+
+
+def test_a_live_daemon_is_never_taken_over_and_its_lease_end_is_named(engine: Engine) -> None:
+    here = socket.gethostname()
+    acquire_lease(engine, holder="alive", host=here, pid=os.getpid(), ttl=TTL, now=T0)
+    with pytest.raises(LeaseHeldError, match="at 2026-11-26 20:03:00Z"):
+        acquire_lease(engine, holder="second", host=here, pid=os.getpid(), ttl=TTL, now=T0 + timedelta(seconds=5))
+    # A dead pid number on *another* host proves nothing about that host: wait for the lease.
+    acquire_lease(engine, holder="elsewhere", host="other-box", pid=_dead_pid(), ttl=TTL, now=T0 + timedelta(hours=1))
+    with pytest.raises(LeaseHeldError, match="host other-box"):
+        acquire_lease(
+            engine, holder="third", host=here, pid=os.getpid(), ttl=TTL, now=T0 + timedelta(hours=1, seconds=5)
+        )
