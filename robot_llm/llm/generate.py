@@ -15,6 +15,7 @@ logits keeping every token whose preceding cumulative probability is <= p.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,7 +23,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.family import ForwardModel, KVCache
 from robot_llm.llm.slots import tree_layout
 from robot_llm.llm.tokenizer import Tokenizer
 
@@ -262,35 +263,43 @@ def _run_batch(
     rows: list[_Row],
     on_step: Callable[[], None] | None,
     share_prefix: int,
-) -> None:
+    pending: deque[_Row],
+    refill_slots: int,
+) -> int:
     """Generate for ``rows`` (all with budget >= 1) in one left-padded batch, and score their followups.
 
     A finished row stays in the cache, masked (no copy); the step after it finished
     scores its followup as a tree of tokens from its cache, alongside the other rows'
     decode tokens, so followups cost no weight pass of their own except after the last row.
+    With ``refill_slots`` more slots per row, a freed row takes the next ``pending`` prompt
+    (prefilled in a decode step of the others) while the cache has room for it to finish;
+    returns how many pending prompts were taken.
     """
     shared = shared_prefix_length([r.prompt_ids for r in rows]) if len(rows) > 1 else 0
     if not share_prefix or shared < share_prefix:
         shared = 0
+    head = rows[0].prompt_ids[:shared]
     width = max(len(r.prompt_ids) for r in rows) - shared
     pad = torch.tensor([width + shared - len(r.prompt_ids) for r in rows], dtype=torch.long)
     ids = torch.full((len(rows), width), tokenizer.eos_id, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, width + shared - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids[shared:])
-    tree_width = max(followup_slots(tokenizer, r.followup) for r in rows)
+    tree_width = max(followup_slots(tokenizer, r.followup) for r in [*rows, *pending])
     max_pos = model.config.max_position_embeddings
     # The last token of a row is never fed back, hence width + budget - 1 slots, plus one tree step.
-    cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1 + tree_width, pad)
+    cache = model.new_cache(len(rows), width + max(r.budget for r in rows) - 1 + tree_width + refill_slots, pad)
     if shared:
         # The template's common head: one row of KV, computed once, attended by every row.
         prefix = model.new_cache(1, shared)
-        model.forward(torch.tensor([rows[0].prompt_ids[:shared]]), prefix, last_only=True)
+        model.forward(torch.tensor([head]), prefix, last_only=True)
         if on_step is not None:
             on_step()
         cache.share_prefix(prefix)
     logits = model.forward(ids, cache, last_only=True)[:, -1]
     if on_step is not None:
         on_step()
+    taken = 0
+    freed: list[int] = []  # rows whose thesis and followup are done: free for a pending prompt
     while True:
         trees: dict[int, _Tree] = {}
         for b, r in enumerate(rows):
@@ -305,23 +314,62 @@ def _run_batch(
             if tree is not None:
                 cache.slots.rewind(b, tree.keep)
                 trees[b] = tree
-        if not trees and not bool(cache.slots.active.any()):
-            return
-        steps = max([1, *(len(t.tokens) for t in trees.values())])
+            else:
+                freed.append(b)
+        fills = _refill(rows, freed, pending, cache, trees, tree_width, head) if refill_slots else {}
+        taken += len(fills)
+        if not trees and not fills and not bool(cache.slots.active.any()):
+            return taken
+        steps = max([1, *(len(t.tokens) for t in trees.values()), *(len(f) for f in fills.values())])
         step = torch.full((len(rows), steps), tokenizer.eos_id, dtype=torch.long)
         for b, r in enumerate(rows):
             if b in trees:
                 step[b, : len(trees[b].tokens)] = torch.tensor(trees[b].tokens)
+            elif b in fills:
+                step[b, : len(fills[b])] = torch.tensor(fills[b])
             elif bool(cache.slots.active[b]):
                 step[b, 0] = r.new_ids[-1]
-        if trees:
-            shapes = {b: (len(t.trunk), [len(x) for x in t.branches]) for b, t in trees.items()}
+        if trees or fills:
+            shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
+            shapes |= {b: (len(f), [], True) for b, f in fills.items()}
             cache.layout = tree_layout(len(rows), steps, shapes, cache.slots)
-        out = model.forward(step, cache, last_only=not trees)
+        out = model.forward(step, cache, last_only=not (trees or fills))
         if on_step is not None:
             on_step()
         _score_trees(out, trees, rows)
-        logits = out[:, 0]
+        freed.extend(trees)
+        logits = out[:, 0].clone()
+        for b, f in fills.items():
+            logits[b] = out[b, len(f) - 1]
+            cache.slots.active[b] = True
+
+
+def _refill(
+    rows: list[_Row],
+    freed: list[int],
+    pending: deque[_Row],
+    cache: KVCache,
+    trees: dict[int, _Tree],
+    tree_width: int,
+    head: list[int],
+) -> dict[int, list[int]]:
+    """Give freed rows the next pending prompts that can still finish in the cache; their tokens to prefill by row."""
+    fills: dict[int, list[int]] = {}
+    while freed and pending and pending[0].prompt_ids[: len(head)] == head:
+        own = pending[0].prompt_ids[len(head) :]
+        steps = max([len(own), *(len(f) for f in fills.values())])
+        left = [r.budget - len(r.new_ids) for b, r in enumerate(rows) if bool(cache.slots.active[b])]
+        need = max([pending[0].budget, *(rows[b].budget for b in fills), *left])
+        # After this step the shared length grows by the longest prompt fed; every live row must still finish.
+        if max(steps, *(len(t.tokens) for t in trees.values()), 1) > cache.max_len - cache.length:
+            break
+        if cache.length + steps + need - 1 + tree_width > cache.max_len:
+            break
+        b = freed.pop(0)
+        rows[b] = pending.popleft()
+        cache.slots.rewind(b, len(head))
+        fills[b] = own
+    return fills
 
 
 def generate(
@@ -335,6 +383,7 @@ def generate(
     on_step: Callable[[], None] | None = None,
     followups: Sequence[Followup | None] | None = None,
     share_prefix: int = 0,
+    refill_slots: int = 0,
 ) -> list[Completion]:
     """Continue every prompt; returns one :class:`Completion` per prompt, in order.
 
@@ -353,6 +402,10 @@ def generate(
     ``share_prefix`` (0 = off): when the prompts of a batch start with at least that many
     common tokens (a template's head), their KV is computed once in a pass of its own,
     stored once and attended by every row; each row's logits stay what they would be alone.
+
+    ``refill_slots`` (0 = off): KV slots per row reserved beyond the batch's own need, so
+    that a row whose thesis is done can take the next waiting prompt (continuous batching)
+    instead of idling until the whole batch is done.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -377,12 +430,11 @@ def generate(
     for r in rows:
         if r.budget == 0:
             r.finish = "length"
-    todo = sorted((r for r in rows if r.finish is None), key=lambda r: len(r.prompt_ids))
+    todo = deque(sorted((r for r in rows if r.finish is None), key=lambda r: len(r.prompt_ids)))
     done = len(rows) - len(todo)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        _run_batch(model, tokenizer, chunk, on_step, share_prefix)
-        done += len(chunk)
+    while todo:
+        chunk = [todo.popleft() for _ in range(min(batch_size, len(todo)))]
+        done += len(chunk) + _run_batch(model, tokenizer, chunk, on_step, share_prefix, todo, refill_slots)
         if on_progress is not None:
             on_progress(done, len(rows))
     for r in rows:

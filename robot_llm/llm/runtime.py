@@ -58,6 +58,8 @@ class ModelSettings:
       it is native, else fp32).
     * ``device``: ``auto`` (CUDA if present), ``cpu`` or ``cuda``.
     * ``max_batch_size``: upper bound on prompts per batch.
+    * ``refill_slots``: KV slots per row reserved so that a row whose thesis is done takes
+      the next waiting prompt (continuous batching); 0 = off. Planned as KV memory.
     * ``memory_budget_bytes`` / ``gpu_memory_budget_bytes``: RAM / GPU memory
       the run may use (the planner keeps within both).
     * ``threads``: intra-op compute threads (None: the cores not busy with
@@ -82,6 +84,7 @@ class ModelSettings:
     dtype: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = 32
+    refill_slots: int = 0
     memory_budget_bytes: int | None = None
     gpu_memory_budget_bytes: int | None = None
     threads: int | None = None
@@ -103,6 +106,8 @@ class ModelSettings:
             raise RobotLLMError("the memory backend loads a release checkpoint; set checkpoint")
         if self.max_batch_size < 1:
             raise RobotLLMError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.refill_slots < 0:
+            raise RobotLLMError(f"refill_slots must be >= 0, got {self.refill_slots}")
 
 
 class LoadedModel:
@@ -142,7 +147,8 @@ class LoadedModel:
         # Every batch shares at least the head all the prompts share (a batch of one template shares more).
         shared = shared_prefix_length(encoded) if len(encoded) > 1 else 0
         shared = shared if shared >= SHARE_PREFIX_MIN else 0
-        batch = self._prepare(len(prompts), prompt_tokens, new_tokens + extra, shared)
+        refill = self.settings.refill_slots
+        batch = self._prepare(len(prompts), prompt_tokens, new_tokens + extra + refill, shared)
         streaming = isinstance(self.model, StreamingModel)
         if streaming:
             self.model.on_layer = on_step
@@ -157,6 +163,7 @@ class LoadedModel:
                 on_step=on_step,
                 followups=followups,
                 share_prefix=SHARE_PREFIX_MIN,
+                refill_slots=refill,
             )
         finally:
             if streaming:

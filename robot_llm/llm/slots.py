@@ -110,14 +110,15 @@ class SlotState:
         self.next_pos[row] = tokens
 
 
-def tree_layout(rows: int, steps: int, trees: dict[int, tuple[int, list[int]]], state: SlotState) -> StepLayout:
+def tree_layout(rows: int, steps: int, trees: dict[int, tuple[int, list[int], bool]], state: SlotState) -> StepLayout:
     """One step in which row ``b`` of ``trees`` feeds a trunk then branches; active rows append one token.
 
-    ``trees[b] = (trunk, branch_lengths)``: step tokens ``0 .. trunk-1`` continue row ``b``
-    (positions from ``next_pos[b]``), then each branch's tokens in turn, each branch seeing
-    the trunk and its own earlier tokens, positioned right after the trunk. Nothing of a
-    tree is kept. Every other active row feeds its next token at step index 0 (kept);
-    everything else is filler.
+    ``trees[b] = (trunk, branch_lengths, keep_trunk)``: step tokens ``0 .. trunk-1``
+    continue row ``b`` (positions from ``next_pos[b]``; kept when ``keep_trunk``, as for a
+    prompt prefilled into a freed row), then each branch's tokens in turn, each branch
+    seeing the trunk and its own earlier tokens, positioned right after the trunk (never
+    kept). Every other active row feeds its next token at step index 0 (kept); everything
+    else is filler.
     """
     real = torch.zeros(rows, steps, dtype=torch.bool)
     positions = torch.zeros(rows, steps, dtype=torch.long)
@@ -126,8 +127,9 @@ def tree_layout(rows: int, steps: int, trees: dict[int, tuple[int, list[int]]], 
     for b in range(rows):
         base = int(state.next_pos[b])
         if b in trees:
-            trunk, branches = trees[b]
+            trunk, branches, keep_trunk = trees[b]
             real[b, :trunk] = True
+            keep[b, :trunk] = keep_trunk
             positions[b, :trunk] = torch.arange(base, base + trunk)
             attend[b, :trunk, :trunk] = torch.ones(trunk, trunk, dtype=torch.bool).tril()
             at = trunk
