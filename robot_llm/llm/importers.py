@@ -108,7 +108,9 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
         "max_position_embeddings": int(get("context_length")),
-        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens", [])) or _tensor(reader, "token_embd.weight").shape[1],
+        "vocab_size": int(
+            len(_field(reader, "tokenizer.ggml.tokens", [])) or _tensor(reader, "token_embd.weight").shape[1]
+        ),
     }
     if arch == "gemma3":
         window = int(get("attention.sliding_window"))
@@ -124,6 +126,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             # llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim) (the 27B model aside).
             query_pre_attn_scalar=float(common["head_dim"]),
         )
+    window = _field(reader, f"{arch}.attention.sliding_window")
     if "rope_freqs.weight" in names:
         raise ModelImportError(
             f"{path}: per-frequency rope factors (Llama 3.1 rope scaling) are not read from GGUF; "
@@ -136,7 +139,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
-        sliding_window_size=_field(reader, f"{arch}.attention.sliding_window"),
+        sliding_window_size=None if window is None else int(window),
     )
 
 
@@ -175,6 +178,8 @@ def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tup
 
     def load(key: str, tensor: Any) -> np.ndarray:
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if not w.flags.writeable:  # an F32 tensor is a view of the read-only memory map
+            w = w.copy()
         if family == "gemma3" and key.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's RMSNorm gain as 1 + weight
         if arch in ("llama", "mistral") and key == "self_attn.q_proj.weight":

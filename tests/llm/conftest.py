@@ -1,4 +1,4 @@
-"""Fixtures for the YaLM tests: the in-repo copy of the shared yalm-tiny fixture and models built on it."""
+"""Fixtures for the model tests: the in-repo yalm-tiny fixture, models built on it, a tiny tokenizer.json writer."""
 
 from __future__ import annotations
 
@@ -36,3 +36,20 @@ def tiny_model(tiny_dir: Path, tiny_config: YalmConfig) -> Yalm:
 @pytest.fixture(scope="session")
 def prompts(expected: dict[str, Any]) -> list[str]:
     return [p["text"] for p in expected["prompts"]]
+
+
+def _write_tiny_tokenizer(vocab_size: int, folder: Path) -> None:
+    """A word-level ``tokenizers`` tokenizer of ``vocab_size`` tokens with its tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    """``write(vocab_size, folder)``: a word-level tokenizer.json (``w3`` .. ``wN``) with its tokenizer_config.json."""
+    return _write_tiny_tokenizer

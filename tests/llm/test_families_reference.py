@@ -133,11 +133,13 @@ def test_cached_decoding_and_padded_batches_match(reference: tuple[Any, Path]) -
             assert (steps[i][b] - want[b][t - int(pad[b])]).abs().max().item() <= TOLERANCE
 
 
-def test_streaming_engine_on_the_imported_store(reference: tuple[Any, Path], tmp_path: Path) -> None:
+def test_streaming_engine_on_the_imported_store(
+    reference: tuple[Any, Path], tmp_path: Path, tiny_tokenizer: Any
+) -> None:
     model, folder = reference
     tokenizer_dir = tmp_path / "tok"
     tokenizer_dir.mkdir()
-    _tiny_tokenizer(model.config.vocab_size, tokenizer_dir)
+    tiny_tokenizer(model.config.vocab_size, tokenizer_dir)
     import_model(folder, tmp_path / "store", dtype="fp32", tokenizer=tokenizer_dir / "tokenizer.json")
     engine = StreamingModel(tmp_path / "store", device="cpu", dtype="fp32")
     try:
@@ -150,28 +152,15 @@ def test_streaming_engine_on_the_imported_store(reference: tuple[Any, Path], tmp
     assert (tmp_path / "store" / "tokenizer.json").is_file()
 
 
-def _tiny_tokenizer(vocab_size: int, folder: Path) -> None:
-    """A word-level ``tokenizers`` tokenizer of ``vocab_size`` tokens with its tokenizer_config.json."""
-    import json
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
-
-
 def test_cli_generates_from_an_imported_store(
-    reference: tuple[Any, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    reference: tuple[Any, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_tokenizer: Any
 ) -> None:
     from robot_llm.llm.cli import main
 
     model, folder = reference
     tokenizer_dir = tmp_path / "tok"
     tokenizer_dir.mkdir()
-    _tiny_tokenizer(model.config.vocab_size, tokenizer_dir)
+    tiny_tokenizer(model.config.vocab_size, tokenizer_dir)
     assert (
         main(
             [
