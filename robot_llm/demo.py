@@ -26,6 +26,7 @@ import signal
 import sys
 import textwrap
 import threading
+import time
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from importlib import resources
@@ -234,6 +235,8 @@ def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int, 
     # The cut-off is the newest input we hold (to the second, rounded up), so a second run,
     # which ingests nothing new, plans the same night and stores nothing twice.
     as_of = newest.replace(microsecond=0) + timedelta(seconds=1)
+    # A night is planned only once its cut-off has passed (the inputs are all in): at most a second.
+    time.sleep(max(0.0, (as_of - datetime.now(timezone.utc)).total_seconds()))
     with _StopOnSignal() as stopper:
         return _plan_and_run(config, engine, as_of, stopper, out)
 
