@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -357,11 +358,19 @@ def convert_modules(
         name = file_name(kind, index)
         if name in done:
             continue
-        entry = _write_module(store / name, kind, index, params, dtype, group_size)
-        del params
-        done[name] = entry
+        try:
+            entry = _write_module(store / name, kind, index, params, dtype, group_size)
+            del params
+            done[name] = entry
+            _write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
+        except (OSError, SafetensorError) as exc:  # the disk filled up (or failed) under us
+            (store / f"{name}.partial").unlink(missing_ok=True)
+            reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc).splitlines()[0]
+            raise StoreError(
+                f"{store / name}: cannot write it ({reason}); nothing half-written is kept: free space in {store} "
+                f"and run convert again, it resumes after the {len(done)} finished file(s)"
+            ) from exc
         written += entry.size
-        _write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
         rate = written / max(time.monotonic() - started, 1e-9)
         log.info(
             "wrote %s (%d/%d files, %.1f MiB, %.1f MiB/s)", name, len(done), total, entry.size / 2**20, rate / 2**20
