@@ -297,6 +297,15 @@ class Gemma3Config:
         )
 
 
+#: Llama 3.1's rotary scaling (its config.json's rope_scaling).
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 #: Named Hugging Face family configs (for the planner; a converted store carries its own config).
 HF_PRESETS: dict[str, LlamaConfig | Gemma3Config] = {
     "llama-3.1-70b": LlamaConfig(
@@ -309,31 +318,7 @@ HF_PRESETS: dict[str, LlamaConfig | Gemma3Config] = {
         max_position_embeddings=131072,
         vocab_size=128256,
         rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    "llama-3.1-8b": LlamaConfig(
-        num_layers=32,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=LLAMA31_ROPE,
     ),
     "gemma-3-270m": Gemma3Config(
         num_layers=18,
