@@ -17,6 +17,7 @@ README.md, then strategies/README.md (on the database the README's demo made).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -222,11 +223,10 @@ def test_inline_commands_parse(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(found) >= 15
     for command in found:
         words = shlex.split(command)[1:]
-        # `forecasts show|export`: each alternative is a command.
-        for alternative in words[1].split("|") if len(words) > 1 and "|" in words[1] else [None]:
-            argv = words if alternative is None else [words[0], alternative, *words[2:]]
+        # `forecasts show|export`, `--dtype fp16|bf16`: each alternative is a command.
+        for argv in itertools.product(*(word.split("|") for word in words)):
             try:
-                parser.parse_args(argv)
+                parser.parse_args(list(argv))
             except SystemExit:
                 error = capsys.readouterr().err
                 if "the following arguments are required" not in error:
