@@ -46,8 +46,7 @@ from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
 from robot_llm.llm.store import Store, drop_page_cache, measure_read_bandwidth, write_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from night import run_night, vocabulary  # the benchmarks folder is no package
+BENCHMARKS = Path(__file__).resolve().parent  # holds night.py (no package): imported only by the night rows
 
 _MID = {"hidden_size": 1024, "embedding_size": 256, "intermediate_size": 2730, "num_attention_heads": 16}
 SIZES: dict[str, dict[str, Any]] = {
@@ -122,7 +121,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     store = Store(spec["store"])
     cfg = store.config
+    if spec["kind"] == "probe":  # the row's denominators, measured right before it in a process of their own
+        # The disk now, over the largest (fp32) layer files (small files measure latency); the better of
+        # two passes, so that a neighbour's burst does not flatter our ratios.
+        files = store.layer_files()
+        size = sum(p.stat().st_size for p in files)
+        raw = max(size / sum(p.stat().st_size / measure_read_bandwidth(p, depth=16) for p in files) for _ in "ab")
+        return {"raw_bps": raw, "gemm": gemm_rate(cfg, spec["batch"], spec["dtype"])}
     if spec["kind"].startswith("night"):  # a night's real work, passes counted (benchmarks/night.py)
+        sys.path.insert(0, str(BENCHMARKS))
+        from night import run_night
+
         drop_page_cache([store.path / f.name for f in store.manifest.files])
         result = run_night(store.path, spec, Path(spec["vocab"]))
         result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -136,16 +145,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
         model = StreamingModel(store, home=spec["home"], device="cpu", dtype=spec["dtype"])
     model.forward(torch.tensor([[5, 6]]))  # untimed warm-up: allocator, kernels, first reads
-    # The disk's bandwidth right now, over the largest (fp32) layer files: small files measure latency.
-    raw_files = Store(spec["raw_store"]).layer_files()
-    raw_bps = sum(p.stat().st_size for p in raw_files) / sum(
-        p.stat().st_size / measure_read_bandwidth(p, depth=16) for p in raw_files
-    )
     drop_page_cache([store.path / f.name for f in store.manifest.files])
     if spec["kind"] == "deepspeed":
         drop_page_cache(model.swap_files())
     result = night(model, cfg, spec["prompts"], spec["prompt"], spec["new"], spec["batch"])
-    result |= {"raw_bps": raw_bps, "gemm": gemm_rate(cfg, spec["batch"], spec["dtype"])}
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if spec["kind"] != "deepspeed":
         result |= {"read_bps": model.stats.read_bandwidth, "io_hidden": model.stats.io_hidden_fraction}
@@ -160,7 +163,10 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     if out.returncode != 0:
         raise SystemExit(f"benchmark child failed (exit {out.returncode}): {spec['label']}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    log(f"{spec['label']}: {spec['prompts'] * spec['new'] / result['seconds']:.2f} tok/s, {result['seconds']:.1f} s")
+    if "seconds" in result:
+        log(
+            f"{spec['label']}: {spec['prompts'] * spec['new'] / result['seconds']:.2f} tok/s, {result['seconds']:.1f} s"
+        )
     return result
 
 
@@ -200,7 +206,7 @@ def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) 
             log(f"writing the {cfg.num_layers}-layer {dtype} store")
             write_store(stores[dtype], cfg, random_modules(cfg), dtype=dtype)
     P, N = size["prompt"], size["new"]
-    base = {"prompt": P, "new": N, "threads": threads, "raw_store": str(stores["fp32"])}
+    base = {"prompt": P, "new": N, "threads": threads}
     specs: dict[str, dict[str, Any]] = {}
     for dtype in size["dtypes"]:
         for b in size["batches"]:
@@ -225,13 +231,16 @@ def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) 
                 "prompts": b,
                 "nvme": str(work / "nvme"),
             }
-    runs = {key: run_child(spec) for key, spec in specs.items()}
+    runs = {}
+    for key, spec in specs.items():
+        probe = run_child(spec | {"kind": "probe", "store": str(stores["fp32"]), "label": f"{spec['label']}: probe"})
+        runs[key] = run_child(spec) | probe
     shutil.rmtree(work / "nvme", ignore_errors=True)
     nights = {}
     for kind, label in (("night-rescore", "stance re-prefilled (before)"), ("night", "stance from the cache (now)")):
         shape = {"prompt": 0, "new": N, "batch": night_batch, "prompts": 2 * night_batch, "threads": threads}
         spec = shape | {"label": f"night, {label}", "kind": kind, "store": str(stores["fp32"])}
-        nights[label] = run_child(spec | {"vocab": str(vocabulary(work))})
+        nights[label] = run_child(spec | {"vocab": str(_vocabulary(work))})
     result = report(cfg, specs, runs, threads)
     for label, r in nights.items():
         print(
@@ -250,6 +259,13 @@ def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) 
     }
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")
     return result
+
+
+def _vocabulary(work: Path) -> Path:
+    sys.path.insert(0, str(BENCHMARKS))
+    from night import vocabulary
+
+    return Path(vocabulary(work))
 
 
 def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], threads: int) -> dict:
