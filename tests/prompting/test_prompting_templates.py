@@ -79,10 +79,11 @@ def test_every_bundled_template_renders_with_fixture_data(path, make_config, tok
     assert result.news_ids == (1, 2) and result.signal_ids == (7,)
     # the robot's forecast is put in words of the template's language
     assert ("падение" if template.language == "ru" else "down") in prompt
-    # completion style: the prompt ends in the open slot, once more than the worked example has it
+    # completion style: the prompt ends in the open slot; one slot per section (worked examples + ours)
     slot = "Тезис:" if template.language == "ru" else "Thesis:"
     assert prompt.endswith("\n" + slot)
-    assert len(re.findall(rf"^{slot}", prompt, flags=re.M)) == 2
+    sections = re.findall(r"^(?:### |Компания: |Company: )", prompt, flags=re.M)
+    assert len(re.findall(rf"^{slot}", prompt, flags=re.M)) == len(sections) >= 2
     assert template.stance is not None and template.stop
     assert template.stance.cue.strip().rstrip(":") in prompt  # the example teaches the stance cue
 
