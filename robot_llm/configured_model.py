@@ -177,6 +177,7 @@ def model_settings(config: AppConfig) -> ModelSettings:
         kv_dtype=m.kv_dtype,
         device=m.device,
         max_batch_size=m.max_batch_size,
+        refill_slots=m.refill_slots,
         memory_budget_bytes=m.memory_budget,
         gpu_memory_budget_bytes=m.gpu_memory_budget,
         offload_dir=m.offload_dir,

@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
 def _run(args: argparse.Namespace) -> int:
     from robot_llm.daemon import Daemon
     from robot_llm.logs import setup_logging
+    from robot_llm.migrate import ensure_current
 
     config = load_app_config(args)
     # The global --log-format defaults to text, so "not given" and "text" look alike:
@@ -55,6 +56,7 @@ def _run(args: argparse.Namespace) -> int:
         # APScheduler logs every job start and end at INFO; our own lines say what each job did.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
     engine = open_database(config)
+    ensure_current(engine, args.config)
     daemon = Daemon(config, engine, log_format=fmt)
     code = daemon.run()
     if daemon.jobs_left_running:
@@ -66,9 +68,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from robot_llm.migrate import ensure_current
+
     config = load_app_config(args)
     engine = open_database(config)
-    print(format_status(config, engine, datetime.now(timezone.utc)))
+    try:
+        ensure_current(engine, args.config)  # an un-migrated database: say what to run, not a raw SQL error
+        print(format_status(config, engine, datetime.now(timezone.utc)))
+    finally:
+        engine.dispose()
     return 0
 
 

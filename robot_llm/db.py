@@ -33,10 +33,13 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    func,
+    literal_column,
     text,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+from sqlalchemy.sql import ColumnElement
 
 from robot_llm.errors import RobotLLMError
 
@@ -54,6 +57,7 @@ __all__ = [
     "Thesis",
     "UTCDateTime",
     "check_connection",
+    "db_clock",
     "error_line",
     "make_engine",
     "session_scope",
@@ -347,6 +351,19 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         connect_args={"connect_timeout": 10} if "psycopg" in url else {},
         json_serializer=lambda o: json.dumps(o, ensure_ascii=False),
     )
+
+
+def db_clock(dialect: str) -> ColumnElement[datetime]:
+    """The database's own current time inside a statement, stored like any :class:`UTCDateTime`.
+
+    PostgreSQL: ``clock_timestamp()`` (the moment the statement runs, not the start of its
+    transaction). SQLite: ``'now'`` in SQLAlchemy's text layout with microseconds.
+    """
+    if dialect == "postgresql":
+        return func.clock_timestamp().cast(DateTime(timezone=True))
+    if dialect == "sqlite":
+        return literal_column("strftime('%Y-%m-%d %H:%M:%f', 'now') || '000'", DateTime())
+    raise DatabaseError(f"robot-llm needs PostgreSQL or SQLite, not {dialect}")
 
 
 def error_line(exc: BaseException) -> str:

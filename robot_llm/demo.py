@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import signal
 import sys
 import textwrap
+import threading
+import time
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from importlib import resources
@@ -33,6 +36,7 @@ from typing import Any, TextIO
 from sqlalchemy import func, select
 
 from robot_llm.config import AppConfig, load_config
+from robot_llm.errors import EXIT_REQUESTS_FAILED
 
 DEMO_DATA = resources.files("robot_llm") / "demo_data"
 DISCLAIMER = (
@@ -67,6 +71,7 @@ class DemoResult:
     theses: int
     new_theses: int
     decisions: tuple[Any, ...]
+    stopped_by: int | None = None  # the signal that stopped generation; the night is unfinished
 
 
 def _copy_tree(source: Any, dest: Path) -> None:
@@ -183,10 +188,44 @@ def _ingest(config: AppConfig, engine: Any, out: TextIO) -> None:
     print(f"[3/5] ingested {len(feeds)} feeds and {len(signals)} signal files", file=out)
 
 
-def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int]:
-    from robot_llm.batch import run_queue, summary_line
+class _StopOnSignal:
+    """SIGINT/SIGTERM while generating: store the batch in flight, then stop; a second one stops at once.
+
+    What is stored stays stored and the rest of the queue stays pending, so running the demo
+    again finishes the same night. ``signum`` is the signal that asked to stop, if any.
+    """
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.signum = self.signum or signum
+        self.event.set()
+        print(
+            f"\n{signal.Signals(signum).name}: storing the batch in flight, then stopping (again: stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else _interrupt)
+
+    def __enter__(self) -> _StopOnSignal:
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    """SIGTERM outside generation: unwind like Ctrl-C (files closed, the run recorded), not die mid-write."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int, int | None]:
     from robot_llm.db import NewsItem, Signal, session_scope
-    from robot_llm.plan import plan_night
 
     with session_scope(engine) as session:
         newest = max(
@@ -196,15 +235,27 @@ def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int]:
     # The cut-off is the newest input we hold (to the second, rounded up), so a second run,
     # which ingests nothing new, plans the same night and stores nothing twice.
     as_of = newest.replace(microsecond=0) + timedelta(seconds=1)
+    # A night is planned only once its cut-off has passed (the inputs are all in): at most a second.
+    time.sleep(max(0.0, (as_of - datetime.now(timezone.utc)).total_seconds()))
+    with _StopOnSignal() as stopper:
+        return _plan_and_run(config, engine, as_of, stopper, out)
+
+
+def _plan_and_run(
+    config: AppConfig, engine: Any, as_of: datetime, stopper: _StopOnSignal, out: TextIO
+) -> tuple[datetime, int, int | None]:
+    from robot_llm.batch import run_queue, summary_line
+    from robot_llm.plan import plan_night
+
     plan = plan_night(config, engine, as_of)
     print(
         f"[4/5] planned the night with cut-off {as_of.astimezone(config.tz):%Y-%m-%d %H:%M:%S %Z}: "
         f"{plan.created} new requests, {plan.existing} already planned, {len(plan.skipped)} skipped",
         file=out,
     )
-    summary = run_queue(config, engine, as_of=as_of)
+    summary = run_queue(config, engine, as_of=as_of, stop=stopper.event)
     print(f"      generate: {summary_line(summary)}", file=out)
-    return as_of, plan.created
+    return as_of, plan.created, stopper.signum
 
 
 def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
@@ -268,7 +319,14 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
     engine = make_engine(config.database.url)
     try:
         _ingest(config, engine, out)
-        as_of, created = _night(config, engine, out)
+        as_of, created, stopped_by = _night(config, engine, out)
+        if stopped_by is not None:
+            print(
+                f"\nstopped by {signal.Signals(stopped_by).name}: the theses stored so far are kept; run "
+                f"`robot-llm demo --workdir {workdir}` again to finish the night",
+                file=out,
+            )
+            return DemoResult(workdir, len(config.instruments), 0, 0, 0, created, (), stopped_by=stopped_by)
         decisions = _morning(config, out)
         print("\n=== Morning report ===", file=out)
         day = as_of.astimezone(config.tz).date()
@@ -293,8 +351,21 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
 def _demo(args: argparse.Namespace) -> int:
     if args.clean and args.workdir.exists():
         shutil.rmtree(args.workdir)
-    result = run_demo(args.workdir)
-    return 0 if result.theses >= result.instruments else 1
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = run_demo(args.workdir)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if result.stopped_by is not None:
+        return 128 + result.stopped_by
+    if result.theses < result.instruments:
+        print(
+            f"error: {result.instruments - result.theses} of {result.instruments} instruments have no thesis; "
+            f"`robot-llm batch status -c {args.workdir / 'demo.yaml'}` shows why",
+            file=sys.stderr,
+        )
+        return EXIT_REQUESTS_FAILED
+    return 0
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

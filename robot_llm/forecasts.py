@@ -280,14 +280,17 @@ class Forecasts:
     ) -> ThesisRecord | None:
         """The latest thesis for ``ticker`` available at ``as_of``; ``None`` when there is none or it is stale.
 
-        Only rows with ``available_at <= as_of`` are considered. With ``include_stale=True`` the
-        latest available thesis is returned even past its ``valid_until``.
+        Among the rows with ``available_at <= as_of``, the latest is the one with the newest data
+        cut-off (its ``as_of``), then the newest commit: a thesis backfilled for an older night
+        and committed later does not hide tonight's. When that latest thesis is past its
+        ``valid_until`` the answer is ``None`` (abstain; an older thesis does not stand in for
+        it), unless ``include_stale=True``.
         """
         moment = require_aware(as_of, "as_of")
         stmt = select(*_THESIS_COLUMNS).where(Thesis.ticker == ticker, Thesis.available_at <= moment)
         if template is not None:
             stmt = stmt.where(Thesis.template_name == template)
-        stmt = stmt.order_by(Thesis.available_at.desc(), Thesis.as_of.desc(), Thesis.id.desc()).limit(1)
+        stmt = stmt.order_by(Thesis.as_of.desc(), Thesis.available_at.desc(), Thesis.id.desc()).limit(1)
         rows = self._rows(stmt)
         if not rows:
             return None

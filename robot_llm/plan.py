@@ -48,12 +48,14 @@ if TYPE_CHECKING:
     from robot_llm.config import AppConfig, InstrumentConfig
 
 __all__ = [
+    "NightNotPlannable",
     "PlanResult",
     "check_templates",
     "derive_seed",
     "gather_news",
     "gather_signals",
     "plan_night",
+    "plannable",
     "register",
     "render_for",
     "request_params",
@@ -266,16 +268,50 @@ class PlanResult:
     run_id: int | None = None
 
 
+class NightNotPlannable(RobotLLMError):
+    """The night is in the future (its inputs are not known yet) or over (its theses would already be stale)."""
+
+
+def plannable(config: AppConfig, as_of: datetime, now: datetime) -> None:
+    """Raise NightNotPlannable unless the night of ``as_of`` can be planned at ``now``.
+
+    A future night would freeze the inputs known now (news fetched until ``as_of`` is not
+    in yet) and yield theses available before their own cut-off; a night whose
+    ``valid_until`` (``as_of + prompts.valid_for``) has passed would plan requests that no
+    worker ever takes (they are never claimed past ``valid_until``).
+    """
+    local = as_of.astimezone(config.tz).strftime("%Y-%m-%d %H:%M %Z")
+    if as_of > now:
+        raise NightNotPlannable(
+            f"the night {local} has not come yet: its news and signals are not all in; plan it at or after its "
+            "cut-off (without --as-of, `batch plan` takes the latest nightly time)"
+        )
+    valid_until = as_of + config.prompts.valid_for
+    if valid_until <= now:
+        raise NightNotPlannable(
+            f"the night {local} is over: its theses would be valid until "
+            f"{valid_until.astimezone(config.tz):%Y-%m-%d %H:%M %Z} (prompts.valid_for), which has passed, so no "
+            "worker would ever take its requests"
+        )
+
+
 def plan_night(
-    config: AppConfig, engine: Engine, as_of: datetime, *, tokenizer: TokenCounter | None = None
+    config: AppConfig,
+    engine: Engine,
+    as_of: datetime,
+    *,
+    tokenizer: TokenCounter | None = None,
+    now: datetime | None = None,
 ) -> PlanResult:
     """Store one pending GenerationRequest per instrument × template for the night ``as_of``.
 
     Idempotent: an existing request for (as_of, ticker, template) is counted, not touched.
     An instrument whose prompt cannot fit the window even without news is skipped with a
-    reason. Records a Run of kind 'plan'.
+    reason. Records a Run of kind 'plan'. Refuses (:class:`NightNotPlannable`) a night that
+    is in the future or already past its ``valid_until`` at ``now`` (default: the clock).
     """
     as_of = aware_utc(as_of, "as_of")
+    plannable(config, as_of, aware_utc(now, "now") if now is not None else utcnow())
     pairs = [(inst, name) for inst in config.instruments for name in config.prompts.templates]
     run_id = start_run(engine, "plan", as_of=as_of, total=len(pairs))
 

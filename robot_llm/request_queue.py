@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from robot_llm.db import GenerationRequest, Run, Thesis, utcnow
+from robot_llm.db import GenerationRequest, Run, Thesis, db_clock, utcnow
 from robot_llm.runs import beat_run, finish_run, process_gone, start_run
 
 if TYPE_CHECKING:
@@ -316,9 +316,10 @@ class RequestQueue:
                 .where(GenerationRequest.id.in_([row["request_id"] for row in rows]))
                 .values(status="done", lease_owner=None, lease_expires_at=None, last_error=None, updated_at=utcnow())
             )
-            # available_at is the commit time (a backtest may see the thesis only from then
-            # on): taken just before the insert, the last statement before the commit.
-            available_at = utcnow()
+            # available_at is the database's clock in the storing statement, the last before the
+            # commit: not this worker's clock, which may run ahead of the database (a replay at T
+            # would then see a thesis no reader could see at T).
+            available_at = db_clock(conn.dialect.name)
             result = conn.execute(
                 insert(table)
                 .values([{**row, "available_at": available_at} for row in rows])

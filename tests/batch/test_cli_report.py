@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 from robot_llm.cli import main
 from robot_llm.db import Run
@@ -56,3 +57,14 @@ def test_report_of_a_day_without_runs(benv, capsys):
     assert main(["report", "-c", str(benv.write_config()), "--date", "2020-01-02"]) == 0
     out = capsys.readouterr().out
     assert "no runs started that day" in out and "theses stored: 0" in out
+
+
+def test_batch_plan_refuses_a_future_night_and_one_past_valid_until(benv, night, capsys):
+    config_file = benv.write_config()
+    future = (night + timedelta(days=1)).isoformat()
+    over = (night - timedelta(days=2)).isoformat()  # prompts.valid_for is a day
+    assert main(["batch", "plan", "-c", str(config_file), "--as-of", future]) == 2
+    assert "has not come yet" in capsys.readouterr().err
+    assert main(["batch", "plan", "-c", str(config_file), "--as-of", over]) == 2
+    assert "is over" in capsys.readouterr().err
+    assert benv.requests() == []

@@ -91,9 +91,10 @@ class Stored:
 
 
 def _expected(stored: list[Stored], ticker: str, moment: datetime) -> Stored | None:
-    """The specification, independently: latest by (available_at, as_of, id) among rows available at moment."""
+    """The specification, independently: latest by (as_of, available_at, id) among rows available at moment."""
     candidates = [s for s in stored if s.ticker == ticker and s.available_at <= moment]
-    return max(candidates, key=lambda s: (s.available_at, s.as_of, s.id), default=None)
+    # The newest data cut-off first, then the newest commit: a backfill does not hide tonight's.
+    return max(candidates, key=lambda s: (s.as_of, s.available_at, s.id), default=None)
 
 
 rows_strategy = st.lists(

@@ -6,14 +6,18 @@ import hashlib
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from prompting_helpers import AS_OF, add_news, add_signal
 from sqlalchemy import func, select
 
 from robot_llm.cli import main
 from robot_llm.db import GenerationRequest, Run, session_scope
-from robot_llm.plan import check_templates, derive_seed, plan_night
+from robot_llm.plan import NightNotPlannable, check_templates, derive_seed, plan_night
 
 PARAM_KEYS = {"max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed", "stop", "stance"}
+
+# The plan is made an hour after the night's cut-off (the clock, not the test machine's date).
+PLANNED_AT = AS_OF + timedelta(hours=1)
 
 
 def seed_night(engine) -> dict[str, int]:
@@ -62,7 +66,7 @@ def requests(engine) -> list[GenerationRequest]:
 def test_plan_is_point_in_time_and_idempotent(engine, make_config, tokenizer):
     config = make_config()
     ids = seed_night(engine)
-    result = plan_night(config, engine, AS_OF, tokenizer=tokenizer)
+    result = plan_night(config, engine, AS_OF, tokenizer=tokenizer, now=PLANNED_AT)
     assert (result.created, result.existing, result.skipped) == (4, 0, ())
     assert result.as_of == AS_OF
 
@@ -94,7 +98,7 @@ def test_plan_is_point_in_time_and_idempotent(engine, make_config, tokenizer):
         assert r.params["seed"] == derive_seed(config.prompts.generation.seed, AS_OF, r.ticker, r.template_name)
     assert len({r.params["seed"] for r in rows}) == 4
 
-    again = plan_night(config, engine, AS_OF, tokenizer=tokenizer)
+    again = plan_night(config, engine, AS_OF, tokenizer=tokenizer, now=PLANNED_AT)
     assert (again.created, again.existing) == (0, 4)
     with session_scope(engine) as s:
         assert s.scalar(select(func.count()).select_from(GenerationRequest)) == 4
@@ -107,7 +111,7 @@ def test_plan_is_point_in_time_and_idempotent(engine, make_config, tokenizer):
 
 def test_instrument_that_cannot_fit_is_skipped_with_reason(engine, make_config, tokenizer):
     config = make_config(model={"max_positions": 256}, prompts={"templates": ["thesis_ru"]})
-    result = plan_night(config, engine, AS_OF, tokenizer=tokenizer)
+    result = plan_night(config, engine, AS_OF, tokenizer=tokenizer, now=PLANNED_AT)
     assert result.created == 0 and len(result.skipped) == 2
     assert {(t, n) for t, n, _ in result.skipped} == {("SBER", "thesis_ru"), ("GAZP", "thesis_ru")}
     assert all("without any news" in reason for _, _, reason in result.skipped)
@@ -124,7 +128,7 @@ def test_prompts_render_cli_prints_exactly_the_planned_prompt(engine, db_url, ma
     with session_scope(engine) as s:  # 13 fresh items: the template shows 12, the oldest is left out
         for i in range(11):
             add_news(s, title=f"Сбер: заметка {i}", tickers=("SBER",), fetched_at=AS_OF - timedelta(minutes=60 - i))
-    plan_night(config, engine, AS_OF, tokenizer=tokenizer)
+    plan_night(config, engine, AS_OF, tokenizer=tokenizer, now=PLANNED_AT)
     planned = {r.template_name: r for r in requests(engine) if r.ticker == "SBER"}
     assert len(planned["thesis_ru"].news_ids) == 12
 
@@ -173,3 +177,17 @@ def test_prompts_render_on_an_unmigrated_database_says_so(make_config, capsys):
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert "is it migrated? run `robot-llm db upgrade" in err
+
+
+def test_a_future_night_and_a_night_past_valid_until_are_refused_and_nothing_is_stored(engine, make_config, tokenizer):
+    config = make_config()  # prompts.valid_for: 1 day
+    seed_night(engine)
+    with pytest.raises(NightNotPlannable, match="has not come yet"):
+        plan_night(config, engine, AS_OF, tokenizer=tokenizer, now=AS_OF - timedelta(minutes=5))
+    with pytest.raises(NightNotPlannable, match=r"is over: its theses would be valid until .* which has passed"):
+        plan_night(config, engine, AS_OF, tokenizer=tokenizer, now=AS_OF + config.prompts.valid_for)
+    assert requests(engine) == []
+    with session_scope(engine) as s:
+        assert s.scalars(select(Run)).all() == []  # refused before anything was recorded
+    # At the cut-off itself and up to just before valid_until it plans.
+    assert plan_night(config, engine, AS_OF, tokenizer=tokenizer, now=AS_OF).created == 4

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -85,8 +87,6 @@ def test_report_html_command_and_daemon_folder(engine: Engine, month, tmp_path: 
 
 
 def test_without_plotly_the_error_names_the_extra(engine: Engine, month, tmp_path: Path, monkeypatch, capsys) -> None:
-    import sys
-
     config_path, _ = month
     monkeypatch.setitem(sys.modules, "plotly", None)  # what an install without the extra sees
     with pytest.raises(ReportExtraMissing, match=re.escape("pip install 'robot-llm[report]'")):
@@ -97,8 +97,6 @@ def test_without_plotly_the_error_names_the_extra(engine: Engine, month, tmp_pat
 
 
 def test_daemon_with_html_dir_refuses_to_start_without_plotly(engine: Engine, month, monkeypatch) -> None:
-    import sys
-
     from robot_llm.daemon import Daemon
 
     config_path, _ = month
@@ -115,3 +113,14 @@ def test_index_reads_each_pages_counts(tmp_path: Path) -> None:
     )
     html = write_index(tmp_path).read_text(encoding="utf-8")
     assert '<a href="morning-2026-11-20.html">2026-11-20</a></td>\n<td>5</td><td>1</td>' in html
+
+
+def test_the_report_does_not_import_torch() -> None:
+    """The morning page is drawn on the daemon's side: neither torch nor DeepSpeed on its import path."""
+    code = (
+        "import sys, robot_llm.report_html, plotly.graph_objects, plotly.subplots, plotly.io, plotly.offline; "
+        "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

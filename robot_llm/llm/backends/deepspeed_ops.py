@@ -1,7 +1,7 @@
 """DeepSpeed's C++ ops, compiled on first use when the install did not prebuild them.
 
 ``scripts/install.sh`` installs DeepSpeed as Python only unless given ``--deepspeed-ops``
-(compiling them takes about 13 minutes on 2 cores, which a first run of the demo should not
+(compiling them takes 4 to 13 minutes on 2 cores, which a first run of the demo should not
 pay: the demo never uses DeepSpeed). DeepSpeed then compiles an op the first time it loads
 it, silently, inside ``init_distributed`` or the NVMe swapper. :func:`prepare_ops` does that
 load up front, so a night that starts with a compile says so, and how long it took; torch
