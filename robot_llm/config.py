@@ -417,6 +417,8 @@ class ModelConfig(_Section):
     kv_dtype: Literal["auto", "fp32", "bf16", "fp16", "int8", "int4"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = Field(default=32, ge=1, le=4096)
+    # KV slots per row kept free so a row whose thesis is done takes the next waiting prompt.
+    refill_slots: int = Field(default=0, ge=0, le=65536)
     memory_budget: Size | None = None
     gpu_memory_budget: Size | None = None
     max_positions: int = Field(default=1024, ge=16, le=1024)

@@ -17,8 +17,9 @@ from robot_llm.errors import RobotLLMError
 
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
-    from robot_llm.llm.generate import Completion, Followup, SamplingParams
+    from robot_llm.llm.generate import Completion, SamplingParams
     from robot_llm.llm.runtime import ModelSettings
+    from robot_llm.llm.scoring import Followup
     from robot_llm.llm.tokenizer import Tokenizer
 
 __all__ = [
@@ -177,6 +178,7 @@ def model_settings(config: AppConfig) -> ModelSettings:
         kv_dtype=m.kv_dtype,
         device=m.device,
         max_batch_size=m.max_batch_size,
+        refill_slots=m.refill_slots,
         memory_budget_bytes=m.memory_budget,
         gpu_memory_budget_bytes=m.gpu_memory_budget,
         offload_dir=m.offload_dir,

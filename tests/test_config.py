@@ -140,6 +140,16 @@ def test_unknown_key(tmp_path: Path, needle: str, replacement: str, key_path: st
     assert msg.startswith(f"{path}:{line_of(text, bad + ':')}: {key_path}: unknown key")
 
 
+def test_refill_slots_reach_the_runtime_and_refuse_negatives(tmp_path: Path) -> None:
+    from robot_llm.configured_model import model_settings
+
+    text = BASE.replace('  vocab: "voc_100b.sp"', '  vocab: "voc_100b.sp"\n  refill_slots: 128')
+    assert model_settings(load_config(write(tmp_path, text))).refill_slots == 128
+    bad = BASE.replace('  vocab: "voc_100b.sp"', '  vocab: "voc_100b.sp"\n  refill_slots: -1')
+    path = write(tmp_path, bad)
+    assert error_of(path).startswith(f"{path}:{line_of(bad, 'refill_slots')}: model.refill_slots: ")
+
+
 def test_wrong_type(tmp_path: Path) -> None:
     text = BASE.replace('  vocab: "voc_100b.sp"', '  vocab: "voc_100b.sp"\n  max_batch_size: lots')
     path = write(tmp_path, text)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -113,12 +114,17 @@ def quantize_int8(weight: Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple
 
 
 def dequantize_into(q: Tensor, scale: Tensor, out: Tensor) -> Tensor:
-    """Write ``q * scale`` into the preallocated ``out`` (any float dtype/device) without temporaries."""
+    """Write ``q * scale`` into the preallocated ``out`` (any float dtype/device) without temporaries.
+
+    The scales are cast to ``out``'s dtype first: an in-place multiply by a wider dtype
+    makes torch compute into a temporary of the whole matrix in that dtype (measured: peak
+    RSS +25 % in the benchmark's int8 rows) and copy it back.
+    """
     out_f, in_f = q.shape
     groups = scale.shape[1]
     view = out.view(out_f, groups, in_f // groups)
     view.copy_(q.view(out_f, groups, in_f // groups))
-    view.mul_(scale[..., None])
+    view.mul_(scale.to(out.dtype)[..., None])
     return out
 
 
@@ -273,10 +279,14 @@ def _check_dtype(dtype: str, group_size: int) -> None:
 
 
 def _release_config(release_dir: Path) -> YalmConfig:
-    path = release_dir / "config.json"
-    if not path.is_file():
-        raise StoreError(f"{release_dir} has no config.json; name the model with a preset (--preset yalm-100b)")
-    return YalmConfig.from_json(path)
+    # The release folder, or its weights/ subfolder (config.json one level up), like the runtime reads it.
+    for path in (release_dir / "config.json", release_dir.parent / "config.json"):
+        if path.is_file():
+            return YalmConfig.from_json(path)
+    raise StoreError(
+        f"{release_dir} has no config.json (nor has its parent folder); name the model with a preset "
+        "(--preset yalm-100b)"
+    )
 
 
 def convert(
@@ -324,14 +334,15 @@ def convert_modules(
     _check_dtype(dtype, group_size)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
+    header = {"family": cfg.family, "config": cfg.to_dict(), "dtype": dtype, "group_size": group_size}
     if (store / MANIFEST).exists():
         manifest = read_manifest(store)
         if manifest.config != cfg or manifest.dtype != dtype or manifest.group_size != group_size:
             raise StoreError(f"{store} already holds a different store ({manifest.dtype}); use an empty folder")
-        log.info("store %s is already complete", store)
-        return manifest
+        if not _reopen_damaged(store, manifest, header):
+            log.info("store %s is already complete", store)
+            return manifest
 
-    header = {"family": cfg.family, "config": cfg.to_dict(), "dtype": dtype, "group_size": group_size}
     done = _resume_state(store, header)
     sizes = expected_file_bytes(cfg, dtype, group_size)
     needed = sum(size for name, size in sizes.items() if name not in done)
@@ -352,11 +363,19 @@ def convert_modules(
         name = file_name(kind, index)
         if name in done:
             continue
-        entry = _write_module(store / name, kind, index, params, dtype, group_size)
-        del params
-        done[name] = entry
+        try:
+            entry = _write_module(store / name, kind, index, params, dtype, group_size)
+            del params
+            done[name] = entry
+            _write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
+        except (OSError, SafetensorError) as exc:  # the disk filled up (or failed) under us
+            (store / f"{name}.partial").unlink(missing_ok=True)
+            reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc).splitlines()[0]
+            raise StoreError(
+                f"{store / name}: cannot write it ({reason}); nothing half-written is kept: free space in {store} "
+                f"and run convert again, it resumes after the {len(done)} finished file(s)"
+            ) from exc
         written += entry.size
-        _write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
         rate = written / max(time.monotonic() - started, 1e-9)
         log.info(
             "wrote %s (%d/%d files, %.1f MiB, %.1f MiB/s)", name, len(done), total, entry.size / 2**20, rate / 2**20
@@ -369,6 +388,26 @@ def convert_modules(
     _write_json_atomic(store / MANIFEST, manifest.to_json())
     (store / PROGRESS).unlink()
     return manifest
+
+
+def _reopen_damaged(store: Path, manifest: Manifest, header: dict[str, Any]) -> bool:
+    """Turn a complete store with missing or truncated files back into an unfinished conversion.
+
+    The intact files are kept (recorded as done); the manifest goes away *after* that record
+    is in place, so a crash during the repair never leaves a manifest vouching for a damaged
+    file. Returns False when every file has its manifest size (``model verify`` checks hashes).
+    """
+    damaged = [
+        f.name for f in manifest.files if not (store / f.name).is_file() or (store / f.name).stat().st_size != f.size
+    ]
+    if not damaged:
+        return False
+    shown = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+    log.warning("store %s: %s missing or truncated; converting them again", store, shown)
+    intact = [vars(f) for f in manifest.files if f.name not in damaged]
+    _write_json_atomic(store / PROGRESS, {**header, "files": intact})
+    (store / MANIFEST).unlink()
+    return True
 
 
 def _resume_state(store: Path, header: dict[str, Any]) -> dict[str, StoreFile]:

@@ -91,3 +91,27 @@ def test_two_ranks_over_gloo_partition_the_parameters(tiny_dir: Path, tmp_path: 
         assert result["local_numel"] < 0.6 * result["total_numel"]
         for name, logits in result["logits"].items():
             assert (logits - reference[name]).abs().max() <= 1e-4
+
+
+def test_followups_and_a_shared_head_under_deepspeed(tiny_dir: Path) -> None:
+    # The slot state (masked rows, tree steps, shared head) lives in the cache: ZeRO runs it unchanged.
+    from robot_llm.llm.generate import SamplingParams, generate
+    from robot_llm.llm.scoring import Followup
+    from robot_llm.llm.tokenizer import YalmTokenizer
+
+    cfg = YalmConfig.from_json(tiny_dir / "config.json")
+    tokenizer = YalmTokenizer(tiny_dir / "vocab" / "voc_tiny.sp")
+    model = DeepSpeedModel(tiny_dir / "weights", cfg, offload="cpu", dtype="fp32")
+    reference = Yalm.from_release(str(tiny_dir / "weights"), cfg)
+    prompts = ["Рубль ослаб к доллару, а индекс" + t for t in (" вырос", " упал на 2% за день", "")]
+    params = [SamplingParams(max_new_tokens=n, greedy=True) for n in (5, 2, 7)]
+    labels = [Followup("\nИтог:", (" рост", " падение"))] * 3
+    try:
+        ours = generate(model, tokenizer, prompts, params, followups=labels, share_prefix=4)
+    finally:
+        model.close()
+    theirs = generate(reference, tokenizer, prompts, params, followups=labels, batch_size=1)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.token_ids == b.token_ids and a.followup_logprobs is not None and b.followup_logprobs is not None
+        for x, y in zip(a.followup_logprobs, b.followup_logprobs, strict=True):
+            assert max(abs(p - q) for p, q in zip(x, y, strict=True)) <= 1e-4
