@@ -22,8 +22,9 @@ from typing import Any
 
 from robot_llm.llm.demo_checkpoint import train_vocab
 from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.generate import Followup, SamplingParams, generate, score_pieces
+from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.runtime import SHARE_PREFIX_MIN
+from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.prompting import (
     InstrumentView,

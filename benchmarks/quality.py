@@ -32,8 +32,8 @@ import torch
 from robot_llm.llm.config import module_plan
 from robot_llm.llm.demo_checkpoint import gemma_gguf
 from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.generate import token_logprobs
 from robot_llm.llm.importers import import_model
+from robot_llm.llm.scoring import token_logprobs
 from robot_llm.llm.store import MANIFEST, Store, convert_modules, read_manifest
 from robot_llm.llm.tokenizer import load_tokenizer
 from robot_llm.stance import StanceSpec, stance_from_pieces

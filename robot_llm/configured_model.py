@@ -17,8 +17,9 @@ from robot_llm.errors import RobotLLMError
 
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
-    from robot_llm.llm.generate import Completion, Followup, SamplingParams
+    from robot_llm.llm.generate import Completion, SamplingParams
     from robot_llm.llm.runtime import ModelSettings
+    from robot_llm.llm.scoring import Followup
     from robot_llm.llm.tokenizer import Tokenizer
 
 __all__ = [

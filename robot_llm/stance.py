@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from robot_llm.configured_model import BatchModel
-    from robot_llm.llm.generate import Completion, Followup
+    from robot_llm.llm.generate import Completion
+    from robot_llm.llm.scoring import Followup
 
 __all__ = [
     "Calibration",
@@ -52,7 +53,7 @@ class StanceSpec:
 
     def followup(self) -> Followup:
         """The labels as continuations to score after the thesis and the cue."""
-        from robot_llm.llm.generate import Followup
+        from robot_llm.llm.scoring import Followup
 
         return Followup(self.cue, tuple(name for name, _ in self.labels))
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,41 @@ def tiny_config() -> YalmConfig:
 def tokenizer() -> YalmTokenizer:
     """The fixture's SentencePiece vocabulary with YaLM's conventions."""
     return YalmTokenizer(TINY / "vocab" / "voc_tiny.sp")
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One ``robot-llm demo`` run: the folder it ran in (its working folder is ``robot-llm-demo`` there)."""
+
+    folder: Path
+    stdout: str
+
+    @property
+    def workdir(self) -> Path:
+        """The demo's working folder."""
+        return self.folder / "robot-llm-demo"
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """``robot-llm demo`` exactly as the README writes it, in an empty folder, once per session.
+
+    It is the slowest command there is (a real model): test_demo checks what it printed and
+    stored and runs it again; test_readme runs strategies/README.md's commands on its database.
+    """
+    folder = tmp_path_factory.mktemp("demo-run")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "robot_llm.cli", "demo"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return DemoRun(folder, proc.stdout)
 
 
 @pytest.fixture

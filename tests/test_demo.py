@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import DemoRun
+
 pytestmark = pytest.mark.slow
 
 
@@ -35,9 +37,8 @@ def _counts(db: Path) -> dict[str, int]:
         }
 
 
-def test_demo_runs_a_whole_night_and_is_idempotent(tmp_path: Path) -> None:
-    workdir = tmp_path / "demo"
-    out = _demo(workdir)
+def test_demo_runs_a_whole_night_and_is_idempotent(demo_run: DemoRun) -> None:
+    workdir, out = demo_run.workdir, demo_run.stdout  # `robot-llm demo` in an empty folder
 
     gemma = "Gemma 3 270M" in out
     if gemma:  # the demo package is installed: the real model, named with its terms

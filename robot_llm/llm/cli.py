@@ -145,7 +145,7 @@ def check_fixture(fixture: Path, engine: str, request_args: dict[str, Any]) -> d
     """
     import torch
 
-    from robot_llm.llm.generate import generate_original
+    from robot_llm.llm.original import generate_original
     from robot_llm.llm.tokenizer import YalmTokenizer
 
     for name in ("config.json", "expected.json", "logits.pt", "weights"):

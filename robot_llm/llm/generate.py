@@ -1,12 +1,13 @@
-"""Batched generation with a KV cache, scoring, and the original single-prompt loop.
+"""Batched generation with a KV cache.
 
 :func:`generate` gives every prompt batch-1 semantics: its own token budget,
 its own random generator (so a sampled result does not depend on batch-mates),
 its own stop conditions. Prompts of different lengths share a batch by left
-padding (see :mod:`robot_llm.llm.yalm`); finished rows leave the batch.
+padding (see :mod:`robot_llm.llm.family`); a finished row stays in the KV cache, masked
+(:mod:`robot_llm.llm.slots`), until its stance is scored and its slot takes a waiting prompt.
 
-:func:`generate_original` reproduces ``sample_sequence_batch`` of the original
-code for one prompt (docs/yalm-model.md §7), including its token-count rules.
+:func:`robot_llm.llm.original.generate_original` reproduces the original
+single-prompt loop; continuations are scored (by re-prefill, or from the cache) with :mod:`robot_llm.llm.scoring`.
 
 The token filter (:func:`filter_logits`) follows §7.4 exactly: temperature,
 then top-k keeping ties at the threshold, then top-p on the already filtered
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.family import ForwardModel, KVCache
+from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, score_pieces, tree_scores
 from robot_llm.llm.slots import tree_layout
 from robot_llm.llm.tokenizer import Tokenizer
 
@@ -124,25 +126,6 @@ def continuation_text(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: list
     return tokenizer.decode(new_ids)
 
 
-@dataclass(frozen=True)
-class Followup:
-    """Continuations to score after a finished completion: ``prompt + text + cue``, then each of them.
-
-    :func:`generate` scores them from the row's live KV cache (no re-prefill); the result
-    equals :func:`score_pieces` on ``prompt + text + cue``.
-    """
-
-    cue: str
-    continuations: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "continuations", tuple(self.continuations))
-
-
-#: Tokens a re-tokenised thesis may differ by from what the row fed (plus the cue) and still be scored from the cache.
-TRUNK_SLACK = 16
-
-
 @dataclass
 class _Row:
     index: int
@@ -186,64 +169,6 @@ class _Row:
     def followup_context(self, tokenizer: Tokenizer) -> str:
         assert self.followup is not None
         return self.prompt + self.completion(tokenizer).text + self.followup.cue
-
-
-@dataclass(frozen=True)
-class _Tree:
-    """A finished row's followup as one step: rewind to ``keep`` tokens, feed the trunk, then each branch."""
-
-    keep: int
-    trunk: list[int]
-    branches: list[list[int]]  # every continuation's tokens but its last (which is only predicted)
-    targets: list[list[int]]  # every continuation's tokens
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.trunk + [t for branch in self.branches for t in branch]
-
-
-def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
-    """The most tokens (and KV slots) the step scoring a row's followup from its cache may take (0 without one)."""
-    if followup is None:
-        return 0
-    pieces = [len(tokenizer.encode_pieces_ids(c)) for c in followup.continuations]
-    return len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
-
-
-def _plan_tree(row: _Row, tokenizer: Tokenizer, max_pos: int, room: int, shared: int) -> _Tree | None:
-    """The step that scores ``row``'s followup from its cache, or None when it must be re-prefilled."""
-    assert row.followup is not None
-    context = row.followup_context(tokenizer)
-    ctx = tokenizer.encode(context)
-    targets = [continuation_ids(tokenizer, ctx, context, c) for c in row.followup.continuations]
-    if len(ctx) + max(len(t) for t in targets) > max_pos:
-        return None
-    fed = row.prompt_ids + row.new_ids[:-1]  # the last token chosen is never fed back
-    keep = 0
-    limit = min(len(fed), len(ctx) - 1)  # the context's last token must be fed: its logits predict the labels
-    while keep < limit and fed[keep] == ctx[keep]:
-        keep += 1
-    if keep < shared:  # the context parts from the prompt inside the shared prefix
-        return None
-    tree = _Tree(keep=keep, trunk=ctx[keep:], branches=[t[:-1] for t in targets], targets=targets)
-    return tree if len(tree.tokens) <= room else None
-
-
-def _score_trees(logits: Tensor, trees: dict[int, _Tree], rows: list[_Row]) -> None:
-    """Gather each tree's continuation log-probabilities from the step's logits ``[B, T, V]``."""
-    for b, tree in trees.items():
-        last = len(tree.trunk) - 1
-        scores: list[tuple[float, ...]] = []
-        at = len(tree.trunk)
-        for branch, target in zip(tree.branches, tree.targets, strict=True):
-            if not target:
-                scores.append(())
-                continue
-            # Piece 0 is predicted by the trunk's last token, piece j by the branch's piece j - 1.
-            slots = torch.tensor([last, *range(at, at + len(branch))])
-            scores.append(tuple(token_logprobs(logits[b, slots], torch.tensor(target)).tolist()))
-            at += len(branch)
-        rows[b].followup_logprobs = tuple(scores)
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
@@ -301,7 +226,7 @@ def _run_batch(
     taken = 0
     freed: list[int] = []  # rows whose thesis and followup are done: free for a pending prompt
     while True:
-        trees: dict[int, _Tree] = {}
+        trees: dict[int, Tree] = {}
         for b, r in enumerate(rows):
             if not bool(cache.slots.active[b]):
                 continue
@@ -310,7 +235,11 @@ def _run_batch(
                 continue
             cache.slots.active[b] = False
             room = cache.max_len - cache.length
-            tree = _plan_tree(r, tokenizer, max_pos, room, shared) if r.followup is not None else None
+            tree = None
+            if r.followup is not None:
+                fed = r.prompt_ids + r.new_ids[:-1]  # the last token chosen is never fed back
+                context = r.followup_context(tokenizer)
+                tree = plan_tree(tokenizer, r.followup, context, fed, max_pos, room, shared)
             if tree is not None:
                 cache.slots.rewind(b, tree.keep)
                 trees[b] = tree
@@ -336,7 +265,8 @@ def _run_batch(
         out = model.forward(step, cache, last_only=not (trees or fills))
         if on_step is not None:
             on_step()
-        _score_trees(out, trees, rows)
+        for b, scores in tree_scores(out, trees).items():
+            rows[b].followup_logprobs = scores
         freed.extend(trees)
         logits = out[:, 0].clone()
         for b, f in fills.items():
@@ -349,7 +279,7 @@ def _refill(
     freed: list[int],
     pending: deque[_Row],
     cache: KVCache,
-    trees: dict[int, _Tree],
+    trees: dict[int, Tree],
     tree_width: int,
     head: list[int],
 ) -> dict[int, list[int]]:
@@ -452,140 +382,3 @@ def _rescore(model: ForwardModel, tokenizer: Tokenizer, row: _Row, batch_size: i
     except ValueError:  # longer than the model's window: the caller decides what to judge instead
         return
     row.followup_logprobs = tuple(tuple(p) for p in pieces)
-
-
-def continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
-    """Token ids of ``continuation`` after ``prompt`` as the model would see them.
-
-    Uses the joint tokenization of ``prompt + continuation`` when it starts
-    with the prompt's own tokens; otherwise (a piece straddles the boundary)
-    the continuation's pieces tokenized on their own.
-    """
-    joint = tokenizer.encode(prompt + continuation)
-    if joint[: len(prompt_ids)] == prompt_ids:
-        return joint[len(prompt_ids) :]
-    return tokenizer.encode_pieces_ids(continuation)
-
-
-def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """``log p(targets[n])`` under ``logits [N, V]``: only those N rows are normalised, no ``[N, V]`` copy is kept.
-
-    The log-softmax is ``logit - logsumexp(logits)`` taken at the requested tokens, so
-    scoring a few label pieces never materialises a log-softmax over the whole context.
-    """
-    logits = logits.float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def score_pieces(
-    model: ForwardModel,
-    tokenizer: Tokenizer,
-    prompt: str,
-    continuations: Sequence[str],
-    *,
-    batch_size: int = 8,
-) -> list[list[float]]:
-    """Log-probability of every token of each continuation after ``prompt`` (an empty list for no tokens).
-
-    A re-prefill of prompt + continuation per row; :func:`generate` with ``followups``
-    computes the same from the live KV cache of a finished row instead.
-    """
-    prompt_ids = tokenizer.encode(prompt)
-    seqs = [(prompt_ids, continuation_ids(tokenizer, prompt_ids, prompt, c)) for c in continuations]
-    max_pos = model.config.max_position_embeddings
-    for i, (p, c) in enumerate(seqs):
-        if len(p) + len(c) > max_pos:
-            raise ValueError(f"prompt + continuation {i} has {len(p) + len(c)} tokens, the model takes {max_pos}")
-    scores: list[list[float]] = []
-    for start in range(0, len(seqs), batch_size):
-        chunk = seqs[start : start + batch_size]
-        width = max(len(p) + len(c) for p, c in chunk)
-        pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
-        ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
-        for b, (p, c) in enumerate(chunk):
-            ids[b, int(pad[b]) :] = torch.tensor(p + c)
-        logits = model.forward(ids, None, pad)
-        for b, (p, c) in enumerate(chunk):
-            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
-            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
-            scores.append(token_logprobs(logits[b, slots], torch.tensor(c, dtype=torch.long)).tolist())
-    return scores
-
-
-def score(
-    model: ForwardModel,
-    tokenizer: Tokenizer,
-    prompt: str,
-    continuations: Sequence[str],
-    *,
-    batch_size: int = 8,
-) -> list[float]:
-    """Sum of log-probabilities of each continuation's tokens after ``prompt`` (0.0 for no tokens)."""
-    return [
-        float(sum(pieces)) for pieces in score_pieces(model, tokenizer, prompt, continuations, batch_size=batch_size)
-    ]
-
-
-@dataclass(frozen=True)
-class OriginalSample:
-    """Result of :func:`generate_original`: all tokens (BOS + prompt + new) and the text after the prompt."""
-
-    token_ids: tuple[int, ...]
-    new_token_ids: tuple[int, ...]
-    suffix: str
-    stopped_on_eos: bool
-
-
-def generate_original(
-    model: ForwardModel,
-    tokenizer: Tokenizer,
-    prompt: str,
-    *,
-    seq_length: int = 256,
-    out_seq_length: int = 128,
-    greedy: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 0.0,
-    seed: int = 1234,
-    recompute: bool = False,
-) -> OriginalSample | None:
-    """The original batch-1 loop (§7): same token counts, same stop rule, same output cut.
-
-    Returns None for a prompt the original skips (``len(tokens) >= seq_length // 2``).
-    ``recompute`` re-runs the whole sequence every step instead of using the cache.
-    """
-    if seq_length > model.config.max_position_embeddings:
-        raise ValueError(f"seq_length {seq_length} exceeds {model.config.max_position_embeddings}")
-    tokens = tokenizer.encode(prompt)
-    ctx_len = len(tokens)
-    if ctx_len >= seq_length // 2:
-        return None
-    maxlen = seq_length - 1
-    if maxlen > ctx_len + out_seq_length:
-        maxlen = ctx_len + out_seq_length - 1
-    params = SamplingParams(
-        max_new_tokens=out_seq_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, seed=seed
-    )
-    generator = None if greedy else torch.Generator().manual_seed(seed)
-    cache = None if recompute else model.new_cache(1, seq_length)
-    stopped = False
-    cur = ctx_len
-    while cur <= maxlen:
-        if recompute:
-            logits = model.forward(torch.tensor([tokens]))[0, cur - 1]
-        else:
-            feed = tokens if cur == ctx_len else tokens[-1:]
-            logits = model.forward(torch.tensor([feed]), cache, last_only=True)[0, -1]
-        token = choose_token(logits, params, generator)
-        tokens.append(token)
-        cur += 1
-        if token == tokenizer.eos_id:
-            stopped = True
-            break
-    return OriginalSample(
-        token_ids=tuple(tokens),
-        new_token_ids=tuple(tokens[ctx_len:]),
-        suffix=tokenizer.decode(tokens)[len(prompt) :],
-        stopped_on_eos=stopped,
-    )

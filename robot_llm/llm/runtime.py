@@ -32,7 +32,8 @@ from robot_llm.llm.machine import Machine, detect_machine
 from robot_llm.llm.planner import Plan, Work, auto_compute_dtype, plan
 
 if TYPE_CHECKING:
-    from robot_llm.llm.generate import Completion, Followup, SamplingParams
+    from robot_llm.llm.generate import Completion, SamplingParams
+    from robot_llm.llm.scoring import Followup
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,8 @@ class LoadedModel:
         every layer of it too (one pass of a big batch can outlast the watchdog's patience).
         """
         from robot_llm.llm.engine import StreamingModel
-        from robot_llm.llm.generate import SamplingParams, followup_slots, generate, shared_prefix_length
+        from robot_llm.llm.generate import SamplingParams, generate, shared_prefix_length
+        from robot_llm.llm.scoring import followup_slots
 
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         encoded = [self.tokenizer.encode(p) for p in prompts]
@@ -175,7 +177,7 @@ class LoadedModel:
 
     def score_pieces(self, prompt: str, continuations: Sequence[str]) -> list[list[float]]:
         """Log-probability of every token of each continuation after ``prompt`` (a re-prefill)."""
-        from robot_llm.llm.generate import score_pieces
+        from robot_llm.llm.scoring import score_pieces
 
         longest = max((len(self.tokenizer.encode(prompt + c)) for c in continuations), default=1)
         batch = self._prepare(len(continuations), longest, 0)

@@ -162,6 +162,8 @@ def test_doctor_command_passes_on_a_good_setup(benv, capsys):
     assert main(["doctor", "-c", str(benv.write_config())]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "FAIL" not in out
+    # The plan the worker will open the model with, printed in full.
+    assert "the night's plan:" in out and "weights homed in" in out and "compute thread(s)" in out
 
 
 def test_preflight_writes_no_rows(benv):

@@ -10,6 +10,7 @@ from batch_helpers import TINY, TINY_TEMPLATE, VOCAB
 
 from robot_llm.batch import run_queue
 from robot_llm.llm import generate as gen
+from robot_llm.llm import scoring
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
 from robot_llm.plan import plan_night
@@ -95,13 +96,14 @@ def test_a_calibrated_night_scores_the_prior_once(benv, night, monkeypatch) -> N
     config = benv.config(model={"max_batch_size": 1})  # three batches, one night
     assert plan_night(config, benv.engine, night).created == 3
     rescored: list[str] = []
-    real = gen.score_pieces
+    real = scoring.score_pieces
 
     def counting(model, tokenizer, prompt, continuations, **kw):  # type: ignore[no-untyped-def]
         rescored.append(prompt)
         return real(model, tokenizer, prompt, continuations, **kw)
 
-    monkeypatch.setattr(gen, "score_pieces", counting)
+    monkeypatch.setattr(gen, "score_pieces", counting)  # a thesis the cache could not serve
+    monkeypatch.setattr(scoring, "score_pieces", counting)  # the runtime's re-prefill (the calibration)
     summary = run_queue(config, benv.engine, as_of=night, progress=False, preflight=False)
     assert summary.done == 3
     # Labels were read from each row's cache; only the content-free prior was scored, once.

@@ -95,7 +95,8 @@ def test_two_ranks_over_gloo_partition_the_parameters(tiny_dir: Path, tmp_path: 
 
 def test_followups_and_a_shared_head_under_deepspeed(tiny_dir: Path) -> None:
     # The slot state (masked rows, tree steps, shared head) lives in the cache: ZeRO runs it unchanged.
-    from robot_llm.llm.generate import Followup, SamplingParams, generate
+    from robot_llm.llm.generate import SamplingParams, generate
+    from robot_llm.llm.scoring import Followup
     from robot_llm.llm.tokenizer import YalmTokenizer
 
     cfg = YalmConfig.from_json(tiny_dir / "config.json")

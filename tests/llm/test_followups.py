@@ -20,7 +20,8 @@ import torch
 from robot_llm.llm.config_hf import Gemma3Config
 from robot_llm.llm.engine import StreamingModel
 from robot_llm.llm.family import ForwardModel, InMemoryModel, random_weights
-from robot_llm.llm.generate import Followup, SamplingParams, generate, score_pieces
+from robot_llm.llm.generate import SamplingParams, generate
+from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.slots import SlotState
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.generate import generate_original
+from robot_llm.llm.original import generate_original
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
 

@@ -8,14 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from robot_llm.llm.generate import (
-    Completion,
-    SamplingParams,
-    filter_logits,
-    generate,
-    generate_original,
-    score,
-)
+from robot_llm.llm.generate import Completion, SamplingParams, filter_logits, generate
+from robot_llm.llm.original import generate_original
+from robot_llm.llm.scoring import score
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
 

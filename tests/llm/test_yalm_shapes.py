@@ -10,7 +10,8 @@ import torch
 from robot_llm.llm.checkpoint import save_release
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.family import random_weights
-from robot_llm.llm.generate import SamplingParams, generate, score
+from robot_llm.llm.generate import SamplingParams, generate
+from robot_llm.llm.scoring import score
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
 

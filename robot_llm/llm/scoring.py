@@ -1,0 +1,175 @@
+"""Scoring continuations: by re-prefill (:func:`score`), and after a finished completion from its row's live KV cache.
+
+A row that finished its thesis still holds its KV cache (masked, see
+:mod:`robot_llm.llm.slots`). Its followup (the stance cue, then each label) is fed as one
+*tree* in the next batched step: the row is rewound to the longest prefix that the context
+``prompt + text + cue`` shares with what the row was fed, the rest of the context is the
+trunk, and every label's pieces but the last form a branch that sees the trunk and not the
+other branches. Only the labels' tokens' log-probabilities are gathered
+(:func:`token_logprobs`), never a log-softmax over the whole context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Followup:
+    """Continuations to score after a finished completion: ``prompt + text + cue``, then each of them.
+
+    :func:`generate` scores them from the row's live KV cache (no re-prefill); the result
+    equals :func:`score_pieces` on ``prompt + text + cue``.
+    """
+
+    cue: str
+    continuations: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "continuations", tuple(self.continuations))
+
+
+#: Tokens a re-tokenised thesis may differ by from what the row fed (plus the cue) and still be scored from the cache.
+TRUNK_SLACK = 16
+
+
+def continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], prompt: str, continuation: str) -> list[int]:
+    """Token ids of ``continuation`` after ``prompt`` as the model would see them.
+
+    Uses the joint tokenization of ``prompt + continuation`` when it starts
+    with the prompt's own tokens; otherwise (a piece straddles the boundary)
+    the continuation's pieces tokenized on their own.
+    """
+    joint = tokenizer.encode(prompt + continuation)
+    if joint[: len(prompt_ids)] == prompt_ids:
+        return joint[len(prompt_ids) :]
+    return tokenizer.encode_pieces_ids(continuation)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log p(targets[n])`` under ``logits [N, V]``: only those N rows are normalised, no ``[N, V]`` copy is kept.
+
+    The log-softmax is ``logit - logsumexp(logits)`` taken at the requested tokens, so
+    scoring a few label pieces never materialises a log-softmax over the whole context.
+    """
+    logits = logits.float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A finished row's followup as one step: rewind to ``keep`` tokens, feed the trunk, then each branch."""
+
+    keep: int
+    trunk: list[int]
+    branches: list[list[int]]  # every continuation's tokens but its last (which is only predicted)
+    targets: list[list[int]]  # every continuation's tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.trunk + [t for branch in self.branches for t in branch]
+
+
+def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
+    """The most tokens (and KV slots) the step scoring a row's followup from its cache may take (0 without one)."""
+    if followup is None:
+        return 0
+    pieces = [len(tokenizer.encode_pieces_ids(c)) for c in followup.continuations]
+    return len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
+
+
+def plan_tree(
+    tokenizer: Tokenizer, followup: Followup, context: str, fed: list[int], max_pos: int, room: int, shared: int
+) -> Tree | None:
+    """The step that scores ``followup`` after ``context`` from the cache of a row that was fed ``fed``.
+
+    None when it must be re-prefilled: the context leaves the model's window, parts from what
+    was fed inside the shared prefix, or needs more than ``room`` slots.
+    """
+    ctx = tokenizer.encode(context)
+    targets = [continuation_ids(tokenizer, ctx, context, c) for c in followup.continuations]
+    if len(ctx) + max(len(t) for t in targets) > max_pos:
+        return None
+    keep = 0
+    limit = min(len(fed), len(ctx) - 1)  # the context's last token must be fed: its logits predict the labels
+    while keep < limit and fed[keep] == ctx[keep]:
+        keep += 1
+    if keep < shared:  # the context parts from the prompt inside the shared prefix
+        return None
+    tree = Tree(keep=keep, trunk=ctx[keep:], branches=[t[:-1] for t in targets], targets=targets)
+    return tree if len(tree.tokens) <= room else None
+
+
+def tree_scores(logits: Tensor, trees: dict[int, Tree]) -> dict[int, tuple[tuple[float, ...], ...]]:
+    """Each tree's continuation log-probabilities (per token), gathered from the step's logits ``[B, T, V]``."""
+    out: dict[int, tuple[tuple[float, ...], ...]] = {}
+    for b, tree in trees.items():
+        last = len(tree.trunk) - 1
+        scores: list[tuple[float, ...]] = []
+        at = len(tree.trunk)
+        for branch, target in zip(tree.branches, tree.targets, strict=True):
+            if not target:
+                scores.append(())
+                continue
+            # Piece 0 is predicted by the trunk's last token, piece j by the branch's piece j - 1.
+            slots = torch.tensor([last, *range(at, at + len(branch))])
+            scores.append(tuple(token_logprobs(logits[b, slots], torch.tensor(target)).tolist()))
+            at += len(branch)
+        out[b] = tuple(scores)
+    return out
+
+
+def score_pieces(
+    model: ForwardModel,
+    tokenizer: Tokenizer,
+    prompt: str,
+    continuations: Sequence[str],
+    *,
+    batch_size: int = 8,
+) -> list[list[float]]:
+    """Log-probability of every token of each continuation after ``prompt`` (an empty list for no tokens).
+
+    A re-prefill of prompt + continuation per row; :func:`generate` with ``followups``
+    computes the same from the live KV cache of a finished row instead.
+    """
+    prompt_ids = tokenizer.encode(prompt)
+    seqs = [(prompt_ids, continuation_ids(tokenizer, prompt_ids, prompt, c)) for c in continuations]
+    max_pos = model.config.max_position_embeddings
+    for i, (p, c) in enumerate(seqs):
+        if len(p) + len(c) > max_pos:
+            raise ValueError(f"prompt + continuation {i} has {len(p) + len(c)} tokens, the model takes {max_pos}")
+    scores: list[list[float]] = []
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start : start + batch_size]
+        width = max(len(p) + len(c) for p, c in chunk)
+        pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
+        ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
+        for b, (p, c) in enumerate(chunk):
+            ids[b, int(pad[b]) :] = torch.tensor(p + c)
+        logits = model.forward(ids, None, pad)
+        for b, (p, c) in enumerate(chunk):
+            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
+            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
+            scores.append(token_logprobs(logits[b, slots], torch.tensor(c, dtype=torch.long)).tolist())
+    return scores
+
+
+def score(
+    model: ForwardModel,
+    tokenizer: Tokenizer,
+    prompt: str,
+    continuations: Sequence[str],
+    *,
+    batch_size: int = 8,
+) -> list[float]:
+    """Sum of log-probabilities of each continuation's tokens after ``prompt`` (0.0 for no tokens)."""
+    return [
+        float(sum(pieces)) for pieces in score_pieces(model, tokenizer, prompt, continuations, batch_size=batch_size)
+    ]
