@@ -45,7 +45,7 @@ EXTRAS: dict[str, str] = {
 COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.config_cli",
     "robot_llm.migrate",
-    "robot_llm.plan",
+    "robot_llm.prompts_cli",
     "robot_llm.forecasts_cli",
     "robot_llm.ingest.cli",
     "robot_llm.batch_cli",

@@ -7,25 +7,23 @@ date) at or before it, signals *received* at or before it — renders the prompt
 token budget and stores one pending GenerationRequest. The request is unique on
 (as_of, ticker, template_name), so planning the same night again adds nothing.
 
-Also the ``robot-llm prompts render`` command, which shows exactly the prompt a request
-would get, with its token count and the news left out.
+The ``robot-llm prompts render`` command, which shows exactly the prompt a request would
+get, is :mod:`robot_llm.prompts_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import re
-import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError
 
-from robot_llm.clock import aware_utc, parse_as_of
-from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Signal, error_line, session_scope, utcnow
+from robot_llm.clock import aware_utc
+from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Signal, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.prompting import (
     NewsEntry,
@@ -56,9 +54,9 @@ __all__ = [
     "gather_signals",
     "plan_night",
     "plannable",
-    "register",
     "render_for",
     "request_params",
+    "tokenizer_for",
 ]
 
 
@@ -187,7 +185,8 @@ def gather_signals(
     return out
 
 
-def _tokenizer_for(config: AppConfig) -> TokenCounter:
+def tokenizer_for(config: AppConfig) -> TokenCounter:
+    """The configured model's tokenizer (no torch), or RobotLLMError saying why it does not load."""
     from robot_llm.llm.tokenizer import load_tokenizer  # sentencepiece/tokenizers only, no torch
 
     assert config.model.vocab is not None  # ModelConfig requires it
@@ -221,7 +220,7 @@ def check_templates(config: AppConfig, tokenizer: TokenCounter | None = None) ->
     """
     problems: list[str] = []
     try:
-        counter = tokenizer if tokenizer is not None else _tokenizer_for(config)
+        counter = tokenizer if tokenizer is not None else tokenizer_for(config)
     except RobotLLMError as exc:
         return [str(exc)]
     now = utcnow()
@@ -319,7 +318,7 @@ def plan_night(
     skipped: list[tuple[str, str, str]] = []
     try:
         templates = load_templates(config)
-        counter = tokenizer if tokenizer is not None else _tokenizer_for(config)
+        counter = tokenizer if tokenizer is not None else tokenizer_for(config)
         for done, (instrument, name) in enumerate(pairs, start=1):
             template = templates[name]
             key = (GenerationRequest.as_of == as_of, GenerationRequest.ticker == instrument.ticker)
@@ -396,82 +395,3 @@ def _store_request(engine: Engine, config: AppConfig, result: RenderResult) -> b
     except IntegrityError:
         return False
     return True
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _render_command(args: argparse.Namespace) -> int:
-    from robot_llm.cli import load_app_config, open_database
-
-    config = load_app_config(args)
-    try:
-        instrument = config.instrument(args.ticker)
-    except KeyError:
-        known = ", ".join(i.ticker for i in config.instruments)
-        raise RobotLLMError(f"--ticker: unknown ticker {args.ticker!r} (configured: {known})") from None
-    name = args.template or config.prompts.templates[0]
-    template = load_template(find_template(config, name))
-    as_of = parse_as_of(args.as_of, config.tz) if args.as_of else utcnow()
-    tokenizer = _tokenizer_for(config)
-    engine = open_database(config)
-    try:
-        with session_scope(engine) as session:
-            result = render_for(session, config, template, instrument, as_of, tokenizer)
-    except SQLAlchemyError as exc:
-        raise RobotLLMError(
-            f"cannot read news and signals from the database: {error_line(exc)} "
-            f"(is it migrated? run `robot-llm db upgrade -c {args.config}`)"
-        ) from None
-    finally:
-        engine.dispose()
-
-    # stdout carries the prompt byte for byte (redirect it to get exactly what is sent);
-    # the facts about it go to stderr.
-    sys.stdout.write(result.prompt)
-    sys.stdout.flush()
-    local = as_of.astimezone(config.tz)
-    gen = result.generation
-    err = sys.stderr
-    print("", file=err)
-    print(f"# template {template.name} v{template.version} ({template.path})", file=err)
-    print(f"# ticker {instrument.ticker}, as_of {local.isoformat()} ({as_of.isoformat()})", file=err)
-    print(
-        f"# prompt tokens: {result.prompt_tokens} (BOS included) of a budget of {result.budget} "
-        f"(max_positions {config.model.max_positions}, max_new_tokens {gen.max_new_tokens})",
-        file=err,
-    )
-    print(f"# news shown: {len(result.news_ids)}, signals shown: {len(result.signal_ids)}", file=err)
-    print(f"# sha256 {result.prompt_sha256}", file=err)
-    if result.dropped:
-        print(f"# dropped news: {len(result.dropped)}", file=err)
-        for item in result.dropped:
-            entry = item.entry
-            when = entry.at.astimezone(config.tz).strftime("%Y-%m-%d %H:%M")
-            title = " ".join(entry.title.split())[:100]
-            print(f"#   id {entry.id} ({item.reason}, mentions {entry.mentions}) {when} {title}", file=err)
-    else:
-        print("# dropped news: none", file=err)
-    return 0
-
-
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add ``robot-llm prompts render``."""
-    prompts = sub.add_parser("prompts", help="prompt templates")
-    prompts_sub = prompts.add_subparsers(dest="prompts_command", metavar="COMMAND", required=True)
-    render = prompts_sub.add_parser(
-        "render",
-        parents=[common],
-        help="print exactly the prompt that would be sent for one instrument, and its token count",
-        description=(
-            "Render a template for one instrument from the database as of a cut-off. The prompt goes to "
-            "stdout exactly as it would be sent; its token count and the news left out go to stderr."
-        ),
-    )
-    render.add_argument("--ticker", required=True, help="the instrument's ticker")
-    render.add_argument("--template", help="template name (default: the first in prompts.templates)")
-    render.add_argument(
-        "--as-of",
-        help="cut-off, ISO 8601; without an offset it is in the config's timezone (default: now)",
-    )
-    render.set_defaults(handler=_render_command)

@@ -80,7 +80,7 @@ from sqlalchemy.orm import Session
 from robot_llm.config import AppConfig, SignalSourceConfig
 from robot_llm.db import Signal, error_line, session_scope, utcnow
 from robot_llm.ingest import insert_ignoring_duplicates
-from robot_llm.signals import FIELDS, REQUIRED, SignalError, SignalRecord, make_signal
+from robot_llm.signal_record import FIELDS, REQUIRED, SignalError, SignalRecord, make_signal
 
 __all__ = [
     "Reject",
