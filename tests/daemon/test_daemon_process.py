@@ -134,3 +134,29 @@ def test_sigterm_mid_batch_exits_0_and_a_restart_finishes_without_duplicates(
             select(func.count()).select_from(GenerationRequest).where(GenerationRequest.status != "done")
         )
     assert left == 0
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_a_daemon_restarted_right_after_a_sigkill_takes_over_its_lease_at_once(
+    tmp_path: Path, db_url: str, daemon_engine: Engine
+) -> None:
+    data = config_data(tmp_path, db_url)
+    data["daemon"] = {**data["daemon"], "lease_ttl": "10m"}  # waiting for it to expire would take 10 minutes
+    config = write_config(tmp_path, data)
+    killed = start_daemon(config, tmp_path / "a.log")
+    wait_for(
+        lambda: (lease := read_lease(daemon_engine)) is not None and lease.pid == killed.pid, 60, "the first lease"
+    )
+    killed.kill()
+    killed.wait()
+    second = start_daemon(config, tmp_path / "b.log")
+    try:
+        lease = wait_for(
+            lambda: (lease := read_lease(daemon_engine)) is not None and lease.pid == second.pid and lease,
+            60,
+            "the restarted daemon's lease",
+        )
+        assert lease.is_live(_now()) and second.poll() is None
+        assert f"pid {killed.pid} (that process is gone" in (tmp_path / "b.log").read_text(encoding="utf-8")
+    finally:
+        assert stop_process(second) == 0, (tmp_path / "b.log").read_text(encoding="utf-8")[-3000:]
