@@ -18,7 +18,7 @@ lint=0
 "$VENV/bin/ruff" check . || lint=$?
 status=0
 # A test that hangs fails after 15 minutes instead of holding the run until CI gives up.
-"$VENV/bin/pytest" --timeout=900 "$@" || status=$?
+"$VENV/bin/pytest" --timeout=900 --durations=15 "$@" || status=$?
 if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure" >&2
     exit 1
