@@ -53,7 +53,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from robot_llm.config import AppConfig, FeedConfig
-from robot_llm.db import FeedFetch, FeedState, NewsItem, NewsTicker, session_scope, utcnow
+from robot_llm.db import FeedFetch, FeedState, NewsItem, NewsTicker, error_line, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.ingest import insert_ignoring_duplicates
 from robot_llm.ingest.encoding import better_encoding
@@ -429,7 +429,7 @@ def ingest_feed(
             started_at,
             status="error",
             http_status=fetched.http_status,
-            error=f"cannot store: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+            error=f"cannot store: {type(exc).__name__}: {error_line(exc)}",
         )
     log.info("feed %s: %d new, %d duplicate", feed.name, result.new, result.duplicates)
     return result
