@@ -37,12 +37,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.config import ModelConfig, module_plan
 from robot_llm.llm.kvquant import KV_QUANTIZED, QuantKV, materialize, store
+from robot_llm.llm.quant import FUSED_MAX_ROWS, PackedInt4, PackedInt8, int4_linear, int8_linear
 from robot_llm.llm.slots import SlotState, StepLayout
 
+#: A module's weights by key. The streaming engine may hand a layer's matrices over packed
+#: (:class:`PackedInt4`/:class:`PackedInt8`): families multiply them only through :func:`linear`.
 Params = dict[str, Tensor]
 Resident = dict[str, Params]
 
@@ -67,6 +71,23 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` for a streamed matrix: a plain tensor, or one the engine handed over packed.
+
+    A packed matrix runs torch's fused kernel when ``x`` is a bf16 CPU tensor of
+    at most :data:`~robot_llm.llm.quant.FUSED_MAX_ROWS` rows (decode steps: it
+    never dequantizes); otherwise it is dequantized once into its buffer and
+    multiplied densely (a prefill, fp32 compute, another device).
+    """
+    if isinstance(weight, Tensor):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= FUSED_MAX_ROWS:
+        y = int4_linear(x, weight) if isinstance(weight, PackedInt4) else int8_linear(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight.dense(x.dtype), bias)
 
 
 # --------------------------------------------------------------------------- KV cache

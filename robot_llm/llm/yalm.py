@@ -38,6 +38,7 @@ from robot_llm.llm.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    linear,
     resolve_dtype,
 )
 
@@ -74,7 +75,7 @@ def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv:
     """Self-attention (§3.4) without the output bias: returns ``A`` of ``h = x + (A + b_o)``."""
     B, T, H = a_in.shape
     n, hn = cfg.num_attention_heads, cfg.head_dim
-    c = F.linear(a_in, params["attention.query_key_value.weight"], params["attention.query_key_value.bias"])
+    c = linear(a_in, params["attention.query_key_value.weight"], params["attention.query_key_value.bias"])
     # Fused layout is per-head interleaved [n, 3, hn] (§3.4.2).
     q, k, v = c.view(B, T, n, 3, hn).unbind(dim=3)
     cos, sin = step.rotary["rope"]
@@ -93,15 +94,15 @@ def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv:
     scores = scores.masked_fill(step.mask, MASK_VALUE)
     probs = torch.softmax(scores, dim=-1)
     o = torch.bmm(probs.view(B * n, T, S), v).view(B, n, T, hn).transpose(1, 2).reshape(B, T, H)
-    return F.linear(o, params["attention.dense.weight"])
+    return linear(o, params["attention.dense.weight"])
 
 
 def geglu_mlp(m_in: Tensor, params: Params) -> Tensor:
     """GeGLU MLP (§3.5) without the output bias: returns ``M`` of ``x' = h + (M + b_out)``."""
-    u = F.linear(m_in, params["mlp.dense_ffn_hidden.weight"])
+    u = linear(m_in, params["mlp.dense_ffn_hidden.weight"])
     r = F.gelu(u + params["mlp.dense_ffn_hidden.bias"])
-    g = F.linear(m_in, params["mlp.dense_ffn_gate.weight"], params["mlp.dense_ffn_gate.bias"])
-    return F.linear(r * g, params["mlp.dense_ffn_output.weight"])
+    g = linear(m_in, params["mlp.dense_ffn_gate.weight"], params["mlp.dense_ffn_gate.bias"])
+    return linear(r * g, params["mlp.dense_ffn_output.weight"])
 
 
 def transformer_layer(
