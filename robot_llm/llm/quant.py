@@ -20,7 +20,7 @@ row's last weight and meet zeros in the padded input), so any shape works,
 also YaLM's 27308-wide MLP. At group 32 that is 5 bits per weight.
 
 **int8** is symmetric per output channel: ``int8 [N, Kp]`` (``K`` zero-padded
-to a multiple of 32) and one bf16 scale per row, what ``torch._weight_int8pack_mm`` reads.
+to a multiple of 64) and one bf16 scale per row, what ``torch._weight_int8pack_mm`` reads.
 
 :func:`int4_linear`/:func:`int8_linear` run the fused kernels (bf16 activations:
 with fp32 ones they are 30-100x slower). :func:`dequantize_int4_into` and
@@ -53,9 +53,12 @@ _MIN_STEP = 2.0**-14
 #: kernels' cost grows with every row (int4: 0.9 ms for an 8192x2048 matrix at 1 row, 13 ms at 32) while a
 #: bf16 GEMM after dequantising barely does (measured here, 1 thread; see the planner).
 FUSED_MAX_ROWS = 48
-#: The int8 kernel reads garbage (or crashes) when K is not a multiple of 16 (measured: 168, 184, 27308);
-#: stored int8 rows are zero-padded to a multiple of 32.
-INT8_K_MULTIPLE = 32
+#: The int8 kernel reads garbage (or crashes) when K is not a multiple of 16 (measured: 168, 184, 27308),
+#: and crashes on weights not 16-byte aligned: stored int8 rows are zero-padded to a multiple of 64, and the
+#: store places every quantized matrix at a multiple of :data:`ALIGN` bytes.
+INT8_K_MULTIPLE = 64
+#: Alignment of quantized matrices in memory (bytes) that the fused kernels are given.
+ALIGN = 64
 
 
 #: KV cache dtypes stored compressed (:mod:`robot_llm.llm.kvquant`): int8 symmetric with an fp16
@@ -278,6 +281,8 @@ def int8_linear(x: Tensor, w: PackedInt8) -> Tensor:
     import torch.nn.functional as F
 
     n, k = w.shape
+    if w.q.data_ptr() % ALIGN:
+        raise ValueError(f"int8 weights at {w.q.data_ptr():#x} are not {ALIGN}-byte aligned (the kernel crashes)")
     rows = x.reshape(-1, k).to(torch.bfloat16)
     if w.q.shape[1] != k:
         rows = F.pad(rows, (0, w.q.shape[1] - k))

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
@@ -49,6 +48,7 @@ from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, config_fro
 from robot_llm.llm.diskio import DEFAULT_DEPTH, MAX_CHUNK, io_pool, read_span
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import (
+    ALIGN,
     DEFAULT_INT4_GROUP,
     check_group_size,
     int4_bytes,
@@ -84,6 +84,13 @@ QUANTIZED = ("int8", "int4")
 #: int4's group size when none is given (int8 is per channel and other dtypes have none: they record 0).
 DEFAULT_GROUP_SIZE = DEFAULT_INT4_GROUP
 
+_SAFETENSORS_NAMES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+}
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -431,12 +438,40 @@ def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtyp
     tmp = path.with_name(path.name + ".partial")
     # At most one metadata key: the order of several is not deterministic, and identical weights must hash equal.
     shapes = {k: list(t.shape) for k, t in params.items() if k + SCALE_SUFFIX in tensors}
-    save_file(tensors, str(tmp), metadata={LOGICAL_SHAPES: json.dumps(shapes, sort_keys=True)} if shapes else None)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    save_aligned(tensors, tmp, {LOGICAL_SHAPES: json.dumps(shapes, sort_keys=True)} if shapes else None)
     digest = sha256_file(tmp)
     os.replace(tmp, path)
     return StoreFile(name=path.name, kind=kind, index=index, size=path.stat().st_size, sha256=digest)
+
+
+def save_aligned(tensors: Params, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file (fsynced) whose data section and quantized matrices start at multiples of ALIGN.
+
+    The fused kernels are handed views of the bytes as read (the int8 kernel crashes on weights
+    not 16-byte aligned); slots and RAM homes are allocated aligned, so aligned file offsets
+    suffice. The quantized matrices (sizes multiples of ALIGN) come first, then the
+    rest by element size, then by name; the header is padded with spaces, as the format allows.
+    """
+    order = sorted(tensors, key=lambda k: (k + SCALE_SUFFIX not in tensors, -tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key in order:
+        t = tensors[key]
+        header[key] = {
+            "dtype": _SAFETENSORS_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for key in order:
+            f.write(memoryview(tensors[key].contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_store(
