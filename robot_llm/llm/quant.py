@@ -140,12 +140,13 @@ def quantize_int4(weight: Tensor, group_size: int = DEFAULT_INT4_GROUP) -> tuple
 def dequantize_int4_into(codes: Tensor, scales_and_zeros: Tensor, out: Tensor) -> Tensor:
     """Write the weights of ``(codes, scales_and_zeros)`` into the preallocated float ``out [N, K]``; return it.
 
-    Plain torch ops on any device. Unpacking uses float arithmetic that is
-    exact in every float dtype (bytes are below 256): ``hi = floor(byte / 16)``,
-    ``lo = byte - 16 hi``. The scales and zeros are cast to ``out``'s dtype
-    first (a mixed-dtype broadcast is several times slower). Whole blocks of 64
-    rows are written in place; padded columns, and the last block when ``N`` is
-    not a multiple of 64, go through a temporary of at most a few MiB.
+    Plain torch ops on any device: the nibbles are split with bitwise ops on the
+    bytes (``byte & 15`` is row ``j``, ``byte >> 4`` row ``j + 32``), converted
+    into ``out`` and scaled in place as ``(q - 8) * scale + zero`` with the
+    stored scale and zero cast to ``out``'s dtype (exact in bf16; a mixed-dtype
+    broadcast is several times slower). Blocks of 64 rows are done a few at a time, so the byte
+    temporaries stay small; padded columns, and the last block when ``N`` is not
+    a multiple of 64, go through a float temporary of at most 4 Mi values.
     """
     import torch
 
@@ -155,23 +156,24 @@ def dequantize_int4_into(codes: Tensor, scales_and_zeros: Tensor, out: Tensor) -
     blocks = codes.view(np_ // INT4_BLOCK, kp, 32).transpose(1, 2)  # [blocks, 32, Kp]: byte j of rows j, j + 32
     scale = scales_and_zeros[..., 0].to(out.dtype).t()  # [Np, Kp / group]
     zero = scales_and_zeros[..., 1].to(out.dtype).t()
+    per_pass = max(1, (1 << 22) // (INT4_BLOCK * kp))  # blocks of 64 rows at a time: at most 4 Mi values
 
     def fill(first: int, count: int, dense: Tensor) -> None:
         """Blocks ``first .. first + count - 1`` into ``dense``, a contiguous float ``[count * 64, Kp]``."""
-        rows = slice(first * INT4_BLOCK, (first + count) * INT4_BLOCK)
+        data = blocks[first : first + count]
         halves = dense.view(count, 2, 32, kp)
-        lo, hi = halves[:, 0], halves[:, 1]
-        hi.copy_(blocks[first : first + count]).div_(16).floor_()
-        lo.copy_(blocks[first : first + count]).add_(hi, alpha=-16)
+        halves[:, 0].copy_(data & 15)
+        halves[:, 1].copy_(data >> 4)
+        rows = slice(first * INT4_BLOCK, (first + count) * INT4_BLOCK)
         values = dense.view(count * INT4_BLOCK, kp // group, group)
-        values.sub_(_ZERO_CODE).mul_(scale[rows, :, None]).add_(zero[rows, :, None])
+        torch.addcmul(zero[rows, :, None], values.sub_(_ZERO_CODE), scale[rows, :, None], out=values)
 
     in_place = n // INT4_BLOCK if k == kp else 0
-    if in_place:
-        fill(0, in_place, out[: in_place * INT4_BLOCK])
-    per_temporary = max(1, (1 << 22) // (INT4_BLOCK * kp))  # blocks of 64 rows: at most 4 Mi values
-    for first in range(in_place, math.ceil(n / INT4_BLOCK), per_temporary):
-        count = min(per_temporary, np_ // INT4_BLOCK - first)
+    for first in range(0, in_place, per_pass):
+        count = min(per_pass, in_place - first)
+        fill(first, count, out[first * INT4_BLOCK : (first + count) * INT4_BLOCK])
+    for first in range(in_place, math.ceil(n / INT4_BLOCK), per_pass):
+        count = min(per_pass, np_ // INT4_BLOCK - first)
         dense = torch.empty(count * INT4_BLOCK, kp, dtype=out.dtype, device=out.device)
         fill(first, count, dense)
         start = first * INT4_BLOCK
