@@ -25,7 +25,14 @@ from typing import Literal
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, Shapes, embedding_is_head
 from robot_llm.llm.machine import Machine
-from robot_llm.llm.quant import KV_QUANTIZED, int4_bytes, kv_bits_per_value
+from robot_llm.llm.quant import (
+    DEFAULT_INT4_GROUP,
+    FUSED_MAX_ROWS,
+    KV_QUANTIZED,
+    int4_bytes,
+    int8_bytes,
+    kv_bits_per_value,
+)
 
 GiB = 2**30
 GB = 1e9
@@ -40,6 +47,10 @@ CUDA_HOST_BYTES = int(1.5 * GiB)
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)
 #: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
 DEQUANT_ELEMS_PER_S = 1.0e9
+#: torch's fused int4/int8 CPU kernels (bf16 activations, no dequantization), per thread: a call on a matrix of
+#: ``V`` values and ``r`` rows takes ``V / values_per_s + 2 r V / flops``. Fitted to 8192x2048 here (AVX512-BF16,
+#: 1 thread): int4 0.91 ms at 1 row, 13.3 ms at 32; int8 1.32 ms and 19.6 ms (fp32 dense: 4.2 ms and 22 ms).
+FUSED_RATES = {"int4": (33e9, 84e9), "int8": (23e9, 57e9)}
 
 Home = Literal["ram", "disk", "split"]
 
@@ -173,22 +184,21 @@ def layer_params(cfg: ModelConfig) -> int:
     return sum(_numel(s) for s in _largest_layer(cfg).values())
 
 
-def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = 64) -> int:
-    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales; int4: 4-bit codes +
-    fp16 step and minimum per group; the rest fp16)."""
+def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = DEFAULT_INT4_GROUP) -> int:
+    """Stored bytes of one transformer layer (int8: matrices as int8 + a bf16 scale per row; int4: 4-bit codes +
+    bf16 scale and zero per group, padded as the fused kernels want them; the rest fp16)."""
     shapes = _largest_layer(cfg)
-    if weight_dtype == "int4":
-        return sum(int4_bytes(_numel(s), group_size) if _is_matrix(k, s) else 2 * _numel(s) for k, s in shapes.items())
-    if weight_dtype != "int8":
+    if weight_dtype not in ("int4", "int8"):
         return layer_params(cfg) * DTYPE_BYTES[weight_dtype]
-    matrices = {k: s for k, s in shapes.items() if _is_matrix(k, s)}
-    vectors = sum(_numel(s) for k, s in shapes.items() if k not in matrices)
-    scales = sum(rows * _groups(cols, group_size) for rows, cols in matrices.values())
-    return sum(map(_numel, matrices.values())) + 4 * scales + 2 * vectors
-
-
-def _groups(width: int, group: int) -> int:
-    return width // group if group > 0 and width % group == 0 else 1
+    total = 0
+    for key, shape in shapes.items():
+        if not _is_matrix(key, shape):
+            total += 2 * _numel(shape)
+        elif weight_dtype == "int4":
+            total += int4_bytes((shape[0], shape[1]), group_size)
+        else:
+            total += int8_bytes((shape[0], shape[1]))
+    return total
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -327,8 +337,10 @@ def _try(
     lb = layer_bytes(cfg, weight_dtype)
     converts = weight_dtype != cdtype
     cuda = machine.has_gpu
-    # CPU: the reader converts the next layer while this one computes, one buffer set per slot.
-    compute_buffers = layer_params(cfg) * c * (1 if cuda else 2) if converts else 0
+    fused = not cuda and weight_dtype in FUSED_RATES and cdtype == "bf16"
+    # CPU: the reader converts the next layer while this one computes, one buffer set per slot; the fused path
+    # (and CUDA) dequantizes on the compute thread, if ever, into one set.
+    compute_buffers = layer_params(cfg) * c * (1 if cuda or fused else 2) if converts else 0
     slots = work.seq_slots
     kv_total = int(kv_bytes(cfg, batch, slots, kv_elem) + kv_bytes(cfg, 1, work.shared_prefix_tokens, kv_elem))
     ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if cuda else 0)}
@@ -380,7 +392,9 @@ def _try(
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
     memory["disk"] = {"weight store": L * lb + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv_home, kv_elem, kv_dtype in KV_QUANTIZED)
+    timing = _Timing(
+        cfg, machine, lb, converts, cdtype, ram_layers, kv_home, kv_elem, kv_dtype in KV_QUANTIZED, weight_dtype
+    )
     mean_slots = P + work.max_new_tokens / 2
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
@@ -426,6 +440,7 @@ class _Timing:
     kv_home: str
     kv_elem_bytes: float
     kv_quantized: bool
+    weight_dtype: str = "fp16"
 
     def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
         """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
@@ -433,9 +448,15 @@ class _Timing:
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         params = layer_params(cfg)
         rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
-        compute = (2 * batch * tokens * params + 4 * batch * tokens * slots * q_width) / rate
-        if self.converts and not m.has_gpu:  # the reader's dequantization shares the cores with compute
-            compute += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        rows = batch * tokens
+        matmuls = 2 * rows * params / rate
+        fused = not m.has_gpu and self.weight_dtype in FUSED_RATES and self.dtype == "bf16"
+        if fused and rows <= FUSED_MAX_ROWS:  # torch's fused kernels read the stored bytes: no dequantization
+            values_per_s, flops = FUSED_RATES[self.weight_dtype]
+            matmuls = params * (1 / values_per_s + 2 * rows / flops) / m.compute_threads
+        elif self.converts and not m.has_gpu:  # dequantized by the reader (or, fused, once by the compute thread)
+            matmuls += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        compute = matmuls + 4 * rows * slots * q_width / rate
         kv_values = 2 * batch * slots * kv_width
         if m.has_gpu and self.kv_home == "cpu" and tokens == 1:  # the compressed bytes are what moves up
             compute += kv_values * self.kv_elem_bytes / m.h2d_bps

@@ -15,6 +15,7 @@ from typing import Any
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 from robot_llm.llm.config_hf import HF_PRESETS
+from robot_llm.llm.quant import DEFAULT_INT4_GROUP
 
 GB = 1e9
 
@@ -178,7 +179,10 @@ def add_engine_commands(model_sub: Any) -> None:
         "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="default: %(default)s"
     )
     conv.add_argument(
-        "--group-size", type=int, default=64, help="scale group (int8: 0 = per-channel; int4: 2..128; default 64)"
+        "--group-size",
+        type=int,
+        default=DEFAULT_INT4_GROUP,
+        help="int4's scale group: 32, 64 or 128 input columns (default %(default)s; int8 is per output channel)",
     )
     conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
