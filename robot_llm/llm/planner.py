@@ -96,6 +96,7 @@ class Plan:
     ram_layers: int = 0
     threads: int = 1
     stance_seconds: float = 0.0
+    attention_home: Literal["compute", "kv"] = "compute"
 
     @property
     def kv(self) -> tuple[Literal["device", "cpu"], str]:
@@ -123,7 +124,8 @@ class Plan:
             + (f" ({self.ram_layers} layers in RAM, the rest on disk)" if self.weight_home == "split" else "")
             + ", KV cache in "
             + ("GPU memory" if self.kv_home == "device" and self.device == "cuda" else "RAM")
-            + f" as {self.kv_dtype}",
+            + f" as {self.kv_dtype}"
+            + (", decode attention computed there (the cache never moves)" if self.attention_home == "kv" else ""),
             f"{self.threads} compute thread(s)",
             "memory per tier:",
         ]
@@ -384,6 +386,7 @@ def _try(
     mean_slots = P + work.max_new_tokens / 2
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
+    attention_home = timing.decode_attention(batch, mean_slots)[0]
     stance = timing.pass_seconds(batch, T, slots) if T else 0.0
     notes = []
     if ram_layers < L:
@@ -410,6 +413,7 @@ def _try(
         ram_layers=ram_layers,
         threads=machine.compute_threads,
         stance_seconds=stance,
+        attention_home=attention_home,
     )
 
 
@@ -437,10 +441,29 @@ class _Timing:
         if self.converts and not m.has_gpu:  # the reader's dequantization shares the cores with compute
             compute += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         kv_values = 2 * batch * slots * kv_width
-        if m.has_gpu and self.kv_home == "cpu" and tokens == 1:  # the compressed bytes are what moves up
-            compute += kv_values * self.kv_elem_bytes / m.h2d_bps
+        if tokens == 1:
+            compute += self.decode_attention(batch, slots)[1]
         if self.kv_quantized and not m.has_gpu:
             compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         from_ram = self.layer_bytes / m.h2d_bps if m.has_gpu else 0.0
         from_disk = max(self.layer_bytes / m.disk_read_bps, from_ram)
         return self.ram_layers * max(from_ram, compute) + (L - self.ram_layers) * max(from_disk, compute)
+
+    def decode_attention(self, batch: int, slots: float) -> tuple[Literal["compute", "kv"], float]:
+        """Where a decode step attends over a KV cache in RAM on a GPU machine, and the seconds per layer it adds.
+
+        Copying the cache up costs its (compressed) bytes over the host link. Attending in RAM
+        (FlexGen's CPU attention) reads them once, dequantizes them, writes and reads them
+        again as fp32 and does the score FLOPs on the cores; only ``q`` and the output move.
+        The engine does the cheaper one. Anywhere else attention runs with the weights: 0 s.
+        """
+        cfg, m = self.cfg, self.machine
+        if not (m.has_gpu and self.kv_home == "cpu"):
+            return "compute", 0.0
+        kv_values = 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim
+        move = kv_values * self.kv_elem_bytes / m.h2d_bps
+        flops = 4 * batch * slots * cfg.num_attention_heads * cfg.head_dim
+        here = (kv_values * (self.kv_elem_bytes + 2 * 4)) / m.ram_bps + flops / m.cpu_flops
+        if self.kv_quantized:
+            here += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        return ("kv", here) if here < move else ("compute", move)
