@@ -3,8 +3,9 @@
 A matrix is flattened in row-major order and cut into groups of ``group_size``
 consecutive elements (the last group padded with the final value when the
 group does not divide the element count, so any shape works, also YaLM's
-27308-wide MLP). Each group keeps its minimum and its step ``(max - min) / 15``
-as fp16, and every element the 4-bit code ``round((w - min) / step)``; byte
+27308-wide MLP). Each group keeps the minimum and step of the 16-level grid
+:func:`int4_grid` picks for it as fp16, and every element the 4-bit code
+``round((w - min) / step)`` clamped to 0..15; byte
 ``j`` of a group holds element ``j`` in its low nibble and element
 ``j + group/2`` in its high one, so unpacking writes two contiguous halves. That is 4.5 bits per
 weight at group 64: a YaLM-100B layer shrinks from 2.52 GB (fp16) to 0.71 GB.
@@ -59,6 +60,104 @@ def int4_bytes(numel: int, group_size: int) -> int:
     return groups * group_size // 2 + 4 * groups
 
 
+#: Values :func:`int4_grid` works on at once: its temporaries stay in the CPU's cache (1 MiB each).
+_GRID_CHUNK = 1 << 18
+#: Grids :func:`int4_grid` tries besides min-max: steps of ``range / k`` centred on the group, so that
+#: both tails are clipped (searched on Gemma 3 270M's matrices, 5 % of the squared error at group 64).
+_CLIP_LEVELS = (16.0, 17.0, 18.5)
+#: Alternations of "nearest codes for the grid" and "least-squares grid for the codes" at the end.
+_REFINE = 2
+
+
+def int4_grid(groups: Tensor) -> tuple[Tensor, Tensor]:
+    """The 16-level grid of each group of ``groups`` (float32 ``[G, g]``): ``(step, minimum)``, float32 ``[G]``.
+
+    Code ``c`` stands for ``minimum + c * step`` (``c`` in 0..15). Min-max
+    (``step = (max - min) / 15``) wastes levels on the tails and, worse, does
+    not reproduce weights that are already on a 16-level grid but do not use
+    both end codes (GGUF Q4_K sub-blocks: 21 % of Gemma 3 270M's Q4_K groups of
+    32 use 15 levels; requantised min-max they get the error of a fresh
+    quantisation). So, in the spirit of llama.cpp's ``make_qkx2_quants``, every
+    group tries a few candidate grids, takes for each the codes nearest to it
+    and fits the least-squares ``(step, minimum)`` to those codes, keeps the
+    candidate with the smallest squared error, and alternates codes and fit
+    :data:`_REFINE` times. Candidates: min-max; ``range / k`` for the smallest
+    ``k`` that three gaps between the group's values are multiples of (a group
+    already on a 16-level grid is then reproduced exactly, up to float
+    rounding); and :data:`_CLIP_LEVELS`, centred clipping grids.
+    The fitted error of a candidate is never above that of its own start, and
+    min-max is one start, so the grid's squared error (codes rounded to
+    nearest) is never above min-max's. Measured on Gemma 3 270M: -20 % squared
+    error on Q5_0-sourced matrices, -98 % on Q4_K ones at group 32.
+
+    Every step is a handful of vectorised passes over the group, in chunks of
+    :data:`_GRID_CHUNK` values (a YaLM-100B layer is ~10^9 weights); the
+    squared errors come in closed form from the sums the fit needs. The
+    caller rounds the grid to what it stores (and picks codes for that).
+    """
+    import torch
+
+    size = groups.shape[1]
+    chunk = max(1, _GRID_CHUNK // size)
+    if groups.shape[0] > chunk:
+        parts = [int4_grid(groups[i : i + chunk]) for i in range(0, groups.shape[0], chunk)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    x = groups.float()
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    mean = x.mean(dim=1)
+    centred = x - mean[:, None]  # sums of centred values keep the closed-form errors accurate
+    sxx = torch.linalg.vecdot(centred, centred)
+    spread = hi - lo
+    # A flat group has no spread: any step fits it; keep the products below float overflow.
+    safe = spread.clamp_min(1e-20)
+
+    def fit(inv: Tensor, start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Nearest codes of the grid ``(1 / inv, start)``; their least-squares ``(step, centred min, error)``."""
+        codes = torch.addcmul((-start * inv)[:, None], x, inv[:, None]).round_().clamp_(0, _LEVELS)
+        sq = codes.sum(dim=1)
+        det = size * torch.linalg.vecdot(codes, codes) - sq * sq
+        sqx = torch.linalg.vecdot(codes, centred)
+        ok = det > 0  # 0: every code equal, the group's mean is the best such grid can do
+        det = torch.where(ok, det, 1)
+        step = torch.where(ok, size * sqx / det, 0)
+        return step, -step * sq / size, torch.where(ok, sxx - size * sqx * sqx / det, sxx)
+
+    # On a grid of k + 1 levels spanning the group, every gap between two of its values is a multiple
+    # of range / k. Three gaps (above the minimum, below the maximum, across the middle) and the
+    # smallest k in 1..15 they all fit find that grid unless all three happen to skip levels.
+    mid = ((lo + hi) / 2)[:, None]
+    gaps = torch.stack(
+        [
+            torch.where(x > (lo + spread / 32)[:, None], x, hi[:, None]).amin(dim=1) - lo,
+            hi - torch.where(x < (hi - spread / 32)[:, None], x, lo[:, None]).amax(dim=1),
+            torch.where(x > mid, x, hi[:, None]).amin(dim=1) - torch.where(x <= mid, x, lo[:, None]).amax(dim=1),
+        ],
+        dim=1,
+    )
+    levels = torch.arange(1, _LEVELS + 1, dtype=x.dtype)
+    multiples = gaps[:, :, None] * levels / safe[:, None, None]  # [G, 3 gaps, k]
+    fits = ((multiples - multiples.round()).abs() < 1e-3).all(dim=1) & (multiples > 0.5).all(dim=1)
+    exact = torch.where(fits.any(dim=1), levels[fits.int().argmax(dim=1)], _LEVELS)
+    # The exact candidate first: on a tie (a group on two levels fits min-max's grid too) it keeps the
+    # coarser step, which survives storage (fp16 flushes steps below 2^-14). A candidate replaces the
+    # best only when clearly better than float rounding of the closed-form errors. Twice as many levels
+    # next: the grid when all three gaps skip every other level (1 group in ~10^4 of random codes).
+    best = fit(exact / safe, lo)
+    starts = [(torch.where(exact <= _LEVELS / 2, 2 * exact, _LEVELS) / safe, lo), (_LEVELS / safe, lo)]
+    for k in _CLIP_LEVELS:
+        starts.append((k / safe, lo + (k - _LEVELS) / (2 * k) * spread))
+    for i in range(len(starts) + _REFINE):  # then refine the best so far
+        if i < len(starts):
+            inv, start = starts[i]
+        else:
+            inv, start = torch.where(best[0] > 0, 1 / best[0], _LEVELS / safe), best[1] + mean
+        found = fit(inv, start)
+        better = found[2] < best[2] - 1e-6 * sxx
+        best = tuple(torch.where(better, new, old) for new, old in zip(found, best, strict=True))
+    # A flat group fits with step 0 (every code equal): it is stored as its mean, code 0.
+    return torch.where(best[0] > 0, best[0], _MIN_STEP), best[1] + mean
+
+
 def quantize_int4(weight: Tensor, group_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
     """Quantise ``weight`` (any shape): ``(codes uint8 [G, group/2], step fp16 [G], minimum fp16 [G])``."""
     import torch
@@ -70,10 +169,10 @@ def quantize_int4(weight: Tensor, group_size: int = 64) -> tuple[Tensor, Tensor,
     if pad:
         flat = torch.cat([flat, flat[-1:].expand(pad)])
     w = flat.view(groups, group_size)
-    lo, hi = w.amin(dim=1), w.amax(dim=1)
+    step, minimum = int4_grid(w)
     # Round the group's parameters to fp16 first, so the codes are chosen for the values stored.
-    minimum = lo.half()
-    step = ((hi - minimum.float()) / _LEVELS).clamp_min(_MIN_STEP).half()
+    minimum = minimum.half()
+    step = step.clamp_min(_MIN_STEP).half()
     codes = torch.round((w - minimum.float()[:, None]) / step.float()[:, None]).clamp_(0, _LEVELS).to(torch.uint8)
     half = group_size // 2
     packed = codes[:, :half] | (codes[:, half:] << 4)

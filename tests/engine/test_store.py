@@ -152,9 +152,12 @@ def test_int4_round_trip_is_within_half_a_step(shape: tuple[int, int], dtype: to
     assert codes.dtype == torch.uint8 and codes.shape == (groups, 32) and step.shape == minimum.shape == (groups,)
     out = dequantize_int4_into(codes, step, minimum, torch.full(shape, float("nan"), dtype=dtype))
     half_step = (step.float() / 2).repeat_interleave(64)[: w.numel()].view(shape)
+    low = minimum.float().repeat_interleave(64)[: w.numel()].view(shape)
+    # The grid may clip a group's tails (int4_grid): within half a step of the value clamped to the grid.
+    clamped = torch.minimum(torch.maximum(w, low), low + 30 * half_step)
     # bf16 arithmetic rounds step, product and sum to 8 significant bits: a few half-ulps of the range.
     slack = 1e-6 if dtype == torch.float32 else 2**-6 * w.abs().max()
-    assert bool(((out.float() - w).abs() <= half_step + slack).all())
+    assert bool(((out.float() - clamped).abs() <= half_step + slack).all())
 
 
 def test_int4_group_size_is_refused_above_128(tiny_dir: Path, tmp_path: Path) -> None:
