@@ -99,10 +99,12 @@ def test_a_second_daemon_is_refused_and_a_bad_reload_keeps_the_old_config(
 def test_sigterm_mid_batch_exits_0_and_a_restart_finishes_without_duplicates(
     tmp_path: Path, db_url: str, daemon_engine: Engine
 ) -> None:
-    # Enough one-request batches that the queue cannot drain between the first stored thesis
-    # and the SIGTERM, however fast the machine.
-    requests = 30
-    data = config_data(tmp_path, db_url, tickers=requests, max_new_tokens=8)
+    # Enough one-request batches of enough tokens that the queue cannot drain between the first
+    # stored thesis and the SIGTERM reaching the child (a 0.1 s poll, then the daemon's 0.25 s
+    # supervision tick), however fast the machine or slow the daemon under load: 30 requests of
+    # 8 tokens once drained in CI before the child saw the signal.
+    requests = 120
+    data = config_data(tmp_path, db_url, tickers=requests, max_new_tokens=40)
     data["schedule"].update(nightly_around(_now(), fired_ago=timedelta(minutes=2), cutoff_in=timedelta(hours=2)))
     config = write_config(tmp_path, data)
 
