@@ -223,7 +223,7 @@ def bundled_prompts_dir() -> Path:
     try:
         root = importlib.resources.files("robot_llm.prompts")
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "prompts"
+        return Path(__file__).resolve().parents[2] / "prompts"
     return Path(str(root))
 
 
