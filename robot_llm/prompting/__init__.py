@@ -14,12 +14,10 @@ the template itself is never cut.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.resources
 import re
 import sys
-import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -45,6 +43,7 @@ from robot_llm.config import (
     _Yaml12SafeLoader,
 )
 from robot_llm.errors import RobotLLMError
+from robot_llm.prompting.sanitize import ALWAYS_MARKERS, sanitize_text
 
 __all__ = [
     "DroppedNews",
@@ -61,7 +60,6 @@ __all__ = [
     "load_templates",
     "render_prompt",
     "render_within_budget",
-    "sanitize_text",
 ]
 
 
@@ -202,16 +200,13 @@ class Template(TemplateHeader):
 
     def section_markers(self) -> tuple[str, ...]:
         """Header words that data must not imitate: the declared markers, the stop strings, the cue."""
-        found: list[str] = list(_ALWAYS_MARKERS)
+        found: list[str] = list(ALWAYS_MARKERS)
         candidates = [*self.markers, *self.stop, *((self.stance.cue,) if self.stance else ())]
         for text in candidates:
             word = text.strip().rstrip(":").strip()
             if word and any(ch.isalnum() for ch in word) and word not in found:
                 found.append(word)
         return tuple(found)
-
-
-_ALWAYS_MARKERS = ("Тезис", "Thesis")
 
 
 def bundled_prompts_dir() -> Path:
@@ -444,64 +439,6 @@ def render_prompt(template: Template, context: RenderContext) -> str:
 def _where(template: Template) -> str:
     line = _template_line(template, sys.exc_info()[2])
     return f"{template.path}:{line}" if line else str(template.path)
-
-
-# --------------------------------------------------------------------------- sanitising data
-
-# The tokenizer maps these literal strings to special tokens: in data they must not.
-_ANSI_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
-_SPECIAL_PIECES = re.compile(r"\[(NL|MASK)\]|</?s>|<unk>", re.IGNORECASE)
-_TEMPLATE_OPEN = re.compile(r"\{(?=[{%#])")
-_TEMPLATE_CLOSE = re.compile(r"(?<=[}%#])\}")
-_RULES = re.compile(r"([#=*_~`>|-])\1{1,}")
-# Leading heading/quote/bullet markup; a lone "-" before a digit (a negative number) stays.
-_LEADING_MARKUP = re.compile(r"^(?:[\s#>*|=~`]|-(?!\d))+")
-
-
-def _control_to_space(text: str) -> str:
-    # Cc (C0/C1 controls incl. newlines, tabs, ESC), Cf (zero-width, bidi overrides), Cs, Co,
-    # Cn and the Unicode line/paragraph separators become spaces, then whitespace collapses.
-    return "".join(
-        " " if unicodedata.category(ch)[0] == "C" or unicodedata.category(ch) in ("Zl", "Zp") else ch for ch in text
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _marker_pattern(markers: tuple[str, ...]) -> re.Pattern[str]:
-    alternatives = "|".join(re.escape(m) for m in sorted(set(markers), key=len, reverse=True))
-    return re.compile(rf"(?i)(?<!\w)({alternatives})\s*:")
-
-
-def sanitize_text(text: str | None, *, max_chars: int, markers: Sequence[str] = _ALWAYS_MARKERS) -> str:
-    """Make feed or signal text safe to show inside a prompt, as one line of at most ``max_chars``.
-
-    NFKC-normalises (so full-width look-alikes of ``{`` or ``:`` become plain), turns
-    terminal escape sequences, control and format characters into spaces, defuses the tokenizer's special pieces
-    (``[NL]`` → ``(NL)``), breaks template delimiters apart (``{{`` → ``{ {``, ``%}`` → ``% }``),
-    turns ``Marker:`` (any of ``markers``, case-insensitive) into ``Marker —`` so data cannot
-    open a section of the prompt, shortens runs like ``###`` or ``---`` to one character,
-    drops leading markup, collapses whitespace and cuts at a word boundary with ``…``.
-    """
-    if not text:
-        return ""
-    out = unicodedata.normalize("NFKC", text)
-    out = _ANSI_ESCAPES.sub(" ", out)
-    out = _control_to_space(out)
-    out = _SPECIAL_PIECES.sub(lambda m: "(" + m.group(0).strip("[]<>/") + ")", out)
-    out = _TEMPLATE_OPEN.sub("{ ", out)
-    out = _TEMPLATE_CLOSE.sub(" }", out)
-    if markers:
-        out = _marker_pattern(tuple(markers)).sub(r"\1 —", out)
-    out = _RULES.sub(r"\1", out)
-    out = " ".join(out.split())
-    out = _LEADING_MARKUP.sub("", out)
-    if len(out) > max_chars:
-        cut = out[: max_chars - 1]
-        space = cut.rfind(" ")
-        if space >= max_chars * 0.6:
-            cut = cut[:space]
-        out = cut.rstrip(" ,.;:—-") + "…"
-    return out
 
 
 # --------------------------------------------------------------------------- inputs

@@ -19,9 +19,9 @@ from robot_llm.prompting import (
     find_template,
     load_template,
     render_within_budget,
-    sanitize_text,
     token_budget,
 )
+from robot_llm.prompting.sanitize import sanitize_text
 
 BUNDLED = sorted(bundled_prompts_dir().glob("*.j2"))
 
