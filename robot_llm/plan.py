@@ -30,13 +30,13 @@ from robot_llm.prompting import (
     PromptTooLong,
     RenderResult,
     SignalEntry,
-    Template,
     TokenCounter,
     find_template,
     load_template,
     load_templates,
     render_within_budget,
 )
+from robot_llm.prompting.template import Template
 from robot_llm.runs import beat_run, finish_run, start_run
 
 if TYPE_CHECKING:

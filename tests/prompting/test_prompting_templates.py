@@ -14,7 +14,6 @@ from robot_llm.prompting import (
     NewsEntry,
     PromptTooLong,
     SignalEntry,
-    TemplateError,
     bundled_prompts_dir,
     find_template,
     load_template,
@@ -22,6 +21,7 @@ from robot_llm.prompting import (
     token_budget,
 )
 from robot_llm.prompting.sanitize import sanitize_text
+from robot_llm.prompting.template import TemplateError
 
 BUNDLED = sorted(bundled_prompts_dir().glob("*.j2"))
 
