@@ -27,14 +27,12 @@ from robot_llm.llm.runtime import SHARE_PREFIX_MIN
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.prompting import (
-    InstrumentView,
-    NewsView,
-    RenderContext,
     bundled_prompts_dir,
     content_free_context,
     load_template,
     render_prompt,
 )
+from robot_llm.prompting.context import InstrumentView, NewsView, RenderContext
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ["Сбербанк", "Газпром", "Лукойл", "Яндекс", "Норникель", "Роснефть", "Магнит", "Татнефть"]

@@ -26,16 +26,15 @@ from robot_llm.clock import aware_utc
 from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Signal, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.prompting import (
-    NewsEntry,
     PromptTooLong,
     RenderResult,
-    SignalEntry,
     TokenCounter,
     find_template,
     load_template,
     load_templates,
     render_within_budget,
 )
+from robot_llm.prompting.context import NewsEntry, SignalEntry
 from robot_llm.prompting.template import Template
 from robot_llm.runs import beat_run, finish_run, start_run
 

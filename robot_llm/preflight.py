@@ -226,12 +226,11 @@ def _templates(config: AppConfig) -> Check:
     from robot_llm.db import utcnow
     from robot_llm.llm.tokenizer import load_tokenizer
     from robot_llm.prompting import (
-        NewsEntry,
-        SignalEntry,
         load_templates,
         render_within_budget,
         stance_label_problems,
     )
+    from robot_llm.prompting.context import NewsEntry, SignalEntry
 
     assert config.model.vocab is not None
     try:

@@ -18,7 +18,7 @@ import hashlib
 import importlib.resources
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -42,15 +42,20 @@ from robot_llm.config import (
     _Yaml12SafeLoader,
 )
 from robot_llm.errors import RobotLLMError
-from robot_llm.prompting.sanitize import sanitize_text
+from robot_llm.prompting.context import (
+    InstrumentView,
+    NewsEntry,
+    RenderContext,
+    SignalEntry,
+    news_view,
+    signal_view,
+)
 from robot_llm.prompting.template import Template, TemplateError, TemplateHeader
 
 __all__ = [
     "DroppedNews",
-    "NewsEntry",
     "PromptTooLong",
     "RenderResult",
-    "SignalEntry",
     "TokenCounter",
     "bundled_prompts_dir",
     "find_template",
@@ -220,76 +225,6 @@ def _template_line(template: Template, tb: Any) -> int | None:
     return line
 
 
-@dataclass(frozen=True)
-class InstrumentView:
-    """The instrument as templates see it."""
-
-    ticker: str
-    name: str
-    aliases: tuple[str, ...]
-    exchange: str | None
-
-
-@dataclass(frozen=True)
-class NewsView:
-    """One news item as templates see it: sanitised text, local-time dates."""
-
-    id: int
-    title: str
-    summary: str
-    feed: str
-    published_at: datetime | None
-    fetched_at: datetime
-    at: datetime  # when it happened as far as we can tell: published_at unless it claims the future
-
-    @property
-    def text(self) -> str:
-        """Title and summary as one sentence run (either may be empty)."""
-        if not self.summary:
-            return self.title
-        if not self.title:
-            return self.summary
-        joiner = " " if self.title[-1] in ".!?…" else ". "
-        return self.title + joiner + self.summary
-
-
-@dataclass(frozen=True)
-class SignalView:
-    """One forecast of the robot as templates see it; ``text`` says it in the template's language."""
-
-    id: int
-    horizon: str
-    direction: int | None
-    direction_text: str
-    target: float | None
-    confidence: float | None
-    model: str
-    generated_at: datetime
-    text: str
-
-
-@dataclass(frozen=True)
-class RenderContext:
-    """Everything a template may use. ``as_of`` and every date are in ``config.timezone``."""
-
-    instrument: InstrumentView
-    as_of: datetime
-    language: str
-    news: tuple[NewsView, ...]
-    signals: tuple[SignalView, ...]
-
-    def variables(self) -> dict[str, Any]:
-        """The Jinja variables: instrument, as_of, language, news, signals, forecast (latest or None)."""
-        return {
-            "instrument": self.instrument,
-            "as_of": self.as_of,
-            "language": self.language,
-            "news": self.news,
-            "signals": self.signals,
-            "forecast": self.signals[0] if self.signals else None,
-        }
-
-
 def render_prompt(template: Template, context: RenderContext) -> str:
     """Render ``template`` with ``context``; a missing variable or sandbox violation is a TemplateError."""
     compiled = _compile(template)
@@ -304,100 +239,6 @@ def render_prompt(template: Template, context: RenderContext) -> str:
 def _where(template: Template) -> str:
     line = _template_line(template, sys.exc_info()[2])
     return f"{template.path}:{line}" if line else str(template.path)
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class NewsEntry:
-    """A news item gathered for an instrument, before sanitising.
-
-    ``mentions`` counts how often the instrument's ticker, name or aliases occur in the
-    text; 0 means it was tagged without a textual match (e.g. by the feed's ticker list),
-    which makes it the least relevant.
-    """
-
-    id: int
-    title: str
-    summary: str
-    feed: str
-    published_at: datetime | None
-    fetched_at: datetime
-    mentions: int = 0
-    in_title: bool = False
-
-    @property
-    def at(self) -> datetime:
-        """When it happened as far as we know: the feed's date unless it claims a time after our fetch."""
-        if self.published_at is not None and self.published_at <= self.fetched_at:
-            return self.published_at
-        return self.fetched_at
-
-    def relevance(self) -> tuple[bool, bool, int, datetime, int]:
-        """Sort key, least relevant first: weak match, not in the title, fewer mentions, older."""
-        return (self.mentions > 0, self.in_title, self.mentions, self.at, self.id)
-
-
-@dataclass(frozen=True)
-class SignalEntry:
-    """A robot forecast gathered for an instrument, before sanitising."""
-
-    id: int
-    horizon: str
-    direction: int | None
-    target: float | None
-    confidence: float | None
-    model: str
-    generated_at: datetime
-
-
-_DIRECTION_WORDS = {
-    "ru": {1: "рост", -1: "падение", 0: "без изменений", None: "направление не указано"},
-    "en": {1: "up", -1: "down", 0: "flat", None: "no direction given"},
-}
-_SIGNAL_PHRASES = {
-    "ru": ("{direction} на горизонте {horizon}", ", цель {target}", ", уверенность {confidence:.0%}"),
-    "en": ("{direction} over {horizon}", ", target {target}", ", confidence {confidence:.0%}"),
-}
-
-
-def _signal_view(entry: SignalEntry, language: str, tz: ZoneInfo, markers: Sequence[str]) -> SignalView:
-    lang = language.split("-")[0] if language.split("-")[0] in _DIRECTION_WORDS else "en"
-    direction = entry.direction if entry.direction in (-1, 0, 1) else None
-    words = _DIRECTION_WORDS[lang][direction]
-    horizon = sanitize_text(entry.horizon, max_chars=32, markers=markers)
-    base, target_part, conf_part = _SIGNAL_PHRASES[lang]
-    text = base.format(direction=words, horizon=horizon)
-    if entry.target is not None:
-        text += target_part.format(target=f"{entry.target:g}")
-    if entry.confidence is not None and 0.0 <= entry.confidence <= 1.0:
-        text += conf_part.format(confidence=entry.confidence)
-    return SignalView(
-        id=entry.id,
-        horizon=horizon,
-        direction=direction,
-        direction_text=words,
-        target=entry.target,
-        confidence=entry.confidence,
-        model=sanitize_text(entry.model, max_chars=64, markers=markers),
-        generated_at=entry.generated_at.astimezone(tz),
-        text=text,
-    )
-
-
-def _news_view(entry: NewsEntry, template: Template, tz: ZoneInfo, markers: Sequence[str]) -> NewsView:
-    limit = template.news.max_chars
-    fields = template.news.fields
-    return NewsView(
-        id=entry.id,
-        title=sanitize_text(entry.title, max_chars=limit, markers=markers) if "title" in fields else "",
-        summary=sanitize_text(entry.summary, max_chars=limit, markers=markers) if "summary" in fields else "",
-        feed=sanitize_text(entry.feed, max_chars=64, markers=markers),
-        published_at=entry.published_at.astimezone(tz) if entry.published_at else None,
-        fetched_at=entry.fetched_at.astimezone(tz),
-        at=entry.at.astimezone(tz),
-    )
 
 
 # --------------------------------------------------------------------------- the budget
@@ -475,7 +316,7 @@ def render_within_budget(
         if template.signals.include
         else []
     )
-    signal_views = tuple(_signal_view(s, template.language, tz, markers) for s in chosen_signals)
+    signal_views = tuple(signal_view(s, template.language, tz, markers) for s in chosen_signals)
     view = InstrumentView(instrument.ticker, instrument.name, tuple(instrument.aliases), instrument.exchange)
     budget = token_budget(template, config, tokenizer)
 
@@ -485,7 +326,7 @@ def render_within_budget(
             instrument=view,
             as_of=as_of.astimezone(tz),
             language=template.language,
-            news=tuple(_news_view(e, template, tz, markers) for e in shown),
+            news=tuple(news_view(e, template, tz, markers) for e in shown),
             signals=signal_views,
         )
         prompt = render_prompt(template, context)

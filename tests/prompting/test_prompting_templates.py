@@ -11,15 +11,14 @@ import pytest
 from prompting_helpers import AS_OF
 
 from robot_llm.prompting import (
-    NewsEntry,
     PromptTooLong,
-    SignalEntry,
     bundled_prompts_dir,
     find_template,
     load_template,
     render_within_budget,
     token_budget,
 )
+from robot_llm.prompting.context import NewsEntry, SignalEntry
 from robot_llm.prompting.sanitize import sanitize_text
 from robot_llm.prompting.template import TemplateError
 
