@@ -30,9 +30,9 @@ from robot_llm.prompting import (
     bundled_prompts_dir,
     content_free_context,
     load_template,
-    render_prompt,
 )
 from robot_llm.prompting.context import InstrumentView, NewsView, RenderContext
+from robot_llm.prompting.render import render_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ["Сбербанк", "Газпром", "Лукойл", "Яндекс", "Норникель", "Роснефть", "Магнит", "Татнефть"]

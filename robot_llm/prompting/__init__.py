@@ -17,18 +17,14 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 from zoneinfo import ZoneInfo
 
 import yaml
-from jinja2 import FunctionLoader, StrictUndefined, TemplateSyntaxError, UndefinedError
-from jinja2 import Template as JinjaTemplate
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from pydantic import ValidationError
 
 from robot_llm.clock import aware_utc
@@ -50,6 +46,7 @@ from robot_llm.prompting.context import (
     news_view,
     signal_view,
 )
+from robot_llm.prompting.render import compile_template, render_prompt
 from robot_llm.prompting.template import Template, TemplateError, TemplateHeader
 
 __all__ = [
@@ -61,7 +58,6 @@ __all__ = [
     "find_template",
     "load_template",
     "load_templates",
-    "render_prompt",
     "render_within_budget",
 ]
 
@@ -158,87 +154,13 @@ def load_template(path: str | Path) -> Template:
             f"{source}:{line_of.get(('name',), 2)}: name: {header.name!r} does not match the file name {path.name!r}"
         )
     template = Template(**dict(header), path=path, body=body, body_line=end + 2)
-    _compile(template)  # a syntax error should surface at load time, not at 03:00
+    compile_template(template)  # a syntax error should surface at load time, not at 03:00
     return template
 
 
 def load_templates(config: AppConfig) -> dict[str, Template]:
     """Every template named in ``config.prompts.templates``, loaded and compiled."""
     return {name: load_template(find_template(config, name)) for name in config.prompts.templates}
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def _fmt(value: datetime | None, pattern: str) -> str:
-    """Jinja filter ``fmt``: strftime, with '' for a missing date."""
-    return "" if value is None else value.strftime(pattern)
-
-
-def _environment(template: Template) -> ImmutableSandboxedEnvironment:
-    # One environment per template, whose loader knows only that template: so Jinja's own
-    # error messages and tracebacks carry the real file name, and the padding comment keeps
-    # Jinja's line numbers equal to the file's (the body starts after the front matter).
-    padding = "{#" + "\n" * (template.body_line - 1) + "#}"
-
-    def load(name: str) -> tuple[str, str, Any] | None:
-        if name != template.name:
-            return None
-        return padding + template.body, str(template.path), lambda: True
-
-    # The immutable sandbox also refuses to modify lists and dicts from inside a template.
-    env = ImmutableSandboxedEnvironment(
-        loader=FunctionLoader(load),
-        undefined=StrictUndefined,
-        autoescape=False,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        auto_reload=False,
-    )
-    env.filters["fmt"] = _fmt
-    return env
-
-
-_COMPILED: dict[tuple[Path, str], JinjaTemplate] = {}
-
-
-def _compile(template: Template) -> JinjaTemplate:
-    key = (template.path, template.body)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        try:
-            compiled = _environment(template).get_template(template.name)
-        except TemplateSyntaxError as exc:
-            raise TemplateError(f"{template.path}:{exc.lineno}: template syntax error: {exc.message}") from None
-        _COMPILED[key] = compiled
-    return compiled
-
-
-def _template_line(template: Template, tb: Any) -> int | None:
-    """The template line a render error happened on (Jinja rewrites frames to template lines)."""
-    line = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == str(template.path):
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return line
-
-
-def render_prompt(template: Template, context: RenderContext) -> str:
-    """Render ``template`` with ``context``; a missing variable or sandbox violation is a TemplateError."""
-    compiled = _compile(template)
-    try:
-        return compiled.render(context.variables())
-    except (UndefinedError, SecurityError) as exc:
-        raise TemplateError(f"{_where(template)}: template {template.name!r}: {exc}") from None
-    except Exception as exc:  # a filter or method misused in the template body: still the template's fault
-        raise TemplateError(f"{_where(template)}: template {template.name!r}: {type(exc).__name__}: {exc}") from None
-
-
-def _where(template: Template) -> str:
-    line = _template_line(template, sys.exc_info()[2])
-    return f"{template.path}:{line}" if line else str(template.path)
 
 
 # --------------------------------------------------------------------------- the budget
