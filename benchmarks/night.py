@@ -27,11 +27,10 @@ from robot_llm.llm.runtime import SHARE_PREFIX_MIN
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.prompting import (
-    bundled_prompts_dir,
     content_free_context,
-    load_template,
 )
 from robot_llm.prompting.context import InstrumentView, NewsView, RenderContext
+from robot_llm.prompting.loading import bundled_prompts_dir, load_template
 from robot_llm.prompting.render import render_prompt
 
 REPO = Path(__file__).resolve().parent.parent

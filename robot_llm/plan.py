@@ -29,12 +29,10 @@ from robot_llm.prompting import (
     PromptTooLong,
     RenderResult,
     TokenCounter,
-    find_template,
-    load_template,
-    load_templates,
     render_within_budget,
 )
 from robot_llm.prompting.context import NewsEntry, SignalEntry
+from robot_llm.prompting.loading import find_template, load_template, load_templates
 from robot_llm.prompting.template import Template
 from robot_llm.runs import beat_run, finish_run, start_run
 

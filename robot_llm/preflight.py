@@ -226,11 +226,11 @@ def _templates(config: AppConfig) -> Check:
     from robot_llm.db import utcnow
     from robot_llm.llm.tokenizer import load_tokenizer
     from robot_llm.prompting import (
-        load_templates,
         render_within_budget,
         stance_label_problems,
     )
     from robot_llm.prompting.context import NewsEntry, SignalEntry
+    from robot_llm.prompting.loading import load_templates
 
     assert config.model.vocab is not None
     try:

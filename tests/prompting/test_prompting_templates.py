@@ -12,13 +12,11 @@ from prompting_helpers import AS_OF
 
 from robot_llm.prompting import (
     PromptTooLong,
-    bundled_prompts_dir,
-    find_template,
-    load_template,
     render_within_budget,
     token_budget,
 )
 from robot_llm.prompting.context import NewsEntry, SignalEntry
+from robot_llm.prompting.loading import bundled_prompts_dir, find_template, load_template
 from robot_llm.prompting.sanitize import sanitize_text
 from robot_llm.prompting.template import TemplateError
 
