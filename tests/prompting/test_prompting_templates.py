@@ -10,11 +10,7 @@ from pathlib import Path
 import pytest
 from prompting_helpers import AS_OF
 
-from robot_llm.prompting import (
-    PromptTooLong,
-    render_within_budget,
-    token_budget,
-)
+from robot_llm.prompting.budget import PromptTooLong, render_within_budget, token_budget
 from robot_llm.prompting.context import NewsEntry, SignalEntry
 from robot_llm.prompting.loading import bundled_prompts_dir, find_template, load_template
 from robot_llm.prompting.sanitize import sanitize_text
