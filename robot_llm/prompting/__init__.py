@@ -7,11 +7,6 @@ variables, after :func:`~robot_llm.prompting.sanitize.sanitize_text` has neutral
 control characters, template syntax, the tokenizer's special pieces and lines that imitate
 the template's own section markers.
 
-The rendered prompt must fit the model's window with room for the completion (and for the
-stance cue and label scored after it). :func:`~robot_llm.prompting.budget.render_within_budget`
-counts with the real tokenizer and drops news one item at a time, least relevant first,
-re-rendering each time; the template itself is never cut.
-
 One module per step, in the order a prompt is made:
 
 - :mod:`.template`: the front matter's schema and the :class:`~.template.Template` it validates into;
@@ -19,7 +14,7 @@ One module per step, in the order a prompt is made:
 - :mod:`.render`: the Jinja sandbox and :func:`~.render.render_prompt`;
 - :mod:`.sanitize`: making news and signal text safe to show;
 - :mod:`.context`: what a template sees, built from the news and signals gathered;
-- :mod:`.budget`: the token budget and rendering within it;
+- :mod:`.budget`: fitting the prompt into the model's window, dropping the least relevant news first;
 - :mod:`.stance_prompt`: the content-free calibration context and the stance labels' check.
 
 Nothing is re-exported here: import from the module that does the work.
