@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 WeightHome = Literal["disk", "ram"]
 KVHome = Literal["device", "cpu"]
+AttentionHome = Literal["compute", "kv"]
 
 #: Tries of one layer read before the forward pass fails (a transient EIO or short read is retried).
 READ_ATTEMPTS = 4
@@ -131,6 +132,10 @@ class StreamingModel:
     reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
     ``kv_dtype`` ``int8``/``int4`` keeps the KV cache compressed
     (:mod:`robot_llm.llm.kvquant`); None keeps it in the compute dtype.
+    ``attention_home`` ``"kv"`` runs a decode step's attention where the KV cache
+    lives (FlexGen's CPU attention, for a cache in RAM on a GPU machine: the planner
+    chooses it when copying the cache up each step would cost more); ``"compute"``
+    copies the cache's slice to the compute device.
     ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
@@ -148,6 +153,7 @@ class StreamingModel:
         ram_layers: int = 0,
         read_depth: int = DEFAULT_DEPTH,
         kv_dtype: str | None = None,
+        attention_home: AttentionHome = "compute",
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -160,6 +166,7 @@ class StreamingModel:
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
         self.kv_dtype = kv_dtype
+        self.attention_home = attention_home
         self.micro_batch = micro_batch
         # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
         # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
@@ -342,9 +349,11 @@ class StreamingModel:
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
         """An empty cache in the compute dtype on the KV home."""
-        return KVCache.allocate(
+        cache = KVCache.allocate(
             self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad, kv_dtype=self.kv_dtype
         )
+        cache.attend_where_stored = self.attention_home == "kv"
+        return cache
 
     @torch.inference_mode()
     def forward(

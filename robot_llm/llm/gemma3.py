@@ -29,6 +29,7 @@ from robot_llm.llm.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    attend_with,
     grouped_attention,
     rope_inv_freq,
 )
@@ -64,10 +65,12 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
     v = F.linear(a_in, p["self_attn.v_proj.weight"]).view(B, T, -1, d)
     cos, sin = step.rotary[cfg.layer_types[index]]
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    mask = step.mask_for(cfg.sliding_window(index))
     if kv is not None:
         k, v = kv.update(k, v)
-    mask = step.mask_for(cfg.sliding_window(index))
+        q, mask = attend_with(q, mask, k)
     o = grouped_attention(q, k, v, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcapping)
+    o = o.to(a_in.device, a_in.dtype)
     return F.linear(o, p["self_attn.o_proj.weight"])
 
 

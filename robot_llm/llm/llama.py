@@ -28,6 +28,7 @@ from robot_llm.llm.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    attend_with,
     grouped_attention,
     rope_inv_freq,
 )
@@ -78,9 +79,11 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
     cos, sin = step.rotary["rope"]
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    mask = step.mask_for(cfg.sliding_window_size)
     if kv is not None:
         k, v = kv.update(k, v)
-    o = grouped_attention(q, k, v, step.mask_for(cfg.sliding_window_size), 1.0 / math.sqrt(d))
+        q, mask = attend_with(q, mask, k)
+    o = grouped_attention(q, k, v, mask, 1.0 / math.sqrt(d)).to(a_in.device, a_in.dtype)
     return F.linear(o, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
 

@@ -96,6 +96,7 @@ class Plan:
     ram_layers: int = 0
     threads: int = 1
     stance_seconds: float = 0.0
+    attention_home: Literal["compute", "kv"] = "compute"
 
     @property
     def kv(self) -> tuple[Literal["device", "cpu"], str]:
@@ -123,7 +124,8 @@ class Plan:
             + (f" ({self.ram_layers} layers in RAM, the rest on disk)" if self.weight_home == "split" else "")
             + ", KV cache in "
             + ("GPU memory" if self.kv_home == "device" and self.device == "cuda" else "RAM")
-            + f" as {self.kv_dtype}",
+            + f" as {self.kv_dtype}"
+            + (", decode attention computed there (the cache never moves)" if self.attention_home == "kv" else ""),
             f"{self.threads} compute thread(s)",
             "memory per tier:",
         ]
@@ -352,9 +354,16 @@ def _try(
     cap = gpu_cap if cuda else ram_cap
     # The largest prefill micro-batch whose activations fit next to everything else.
     fixed = sum(compute_tier.values())
+    mean_slots = work.prompt_tokens + work.max_new_tokens / 2
+    attention_home = decode_attention(cfg, machine, kv, kv_elem, batch, mean_slots)[0]
     if (cuda and kv_home == "cpu") or kv_dtype in KV_QUANTIZED:
-        # One layer's K/V in the compute dtype for attention (copied up, dequantized, or both).
-        fixed += 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim * c
+        # One layer's K/V of the whole batch for a decode step's attention: in the compute dtype where
+        # it computes (copied up, dequantized, or both), or in fp32 in RAM where the cache attends.
+        attend_values = 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim
+        if attention_home == "kv":
+            ram["decode attention K/V"] = attend_values * 4
+        else:
+            fixed += attend_values * c
     P, T = work.prompt_tokens, work.stance_tokens
     decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
 
@@ -380,8 +389,7 @@ def _try(
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
     memory["disk"] = {"weight store": L * lb + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv_home, kv_elem, kv_dtype in KV_QUANTIZED)
-    mean_slots = P + work.max_new_tokens / 2
+    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv, kv_elem)
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
     stance = timing.pass_seconds(batch, T, slots) if T else 0.0
@@ -410,6 +418,7 @@ def _try(
         ram_layers=ram_layers,
         threads=machine.compute_threads,
         stance_seconds=stance,
+        attention_home=attention_home,
     )
 
 
@@ -423,9 +432,8 @@ class _Timing:
     converts: bool
     dtype: str
     ram_layers: int
-    kv_home: str
+    kv: tuple[Literal["device", "cpu"], str]
     kv_elem_bytes: float
-    kv_quantized: bool
 
     def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
         """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
@@ -437,10 +445,37 @@ class _Timing:
         if self.converts and not m.has_gpu:  # the reader's dequantization shares the cores with compute
             compute += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         kv_values = 2 * batch * slots * kv_width
-        if m.has_gpu and self.kv_home == "cpu" and tokens == 1:  # the compressed bytes are what moves up
-            compute += kv_values * self.kv_elem_bytes / m.h2d_bps
-        if self.kv_quantized and not m.has_gpu:
+        if tokens == 1:
+            compute += decode_attention(cfg, m, self.kv, self.kv_elem_bytes, batch, slots)[1]
+        if self.kv[1] in KV_QUANTIZED and not m.has_gpu:
             compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         from_ram = self.layer_bytes / m.h2d_bps if m.has_gpu else 0.0
         from_disk = max(self.layer_bytes / m.disk_read_bps, from_ram)
         return self.ram_layers * max(from_ram, compute) + (L - self.ram_layers) * max(from_disk, compute)
+
+
+def decode_attention(
+    cfg: ModelConfig,
+    m: Machine,
+    kv: tuple[Literal["device", "cpu"], str],
+    kv_elem_bytes: float,
+    batch: int,
+    slots: float,
+) -> tuple[Literal["compute", "kv"], float]:
+    """Where a decode step attends over a KV cache in RAM on a GPU machine, and the seconds per layer it adds.
+
+    Copying the cache up costs its (compressed) bytes over the host link. Attending in RAM
+    (FlexGen's CPU attention) reads them once, dequantizes them, writes and reads them
+    again as fp32 and does the score FLOPs on the cores; only ``q`` and the output move.
+    The engine does the cheaper one. Anywhere else attention runs with the weights: 0 s.
+    """
+    kv_home, kv_dtype = kv
+    if not (m.has_gpu and kv_home == "cpu"):
+        return "compute", 0.0
+    kv_values = 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim
+    move = kv_values * kv_elem_bytes / m.h2d_bps
+    flops = 4 * batch * slots * cfg.num_attention_heads * cfg.head_dim
+    here = (kv_values * (kv_elem_bytes + 2 * 4)) / m.ram_bps + flops / m.cpu_flops
+    if kv_dtype in KV_QUANTIZED:
+        here += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+    return ("kv", here) if here < move else ("compute", move)

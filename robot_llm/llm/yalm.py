@@ -38,6 +38,7 @@ from robot_llm.llm.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    attend_with,
     resolve_dtype,
 )
 
@@ -80,8 +81,10 @@ def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv:
     cos, sin = step.rotary["rope"]
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
+    mask = step.mask
     if kv is not None:
         k, v = kv.update(k, v)
+        q, mask = attend_with(q, mask, k)
     S = k.shape[1]
     q = q.transpose(1, 2).reshape(B * n, T, hn)
     k = k.permute(0, 2, 3, 1).reshape(B * n, hn, S)
@@ -90,9 +93,10 @@ def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv:
     scores = torch.baddbmm(
         torch.empty(B * n, T, S, dtype=q.dtype, device=q.device), q, k, beta=0.0, alpha=1.0 / math.sqrt(hn)
     ).view(B, n, T, S)
-    scores = scores.masked_fill(step.mask, MASK_VALUE)
+    scores = scores.masked_fill(mask, MASK_VALUE)
     probs = torch.softmax(scores, dim=-1)
     o = torch.bmm(probs.view(B * n, T, S), v).view(B, n, T, hn).transpose(1, 2).reshape(B, T, H)
+    o = o.to(a_in.device, a_in.dtype)
     return F.linear(o, params["attention.dense.weight"])
 
 

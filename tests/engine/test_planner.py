@@ -142,3 +142,24 @@ def test_a_compressed_kv_cache_is_chosen_when_memory_bounds_the_batch() -> None:
     assert int4.memory["ram"]["KV cache"] / fp16.memory["ram"]["KV cache"] == pytest.approx(4.4 / 16, rel=1e-3)
     # Where memory is plentiful nothing is gained by compressing: the least compressed ties win.
     assert plan(YALM, Work(4, 64, 8), Machine(ram_bytes=int(512 * GB))).kv_dtype == "fp32"
+
+
+def test_decode_attention_runs_in_ram_only_where_that_beats_copying_the_cache_up() -> None:
+    # FlexGen's CPU attention: worth it when RAM is read much faster than the host link copies.
+    work = Work(300, 512, 128)
+    desktop = Machine(ram_bytes=int(256 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB)
+    server = replace(desktop, ram_bps=200 * GB, h2d_bps=4 * GB, cores=32)
+    pinned = {"weight_dtype": "int4", "weight_home": "ram", "kv_dtype": "fp16"}
+    copy_up, in_ram = plan(YALM, work, desktop, **pinned), plan(YALM, work, server, **pinned)
+    assert copy_up.kv_home == in_ram.kv_home == "cpu"
+    assert copy_up.attention_home == "compute" and in_ram.attention_home == "kv"
+    assert "decode attention computed there" in in_ram.describe()
+    assert "decode attention" not in copy_up.describe()
+    # The same server copying the cache up: the GPU must hold the whole batch's K/V of a layer for
+    # each decode step, so the batch is smaller, and the night longer.
+    copying = plan(YALM, work, replace(server, ram_bps=1 * GB), **pinned)
+    assert copying.attention_home == "compute" and "decode attention K/V" not in copying.memory["ram"]
+    assert in_ram.memory["ram"]["decode attention K/V"] > 0
+    assert in_ram.batch_size > copying.batch_size and in_ram.total_seconds < copying.total_seconds
+    cpu_only = plan(YALM, work, Machine(ram_bytes=int(512 * GB), ram_bps=200 * GB))
+    assert cpu_only.attention_home == "compute"  # no GPU: attention already runs where the cache is
