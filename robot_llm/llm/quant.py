@@ -5,7 +5,7 @@ matrix is cut into groups of ``group_size`` consecutive input columns; a group
 keeps a bf16 ``scale`` and ``zero`` and every weight a 4-bit code ``q`` with
 ``w = (q - 8) * scale + zero`` (``zero`` is the value code 8 stands for:
 ``minimum + 8 * step``). Which ``(step, minimum)`` a group gets is decided by
-:func:`int4_grid` alone. The stored bytes are exactly what
+:func:`int4_grid` alone (least squares over a few candidate grids). The stored bytes are exactly what
 ``torch._weight_int4pack_mm_for_cpu`` reads, so the reader reads straight into
 the kernel's operands and the CPU never dequantises at batch 1:
 
@@ -107,14 +107,112 @@ def int8_bytes(shape: tuple[int, int]) -> int:
 # --------------------------------------------------------------------------- int4
 
 
-def int4_grid(groups: Tensor) -> tuple[Tensor, Tensor]:
-    """The grid of each group of ``groups`` (float32 ``[G, group]``): ``(step, minimum)``, float32 ``[G]``.
+#: Values :func:`int4_grid` works on at once: its temporaries stay in the CPU's cache (1 MiB each).
+_GRID_CHUNK = 1 << 18
+#: Grids :func:`int4_grid` tries besides min-max: steps of ``range / k`` centred on the group, so that
+#: both tails are clipped (on Gemma 3 270M's matrices at group 64 they take the squared error from 0.86
+#: of min-max's to 0.83).
+_CLIP_LEVELS = (16.0, 17.0, 18.5)
+#: Alternations of "nearest codes for the grid" and "least-squares grid for the codes" at the end.
+_REFINE = 2
 
-    Code ``c`` stands for ``minimum + c * step`` (``c`` in 0..15). Min-max: the
-    grid spans the group exactly. This is the one place that decides the grid.
+
+def int4_grid(groups: Tensor) -> tuple[Tensor, Tensor]:
+    """The 16-level grid of each group of ``groups`` (float32 ``[G, g]``): ``(step, minimum)``, float32 ``[G]``.
+
+    Code ``c`` stands for ``minimum + c * step`` (``c`` in 0..15). Min-max
+    (``step = (max - min) / 15``) wastes levels on the tails and, worse, does
+    not reproduce weights that are already on a 16-level grid but do not use
+    both end codes (GGUF Q4_K sub-blocks: 21 % of Gemma 3 270M's Q4_K groups of
+    32 use 15 levels; requantised min-max they get the error of a fresh
+    quantisation). So, in the spirit of llama.cpp's ``make_qkx2_quants``, every
+    group tries a few candidate grids, takes for each the codes nearest to it
+    and fits the least-squares ``(step, minimum)`` to those codes, keeps the
+    candidate with the smallest squared error, and alternates codes and fit
+    :data:`_REFINE` times. Candidates: ``range / k`` for the ``k`` that three
+    gaps between the group's values are multiples of (a group already on a
+    16-level grid is then reproduced exactly, up to float rounding, and a
+    matrix all on grids stops there); min-max; and :data:`_CLIP_LEVELS`,
+    centred clipping grids. The fitted error of a candidate is never above
+    that of its own start, and min-max is one start, so the grid's squared
+    error (codes rounded to nearest) is never above min-max's.
+
+    Measured on Gemma 3 270M's layer matrices (squared error relative to
+    min-max): group 32: 0.79 on the Q5_0/Q8_0-sourced ones, 0.62 on
+    ``ffn_down`` (half Q4_K, half Q6_K), 0 on ``attn_output`` (Q4_K); group
+    64: 0.83-0.85, 0.78 and 0.69. Speed: 17-25 M values per CPU-second on
+    one thread (min-max: ~500 M), i.e. about a minute of CPU per YaLM-100B layer.
+
+    Every step is a handful of vectorised passes over the group, in chunks of
+    :data:`_GRID_CHUNK` values (a YaLM-100B layer is ~10^9 weights); the
+    squared errors come in closed form from the sums the fit needs. The
+    caller rounds the grid to what it stores (and picks codes for that).
     """
-    lo, hi = groups.amin(dim=1), groups.amax(dim=1)
-    return ((hi - lo) / _LEVELS).clamp_min(_MIN_STEP), lo
+    import torch
+
+    size = groups.shape[1]
+    chunk = max(1, _GRID_CHUNK // size)
+    if groups.shape[0] > chunk:
+        parts = [int4_grid(groups[i : i + chunk]) for i in range(0, groups.shape[0], chunk)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    x = groups.float()
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    mean = x.mean(dim=1)
+    centred = x - mean[:, None]  # sums of centred values keep the closed-form errors accurate
+    sxx = torch.linalg.vecdot(centred, centred)
+    spread = hi - lo
+    # A flat group has no spread: any step fits it; keep the products below float overflow.
+    safe = spread.clamp_min(1e-20)
+
+    def fit(inv: Tensor, start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Nearest codes of the grid ``(1 / inv, start)``; their least-squares ``(step, centred min, error)``."""
+        codes = torch.addcmul((-start * inv)[:, None], x, inv[:, None]).round_().clamp_(0, _LEVELS)
+        sq = codes.sum(dim=1)
+        det = size * torch.linalg.vecdot(codes, codes) - sq * sq
+        sqx = torch.linalg.vecdot(codes, centred)
+        ok = det > 0  # 0: every code equal, the group's mean is the best such grid can do
+        det = torch.where(ok, det, 1)
+        step = torch.where(ok, size * sqx / det, 0)
+        return step, -step * sq / size, torch.where(ok, sxx - size * sqx * sqx / det, sxx)
+
+    # On a grid of k + 1 levels spanning the group, every gap between two of its values is a multiple
+    # of range / k. The smallest of three gaps (above the minimum, below the maximum, across the
+    # middle) is j = 1, 2 or 3 such steps unless all three skip levels: k = j range / gap for the j
+    # whose k all three gaps fit. More than one j may fit (all gaps even multiples), so each is tried.
+    mid = ((lo + hi) / 2)[:, None]
+    gaps = torch.stack(
+        [
+            torch.where(x > (lo + spread / 32)[:, None], x, hi[:, None]).amin(dim=1) - lo,
+            hi - torch.where(x < (hi - spread / 32)[:, None], x, lo[:, None]).amax(dim=1),
+            torch.where(x > mid, x, hi[:, None]).amin(dim=1) - torch.where(x <= mid, x, lo[:, None]).amax(dim=1),
+        ],
+        dim=1,
+    )
+    per_gap = spread / gaps.amin(dim=1).clamp_min(1e-20)
+    levels = (per_gap[:, None] * torch.tensor([1.0, 2.0, 3.0], device=x.device)).round()
+    multiples = levels[:, :, None] * gaps[:, None, :] / safe[:, None, None]  # [G, j, gap]
+    fits = ((multiples - multiples.round()).abs() < 1e-3).all(dim=2) & (levels >= 1) & (levels <= _LEVELS)
+    # Exact candidates first, the coarsest first: on a tie (a group on two levels fits min-max's grid
+    # too) the coarser step is kept, which survives storage (fp16 flushes steps below 2^-14).
+    starts = [(torch.where(fits[:, j], levels[:, j], _LEVELS) / safe, lo) for j in range(3) if fits[:, j].any()]
+    exact = len(starts)
+    starts.append((_LEVELS / safe, lo))  # min-max
+    for k in _CLIP_LEVELS:
+        starts.append((k / safe, lo + (k - _LEVELS) / (2 * k) * spread))
+    best = fit(*starts[0])
+    # A candidate replaces the best only when clearly better than float rounding of the closed-form errors.
+    for i in range(1, len(starts) + _REFINE):  # then refine the best so far
+        if i == exact and exact and bool((best[2] <= 1e-6 * sxx).all()):
+            break  # every group is on its grid (a Q4_K matrix at group 32)
+        if i < len(starts):
+            inv, start = starts[i]
+        else:
+            inv, start = torch.where(best[0] > 0, 1 / best[0], _LEVELS / safe), best[1] + mean
+        tried = fit(inv, start)
+        better = tried[2] < best[2] - 1e-6 * sxx
+        best = tuple(torch.where(better, new, old) for new, old in zip(tried, best, strict=True))
+    # A flat group fits with step 0 (every code equal): it is stored as its mean, code 0.
+    return torch.where(best[0] > 0, best[0], _MIN_STEP), best[1] + mean
 
 
 def quantize_int4(weight: Tensor, group_size: int = DEFAULT_INT4_GROUP) -> tuple[Tensor, Tensor]:
