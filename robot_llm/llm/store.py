@@ -204,6 +204,8 @@ def read_manifest(store_dir: str | Path) -> Manifest:
         raise StoreError(f"{path} does not exist{extra}")
     try:
         return Manifest.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except StoreError as exc:
+        raise StoreError(f"{path.parent}: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise StoreError(f"{path}: invalid manifest ({exc})") from exc
 
