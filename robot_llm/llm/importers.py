@@ -33,6 +33,7 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.config_hf import FULL, SLIDING, Gemma3Config, LlamaConfig
 from robot_llm.llm.family import Params
+from robot_llm.llm.quant import GGUF_INT4_GROUP
 from robot_llm.llm.store import DEFAULT_GROUP_SIZE, Manifest, StoreFile, convert_modules
 from robot_llm.llm.tokenizer import TOKENIZER_CONFIG
 
@@ -351,13 +352,15 @@ def import_model(
     store_dir: str | Path,
     *,
     dtype: str = "fp16",
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     tokenizer: str | Path | None = None,
     on_file: Callable[[StoreFile, int, int], None] | None = None,
 ) -> Manifest:
     """Convert a ``.gguf`` file or a Hugging Face folder into a store at ``store_dir`` (tokenizer beside it).
 
-    ``tokenizer`` names a ``tokenizer.json`` to use instead of the source's own.
+    ``tokenizer`` names a ``tokenizer.json`` to use instead of the source's own. ``group_size``
+    (int4 only) defaults to :data:`~robot_llm.llm.quant.GGUF_INT4_GROUP` for a GGUF file and to
+    :data:`~robot_llm.llm.quant.DEFAULT_INT4_GROUP` for a Hugging Face folder.
     """
     source, store = Path(source), Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
@@ -374,6 +377,7 @@ def import_model(
             tok.save(str(store / "tokenizer.json"))
             (store / TOKENIZER_CONFIG).write_text(json.dumps(tok_config, ensure_ascii=False, indent=1))
         modules = iter_gguf_modules(reader, cfg, source)
+        default_group = GGUF_INT4_GROUP
     elif source.is_dir() and (source / "config.json").is_file():
         cfg = hf_config(source)
         if tokenizer is None:
@@ -381,6 +385,7 @@ def import_model(
                 raise ModelImportError(f"{source}: no tokenizer.json (pass one with --tokenizer)")
             tokenizer = source / "tokenizer.json"
         modules = iter_hf_modules(source, cfg)
+        default_group = DEFAULT_GROUP_SIZE
     else:
         raise ModelImportError(f"{source}: neither a .gguf file nor a Hugging Face folder with config.json")
     if tokenizer is not None:
@@ -389,4 +394,5 @@ def import_model(
         if (tokenizer.parent / TOKENIZER_CONFIG).is_file():
             shutil.copyfile(tokenizer.parent / TOKENIZER_CONFIG, store / TOKENIZER_CONFIG)
     log.info("importing %s (%s, %d layers) into %s as %s", source, cfg.family, cfg.num_layers, store, dtype)
-    return convert_modules(cfg, modules, store, dtype=dtype, group_size=group_size, on_file=on_file)
+    group = group_size or default_group
+    return convert_modules(cfg, modules, store, dtype=dtype, group_size=group, on_file=on_file)

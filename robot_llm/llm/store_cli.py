@@ -15,7 +15,7 @@ from typing import Any
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 from robot_llm.llm.config_hf import HF_PRESETS
-from robot_llm.llm.quant import DEFAULT_INT4_GROUP
+from robot_llm.llm.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 
 GB = 1e9
 
@@ -60,7 +60,7 @@ def _convert(args: argparse.Namespace) -> int:
                 args.store_dir,
                 dtype=args.dtype,
                 config=config,
-                group_size=args.group_size,
+                group_size=args.group_size or DEFAULT_INT4_GROUP,
                 trust_pickle=args.trust_pickle,
                 on_file=on_file,
             )
@@ -182,8 +182,8 @@ def add_engine_commands(model_sub: Any) -> None:
     conv.add_argument(
         "--group-size",
         type=int,
-        default=DEFAULT_INT4_GROUP,
-        help="int4's scale group: 32, 64 or 128 input columns (default %(default)s; int8 is per output channel)",
+        help=f"int4's scale group: 32, 64 or 128 input columns (default {GGUF_INT4_GROUP} for a GGUF file, whose "
+        f"weights are block-quantised in runs of 32, else {DEFAULT_INT4_GROUP}; int8 is per output channel)",
     )
     conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")

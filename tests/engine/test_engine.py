@@ -60,11 +60,11 @@ def test_int8_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
 
 
 def test_int4_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
-    # int4's step is (max - min) / 15 per group of 32 (the default), int8's max / 127: about
-    # 17x coarser, and the logit error scales with it: measured max |logit diff| 1.55 with
-    # int4_grid's least-squares grids (min-max: 1.39; format 1, min-max: 1.78 at group 64, 1.51
+    # int4's step is (max - min) / 15 per group of 64 (a float source's default), int8's max / 127:
+    # about 17x coarser, and the logit error scales with it: measured max |logit diff| 1.67 with
+    # int4_grid's least-squares grids at group 64 (1.55 at 32; format 1, min-max: 1.78 at 64, 1.51
     # at 32) against int8's 0.11 x 17 = 1.9. The random fixture's logits are nearly flat, so
-    # greedy continuations diverge (2 of 4 equal; int8 keeps all 4). That the divergence is the
+    # greedy continuations diverge (1 of 4 equal; int8 keeps all 4). That the divergence is the
     # quantisation and not the engine is the next test (and tests/engine/test_quant.py for the
     # fused kernels).
     result = check_fixture(tiny_dir, "stream", {"dtype": "int4", "device": "cpu", "home": "disk"})

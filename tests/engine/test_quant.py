@@ -164,11 +164,12 @@ def test_an_old_format_int4_store_is_refused_with_what_to_do(
 
 def test_int4_store_holds_the_kernel_operands(stores: dict[str, Path]) -> None:
     store = Store(stores["int4"])
-    assert store.manifest.group_size == 32 and store.manifest.to_json()["format"] == "robot-llm-store/2"
+    assert store.manifest.group_size == 64 and store.manifest.to_json()["format"] == "robot-llm-store/2"
     layer = store.load("layer", 0)
-    # mlp.dense_ffn_hidden.weight is [172, 64]: rows padded to 192; the output projection [64, 172]: columns to 192.
+    # Group 64, a float source's default. mlp.dense_ffn_hidden.weight is [172, 64]: rows padded to 192 (one group
+    # per row); the output projection [64, 172]: columns to 192.
     assert layer["mlp.dense_ffn_hidden.weight"].shape == (192, 32)
-    assert layer["mlp.dense_ffn_hidden.weight" + SCALE_SUFFIX].shape == (2, 192, 2)
+    assert layer["mlp.dense_ffn_hidden.weight" + SCALE_SUFFIX].shape == (1, 192, 2)
     assert layer["mlp.dense_ffn_output.weight"].shape == (64, 96)
     assert store.layout("layer", 0).shape("mlp.dense_ffn_output.weight") == (64, 172)
     assert Store(stores["int8"]).load("layer", 0)["mlp.dense_ffn_output.weight"].shape == (64, 192)  # K to 64s

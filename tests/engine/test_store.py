@@ -53,11 +53,11 @@ def test_convert_writes_one_file_per_module_and_a_manifest(
         assert layer["attention.dense.weight" + SCALE_SUFFIX].shape == (64,)
         assert layer["attention.dense.bias"].dtype == torch.float16
     elif dtype == "int4":
-        # 64x64 weights in groups of 32 (the default) along each row: 32 bytes of codes per row
+        # 64x64 weights in one group of 64 (a float source's default) per row: 32 bytes of codes per row
         # and a bf16 scale and zero per group, as torch._weight_int4pack_mm_for_cpu takes them.
         assert layer["attention.dense.weight"].dtype == torch.uint8
         assert layer["attention.dense.weight"].shape == (64, 32)
-        assert layer["attention.dense.weight" + SCALE_SUFFIX].shape == (2, 64, 2)
+        assert layer["attention.dense.weight" + SCALE_SUFFIX].shape == (1, 64, 2)
         assert Store(store).layout("layer", 1).shape("attention.dense.weight") == (64, 64)
     else:
         assert all(t.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype] for t in layer.values())

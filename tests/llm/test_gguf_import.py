@@ -18,6 +18,7 @@ import torch
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.engine import StreamingModel
 from robot_llm.llm.importers import import_model
+from robot_llm.llm.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -128,6 +129,10 @@ def test_llama_gguf_imports_faithfully(model: Any, tmp_path: Path, tokenizer_jso
         assert (engine.forward(ids) - want).abs().max().item() <= 1e-4
     finally:
         engine.close()
+    # int4 from a GGUF keeps the source's 32-weight blocks in their own groups; a float source gets 64.
+    assert import_model(path, tmp_path / "q", dtype="int4", tokenizer=tokenizer_json).group_size == GGUF_INT4_GROUP
+    assert import_model(path, tmp_path / "q64", dtype="int4", group_size=64, tokenizer=tokenizer_json).group_size == 64
+    assert GGUF_INT4_GROUP == 32 < DEFAULT_INT4_GROUP
 
 
 def test_missing_tensor_and_garbage_are_named(model: Any, tmp_path: Path, tokenizer_json: Path) -> None:
