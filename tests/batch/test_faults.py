@@ -146,8 +146,12 @@ def test_database_down_mid_run_keeps_stored_theses_and_fails_clearly(benv, night
     proc = start_worker(config_file, "--skip-preflight")
     try:
         wait_for(lambda: benv.thesis_count() >= 1, proc)
-        with benv.engine.begin() as conn:  # the worker's database goes away and stays away
+        # The worker's database goes away and stays away. NOLOGIN is committed before its sessions
+        # are ended: in one transaction, a worker that reconnected between the terminate and the
+        # commit (its pool pings and reconnects at the next checkout) kept working to the end.
+        with benv.engine.begin() as conn:
             conn.exec_driver_sql(f'ALTER ROLE "{role}" NOLOGIN')
+        with benv.engine.begin() as conn:
             conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :r"), {"r": role})
         _out, err = proc.communicate(timeout=120)
 
