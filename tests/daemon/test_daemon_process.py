@@ -159,6 +159,11 @@ def test_a_daemon_restarted_right_after_a_sigkill_takes_over_its_lease_at_once(
             "the restarted daemon's lease",
         )
         assert lease.is_live(_now()) and second.poll() is None
-        assert f"pid {killed.pid} (that process is gone" in (tmp_path / "b.log").read_text(encoding="utf-8")
+        # The takeover is logged after the lease row is committed: wait for the line, do not race it.
+        wait_for(
+            lambda: f"pid {killed.pid} (that process is gone" in (tmp_path / "b.log").read_text(encoding="utf-8"),
+            60,
+            "the takeover's log line",
+        )
     finally:
         assert stop_process(second) == 0, (tmp_path / "b.log").read_text(encoding="utf-8")[-3000:]
