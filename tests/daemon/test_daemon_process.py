@@ -36,8 +36,10 @@ def _now() -> datetime:
 
 def _log_records(path: Path) -> list[dict[str, object]]:
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("{"):
+    # Complete lines only (bytes, so a cut character cannot fail the decoding): the daemon may be
+    # writing the last one while we read.
+    for line in path.read_bytes().split(b"\n")[:-1]:
+        if line.startswith(b"{"):
             records.append(json.loads(line))
     return records
 
