@@ -26,15 +26,10 @@ from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.runtime import SHARE_PREFIX_MIN
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.prompting import (
-    InstrumentView,
-    NewsView,
-    RenderContext,
-    bundled_prompts_dir,
-    content_free_context,
-    load_template,
-    render_prompt,
-)
+from robot_llm.prompting.context import InstrumentView, NewsView, RenderContext
+from robot_llm.prompting.loading import bundled_prompts_dir, load_template
+from robot_llm.prompting.render import render_prompt
+from robot_llm.prompting.stance_prompt import content_free_context
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ["Сбербанк", "Газпром", "Лукойл", "Яндекс", "Норникель", "Роснефть", "Магнит", "Татнефть"]

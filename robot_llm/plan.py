@@ -25,18 +25,10 @@ from sqlalchemy.exc import IntegrityError
 from robot_llm.clock import aware_utc
 from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Signal, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
-from robot_llm.prompting import (
-    NewsEntry,
-    PromptTooLong,
-    RenderResult,
-    SignalEntry,
-    Template,
-    TokenCounter,
-    find_template,
-    load_template,
-    load_templates,
-    render_within_budget,
-)
+from robot_llm.prompting.budget import PromptTooLong, RenderResult, TokenCounter, render_within_budget
+from robot_llm.prompting.context import NewsEntry, SignalEntry
+from robot_llm.prompting.loading import find_template, load_template, load_templates
+from robot_llm.prompting.template import Template
 from robot_llm.runs import beat_run, finish_run, start_run
 
 if TYPE_CHECKING:

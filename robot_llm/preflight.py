@@ -225,13 +225,10 @@ def _templates(config: AppConfig) -> Check:
 
     from robot_llm.db import utcnow
     from robot_llm.llm.tokenizer import load_tokenizer
-    from robot_llm.prompting import (
-        NewsEntry,
-        SignalEntry,
-        load_templates,
-        render_within_budget,
-        stance_label_problems,
-    )
+    from robot_llm.prompting.budget import render_within_budget
+    from robot_llm.prompting.context import NewsEntry, SignalEntry
+    from robot_llm.prompting.loading import load_templates
+    from robot_llm.prompting.stance_prompt import stance_label_problems
 
     assert config.model.vocab is not None
     try:

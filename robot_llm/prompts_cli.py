@@ -12,7 +12,7 @@ from robot_llm.clock import parse_as_of
 from robot_llm.db import error_line, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.plan import render_for, tokenizer_for
-from robot_llm.prompting import find_template, load_template
+from robot_llm.prompting.loading import find_template, load_template
 
 __all__ = ["register"]
 

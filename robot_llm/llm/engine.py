@@ -6,10 +6,15 @@ compute the embedding, each layer and the head. Transformer layers live in their
 and pass through two preallocated slots: while layer ``l`` computes for every
 row of the batch, a background thread reads layer ``l+1`` into the other slot
 (pinned host memory, then a copy stream into a device slot when computing on
-CUDA). Quantized (int8, int4) or mixed-dtype layers are converted into
-compute-dtype buffers: on the CPU by the reader thread, one set per slot, so
-dequantization overlaps compute like the read does; on CUDA on the GPU right
-before use, from the bytes copied up. Slots and buffers are allocated once
+CUDA). Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
+the family as they were read (:class:`~robot_llm.llm.quant.PackedInt4`,
+:class:`~robot_llm.llm.quant.PackedInt8`): :func:`robot_llm.llm.family.linear`
+runs torch's fused kernels on them, so nothing is dequantized at decode batch
+sizes; a call with many rows (a prefill) dequantizes the matrix once into a
+compute buffer. Otherwise (fp32 compute on the CPU, or CUDA) quantized and
+mixed-dtype layers are converted into compute-dtype buffers: on the CPU by the
+reader thread, one set per slot, so dequantization overlaps compute like the
+read does; on CUDA on the GPU right before use, from the bytes copied up. Slots and buffers are allocated once
 and reused for every layer and every step, so memory does not grow with the
 number of steps. The last layer of a step prefetches layer 0 of the next
 step, so decode steps overlap too.
@@ -34,15 +39,13 @@ from torch import Tensor
 from robot_llm.llm.config import embedding_is_head
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
 from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
-from robot_llm.llm.quant import dequantize_int4_into
+from robot_llm.llm.quant import PackedInt4, PackedInt8
 from robot_llm.llm.store import (
-    MIN_SUFFIX,
     SCALE_SUFFIX,
     FileLayout,
     Store,
     StoreError,
     aligned_buffer,
-    dequantize_into,
     direct_span,
     read_into,
 )
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 
 WeightHome = Literal["disk", "ram"]
 KVHome = Literal["device", "cpu"]
+AttentionHome = Literal["compute", "kv"]
 
 #: Tries of one layer read before the forward pass fails (a transient EIO or short read is retried).
 READ_ATTEMPTS = 4
@@ -131,6 +135,10 @@ class StreamingModel:
     reads of a layer are in flight at once (:mod:`robot_llm.llm.diskio`).
     ``kv_dtype`` ``int8``/``int4`` keeps the KV cache compressed
     (:mod:`robot_llm.llm.kvquant`); None keeps it in the compute dtype.
+    ``attention_home`` ``"kv"`` runs a decode step's attention where the KV cache
+    lives (FlexGen's CPU attention, for a cache in RAM on a GPU machine: the planner
+    chooses it when copying the cache up each step would cost more); ``"compute"``
+    copies the cache's slice to the compute device.
     ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
@@ -148,6 +156,7 @@ class StreamingModel:
         ram_layers: int = 0,
         read_depth: int = DEFAULT_DEPTH,
         kv_dtype: str | None = None,
+        attention_home: AttentionHome = "compute",
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -160,6 +169,7 @@ class StreamingModel:
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
         self.kv_dtype = kv_dtype
+        self.attention_home = attention_home
         self.micro_batch = micro_batch
         # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
         # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
@@ -172,6 +182,8 @@ class StreamingModel:
         self.drop_cache = drop_cache and streams
         self.read_depth = read_depth
         self.stats = StreamStats()
+        # Quantized matrices go to torch's fused CPU kernels as stored (they want bf16 activations).
+        self.fused = not self.cuda and self.dtype == torch.bfloat16
         self.rope = self.family.rope(cfg)
         # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
         self.embed_device = self.device if embedding_is_head(cfg) else torch.device("cpu")
@@ -195,10 +207,11 @@ class StreamingModel:
             held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
             read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
-        # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots.
+        # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
+        # does the fused CPU path, whose quantized matrices are dequantized (if ever) by the compute thread.
         shared = self._compute_buffers()
         for n, slot in enumerate(self.slots):
-            slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers()
+            slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers(shared if self.fused else None)
         self._next = 0
         self._prefetched: _Slot | None = None
         self._current = self.slots[0]
@@ -214,21 +227,27 @@ class StreamingModel:
         device = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if self.cuda else None
         return _Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
 
-    def _compute_buffers(self) -> Params:
-        """One compute-dtype tensor per key whose stored dtype differs from the compute dtype."""
+    def _compute_buffers(self, shared: Params | None = None) -> Params:
+        """One compute-dtype tensor per key whose stored dtype differs from the compute dtype.
+
+        With ``shared``, the quantized matrices' buffers are taken from it (the fused CPU path).
+        """
         buffers: Params = {}
         for layout in self.layouts:
             for key, slot in layout.tensors.items():
-                if key.endswith((SCALE_SUFFIX, MIN_SUFFIX)) or slot.dtype == self.dtype or key in buffers:
+                if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
                     continue
-                buffers[key] = torch.empty(layout.shape(key), dtype=self.dtype, device=self.device)
+                if shared is not None and slot.dtype in (torch.int8, torch.uint8):
+                    buffers[key] = shared[key]
+                else:
+                    buffers[key] = torch.empty(layout.shape(key), dtype=self.dtype, device=self.device)
         return buffers
 
     def buffer_pointers(self) -> list[int]:
         """data_ptr of every preallocated buffer (constant for the engine's lifetime)."""
         tensors = [t for s in self.slots for t in (s.host, s.device) if t is not None]
         tensors += [t for s in self.slots for t in s.buffers.values()]
-        return [t.data_ptr() for t in tensors]
+        return list(dict.fromkeys(t.data_ptr() for t in tensors))
 
     # ------------------------------------------------------------------ streaming
 
@@ -321,19 +340,23 @@ class StreamingModel:
         return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
 
     def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params) -> Params:
-        """The layer's weights in the compute dtype: views of ``data`` or conversions into ``buffers``."""
+        """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path) or
+        conversions into ``buffers``."""
         raw = layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
-            if key.endswith((SCALE_SUFFIX, MIN_SUFFIX)):
+            if key.endswith(SCALE_SUFFIX):
                 continue
-            if tensor.dtype == self.dtype:
-                params[key] = tensor
+            shape = layout.shape(key)
+            packed: PackedInt4 | PackedInt8 | None = None
+            if tensor.dtype == torch.uint8:
+                packed = PackedInt4(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
             elif tensor.dtype == torch.int8:
-                params[key] = dequantize_into(tensor, raw[key + SCALE_SUFFIX], buffers[key])
-            elif tensor.dtype == torch.uint8:
-                step, minimum = raw[key + SCALE_SUFFIX], raw[key + MIN_SUFFIX]
-                params[key] = dequantize_int4_into(tensor, step, minimum, buffers[key])
+                packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
+            if packed is not None:
+                params[key] = packed if self.fused else packed.dense(self.dtype)
+            elif tensor.dtype == self.dtype:
+                params[key] = tensor
             else:
                 params[key] = buffers[key].copy_(tensor)
         return params
@@ -342,9 +365,11 @@ class StreamingModel:
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
         """An empty cache in the compute dtype on the KV home."""
-        return KVCache.allocate(
+        cache = KVCache.allocate(
             self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad, kv_dtype=self.kv_dtype
         )
+        cache.attend_where_stored = self.attention_home == "kv"
+        return cache
 
     @torch.inference_mode()
     def forward(

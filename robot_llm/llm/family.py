@@ -27,7 +27,9 @@ The cache holds ``num_key_value_heads`` heads per layer (grouped-query
 attention shares each among several query heads); sliding-window layers use
 the same slots with a mask that hides keys ``window`` or more positions back.
 The cache tensors may live on another device than the compute: each layer
-copies the slice it reads.
+copies the slice it reads, or, for a cache that attends where it is stored
+(``KVCache.attend_where_stored``, FlexGen's CPU attention), a decode step's
+attention runs on the cache's device in fp32 and only ``q`` and the output move.
 """
 
 from __future__ import annotations
@@ -37,12 +39,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.config import ModelConfig, module_plan
 from robot_llm.llm.kvquant import KV_QUANTIZED, QuantKV, materialize, store
+from robot_llm.llm.quant import FUSED_MAX_ROWS, PackedInt4, PackedInt8, int4_linear, int8_linear
 from robot_llm.llm.slots import SlotState, StepLayout
 
+#: A module's weights by key. The streaming engine may hand a layer's matrices over packed
+#: (:class:`PackedInt4`/:class:`PackedInt8`): families multiply them only through :func:`linear`.
 Params = dict[str, Tensor]
 Resident = dict[str, Params]
 
@@ -69,6 +75,23 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
 
 
+def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` for a streamed matrix: a plain tensor, or one the engine handed over packed.
+
+    A packed matrix runs torch's fused kernel when ``x`` is a bf16 CPU tensor of
+    at most :data:`~robot_llm.llm.quant.FUSED_MAX_ROWS` rows (decode steps: it
+    never dequantizes); otherwise it is dequantized once into its buffer and
+    multiplied densely (a prefill, fp32 compute, another device).
+    """
+    if isinstance(weight, Tensor):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= FUSED_MAX_ROWS:
+        y = int4_linear(x, weight) if isinstance(weight, PackedInt4) else int8_linear(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight.dense(x.dtype), bias)
+
+
 # --------------------------------------------------------------------------- KV cache
 
 
@@ -86,6 +109,9 @@ class KVCache:
     row starts with: stored once, attended by every row, whose own tokens follow it.
     A cache allocated with ``kv_dtype`` ``int8``/``int4`` keeps ``k``/``v`` compressed
     (:class:`~robot_llm.llm.kvquant.QuantKV`), dequantized one layer at a time for attention.
+    ``attend_where_stored``: a one-token (decode) step attends on the cache's own device in
+    fp32 instead of copying the cache to the compute device (a KV cache in RAM on a GPU
+    machine: its bytes stay put, ``q`` and the attention output move).
     """
 
     k: list[Tensor | QuantKV]
@@ -95,6 +121,7 @@ class KVCache:
     length: int = 0
     layout: StepLayout | None = None
     prefix: KVCache | None = None
+    attend_where_stored: bool = False
 
     @classmethod
     def allocate(
@@ -136,10 +163,15 @@ class KVCache:
     def layer(self, index: int) -> LayerKV:
         """The cache view handed to a family's layer function for layer ``index``."""
         if self.prefix is None:
-            return LayerKV(k=self.k[index], v=self.v[index], start=self.length)
+            return LayerKV(self.k[index], self.v[index], self.length, attend_where_stored=self.attend_where_stored)
         p = self.prefix
         return LayerKV(
-            self.k[index], self.v[index], self.length, _head(p.k[index], p.length), _head(p.v[index], p.length)
+            self.k[index],
+            self.v[index],
+            self.length,
+            _head(p.k[index], p.length),
+            _head(p.v[index], p.length),
+            self.attend_where_stored,
         )
 
     def share_prefix(self, prefix: KVCache) -> None:
@@ -176,27 +208,40 @@ class LayerKV:
     start: int
     prefix_k: Tensor | QuantKV | None = None
     prefix_v: Tensor | QuantKV | None = None
+    attend_where_stored: bool = False
 
     def rows(self, a: int, b: int) -> LayerKV:
         """The view of rows ``a:b`` (the shared prefix stays whole)."""
-        return LayerKV(_rows(self.k, a, b), _rows(self.v, a, b), self.start, self.prefix_k, self.prefix_v)
+        k, v = _rows(self.k, a, b), _rows(self.v, a, b)
+        return LayerKV(k, v, self.start, self.prefix_k, self.prefix_v, self.attend_where_stored)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this step's ``k``/``v`` ``[B, T, kv, hd]`` into the cache; return every key/value to attend.
 
         With a shared prefix, its slots come first, broadcast to every row for this step only.
+        The keys come back where attention runs (:func:`attend_with`): on ``k``'s device in its
+        dtype, or, for a decode step of a cache that attends where it is stored, on the cache's
+        device in fp32 (a CPU has no fast fp16, and the cache is read once either way).
         """
         end = self.start + k.shape[1]
         store(self.k, self.start, k)
         store(self.v, self.start, v)
-        keys, values = materialize(self.k, end, k.device, k.dtype), materialize(self.v, end, v.device, v.dtype)
+        device, dtype = k.device, k.dtype
+        if self.attend_where_stored and k.shape[1] == 1:
+            device, dtype = self.k.device, torch.float32
+        keys, values = materialize(self.k, end, device, dtype), materialize(self.v, end, device, dtype)
         if self.prefix_k is None or self.prefix_v is None:
             return keys, values
         length = self.prefix_k.shape[1]
-        pk = materialize(self.prefix_k, length, k.device, k.dtype)
-        pv = materialize(self.prefix_v, length, v.device, v.dtype)
+        pk = materialize(self.prefix_k, length, device, dtype)
+        pv = materialize(self.prefix_v, length, device, dtype)
         shape = (k.shape[0], *pk.shape[1:])
         return torch.cat((pk.expand(shape), keys), dim=1), torch.cat((pv.expand(shape), values), dim=1)
+
+
+def attend_with(q: Tensor, mask: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+    """``q`` and ``mask`` moved to where ``keys`` are (:meth:`LayerKV.update`); a no-op when they are there."""
+    return q.to(keys.device, keys.dtype), mask.to(keys.device)
 
 
 def _rows(t: Tensor | QuantKV, a: int, b: int) -> Tensor | QuantKV:

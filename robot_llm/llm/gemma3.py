@@ -29,7 +29,9 @@ from robot_llm.llm.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    attend_with,
     grouped_attention,
+    linear,
     rope_inv_freq,
 )
 
@@ -59,16 +61,18 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
     """Grouped-query attention with per-head q/k RMSNorm and the rotary of this layer's type."""
     B, T, _ = a_in.shape
     d, eps = cfg.head_dim, cfg.rms_norm_eps
-    q = rms_norm(F.linear(a_in, p["self_attn.q_proj.weight"]).view(B, T, -1, d), p["self_attn.q_norm.weight"], eps)
-    k = rms_norm(F.linear(a_in, p["self_attn.k_proj.weight"]).view(B, T, -1, d), p["self_attn.k_norm.weight"], eps)
-    v = F.linear(a_in, p["self_attn.v_proj.weight"]).view(B, T, -1, d)
+    q = rms_norm(linear(a_in, p["self_attn.q_proj.weight"]).view(B, T, -1, d), p["self_attn.q_norm.weight"], eps)
+    k = rms_norm(linear(a_in, p["self_attn.k_proj.weight"]).view(B, T, -1, d), p["self_attn.k_norm.weight"], eps)
+    v = linear(a_in, p["self_attn.v_proj.weight"]).view(B, T, -1, d)
     cos, sin = step.rotary[cfg.layer_types[index]]
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    mask = step.mask_for(cfg.sliding_window(index))
     if kv is not None:
         k, v = kv.update(k, v)
-    mask = step.mask_for(cfg.sliding_window(index))
+        q, mask = attend_with(q, mask, k)
     o = grouped_attention(q, k, v, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcapping)
-    return F.linear(o, p["self_attn.o_proj.weight"])
+    o = o.to(a_in.device, a_in.dtype)
+    return linear(o, p["self_attn.o_proj.weight"])
 
 
 def transformer_layer(
@@ -79,8 +83,8 @@ def transformer_layer(
     a = attention(rms_norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
     h = x + rms_norm(a, p["post_attention_layernorm.weight"], eps)
     m = rms_norm(h, p["pre_feedforward_layernorm.weight"], eps)
-    gated = F.gelu(F.linear(m, p["mlp.gate_proj.weight"]), approximate="tanh") * F.linear(m, p["mlp.up_proj.weight"])
-    return h + rms_norm(F.linear(gated, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps)
+    gated = F.gelu(linear(m, p["mlp.gate_proj.weight"]), approximate="tanh") * linear(m, p["mlp.up_proj.weight"])
+    return h + rms_norm(linear(gated, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps)
 
 
 def output_head(x: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:

@@ -28,7 +28,9 @@ from robot_llm.llm.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    attend_with,
     grouped_attention,
+    linear,
     rope_inv_freq,
 )
 
@@ -70,18 +72,20 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
     """Grouped-query self-attention with rotary (and Qwen 3's per-head q/k RMSNorm) before ``o_proj``."""
     B, T, _ = a_in.shape
     d = cfg.head_dim
-    q = F.linear(a_in, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(B, T, -1, d)
-    k = F.linear(a_in, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(B, T, -1, d)
-    v = F.linear(a_in, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(B, T, -1, d)
+    q = linear(a_in, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(B, T, -1, d)
+    k = linear(a_in, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(B, T, -1, d)
+    v = linear(a_in, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(B, T, -1, d)
     if cfg.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
     cos, sin = step.rotary["rope"]
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    mask = step.mask_for(cfg.sliding_window_size)
     if kv is not None:
         k, v = kv.update(k, v)
-    o = grouped_attention(q, k, v, step.mask_for(cfg.sliding_window_size), 1.0 / math.sqrt(d))
-    return F.linear(o, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+        q, mask = attend_with(q, mask, k)
+    o = grouped_attention(q, k, v, mask, 1.0 / math.sqrt(d)).to(a_in.device, a_in.dtype)
+    return linear(o, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
 
 def transformer_layer(
@@ -91,8 +95,8 @@ def transformer_layer(
     del layer_index
     h = x + attention(rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
     m = rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    gated = F.silu(F.linear(m, p["mlp.gate_proj.weight"])) * F.linear(m, p["mlp.up_proj.weight"])
-    return h + F.linear(gated, p["mlp.down_proj.weight"])
+    gated = F.silu(linear(m, p["mlp.gate_proj.weight"])) * linear(m, p["mlp.up_proj.weight"])
+    return h + linear(gated, p["mlp.down_proj.weight"])
 
 
 def output_head(x: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:

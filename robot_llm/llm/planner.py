@@ -25,7 +25,14 @@ from typing import Literal
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, Shapes, embedding_is_head
 from robot_llm.llm.machine import Machine
-from robot_llm.llm.quant import KV_QUANTIZED, int4_bytes, kv_bits_per_value
+from robot_llm.llm.quant import (
+    DEFAULT_INT4_GROUP,
+    FUSED_MAX_ROWS,
+    KV_QUANTIZED,
+    int4_bytes,
+    int8_bytes,
+    kv_bits_per_value,
+)
 
 GiB = 2**30
 GB = 1e9
@@ -40,6 +47,10 @@ CUDA_HOST_BYTES = int(1.5 * GiB)
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)
 #: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
 DEQUANT_ELEMS_PER_S = 1.0e9
+#: torch's fused int4/int8 CPU kernels (bf16 activations, no dequantization), per thread: a call on a matrix of
+#: ``V`` values and ``r`` rows takes ``V / values_per_s + 2 r V / flops``. Fitted to 8192x2048 here (AVX512-BF16,
+#: 1 thread): int4 0.91 ms at 1 row, 13.3 ms at 32; int8 1.32 ms and 19.6 ms (fp32 dense: 4.2 ms and 22 ms).
+FUSED_RATES = {"int4": (33e9, 84e9), "int8": (23e9, 57e9)}
 
 Home = Literal["ram", "disk", "split"]
 
@@ -96,6 +107,7 @@ class Plan:
     ram_layers: int = 0
     threads: int = 1
     stance_seconds: float = 0.0
+    attention_home: Literal["compute", "kv"] = "compute"
 
     @property
     def kv(self) -> tuple[Literal["device", "cpu"], str]:
@@ -123,7 +135,8 @@ class Plan:
             + (f" ({self.ram_layers} layers in RAM, the rest on disk)" if self.weight_home == "split" else "")
             + ", KV cache in "
             + ("GPU memory" if self.kv_home == "device" and self.device == "cuda" else "RAM")
-            + f" as {self.kv_dtype}",
+            + f" as {self.kv_dtype}"
+            + (", decode attention computed there (the cache never moves)" if self.attention_home == "kv" else ""),
             f"{self.threads} compute thread(s)",
             "memory per tier:",
         ]
@@ -173,22 +186,21 @@ def layer_params(cfg: ModelConfig) -> int:
     return sum(_numel(s) for s in _largest_layer(cfg).values())
 
 
-def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = 64) -> int:
-    """Stored bytes of one transformer layer (int8: matrices as int8 + float32 scales; int4: 4-bit codes +
-    fp16 step and minimum per group; the rest fp16)."""
+def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = DEFAULT_INT4_GROUP) -> int:
+    """Stored bytes of one transformer layer (int8: matrices as int8 + a bf16 scale per row; int4: 4-bit codes +
+    bf16 scale and zero per group, padded as the fused kernels want them; the rest fp16)."""
     shapes = _largest_layer(cfg)
-    if weight_dtype == "int4":
-        return sum(int4_bytes(_numel(s), group_size) if _is_matrix(k, s) else 2 * _numel(s) for k, s in shapes.items())
-    if weight_dtype != "int8":
+    if weight_dtype not in ("int4", "int8"):
         return layer_params(cfg) * DTYPE_BYTES[weight_dtype]
-    matrices = {k: s for k, s in shapes.items() if _is_matrix(k, s)}
-    vectors = sum(_numel(s) for k, s in shapes.items() if k not in matrices)
-    scales = sum(rows * _groups(cols, group_size) for rows, cols in matrices.values())
-    return sum(map(_numel, matrices.values())) + 4 * scales + 2 * vectors
-
-
-def _groups(width: int, group: int) -> int:
-    return width // group if group > 0 and width % group == 0 else 1
+    total = 0
+    for key, shape in shapes.items():
+        if not _is_matrix(key, shape):
+            total += 2 * _numel(shape)
+        elif weight_dtype == "int4":
+            total += int4_bytes((shape[0], shape[1]), group_size)
+        else:
+            total += int8_bytes((shape[0], shape[1]))
+    return total
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -327,8 +339,10 @@ def _try(
     lb = layer_bytes(cfg, weight_dtype)
     converts = weight_dtype != cdtype
     cuda = machine.has_gpu
-    # CPU: the reader converts the next layer while this one computes, one buffer set per slot.
-    compute_buffers = layer_params(cfg) * c * (1 if cuda else 2) if converts else 0
+    fused = not cuda and weight_dtype in FUSED_RATES and cdtype == "bf16"
+    # CPU: the reader converts the next layer while this one computes, one buffer set per slot; the fused path
+    # (and CUDA) dequantizes on the compute thread, if ever, into one set.
+    compute_buffers = layer_params(cfg) * c * (1 if cuda or fused else 2) if converts else 0
     slots = work.seq_slots
     kv_total = int(kv_bytes(cfg, batch, slots, kv_elem) + kv_bytes(cfg, 1, work.shared_prefix_tokens, kv_elem))
     ram: dict[str, int] = {"process": PROCESS_BASE_BYTES + (CUDA_HOST_BYTES if cuda else 0)}
@@ -352,9 +366,16 @@ def _try(
     cap = gpu_cap if cuda else ram_cap
     # The largest prefill micro-batch whose activations fit next to everything else.
     fixed = sum(compute_tier.values())
+    mean_slots = work.prompt_tokens + work.max_new_tokens / 2
+    attention_home = decode_attention(cfg, machine, kv, kv_elem, batch, mean_slots)[0]
     if (cuda and kv_home == "cpu") or kv_dtype in KV_QUANTIZED:
-        # One layer's K/V in the compute dtype for attention (copied up, dequantized, or both).
-        fixed += 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim * c
+        # One layer's K/V of the whole batch for a decode step's attention: in the compute dtype where
+        # it computes (copied up, dequantized, or both), or in fp32 in RAM where the cache attends.
+        attend_values = 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim
+        if attention_home == "kv":
+            ram["decode attention K/V"] = attend_values * 4
+        else:
+            fixed += attend_values * c
     P, T = work.prompt_tokens, work.stance_tokens
     decode_act = activation_bytes(cfg, batch, batch, 1, slots, c)
 
@@ -380,8 +401,7 @@ def _try(
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
     memory["disk"] = {"weight store": L * lb + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv_home, kv_elem, kv_dtype in KV_QUANTIZED)
-    mean_slots = P + work.max_new_tokens / 2
+    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv, kv_elem, weight_dtype)
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
     stance = timing.pass_seconds(batch, T, slots) if T else 0.0
@@ -410,6 +430,7 @@ def _try(
         ram_layers=ram_layers,
         threads=machine.compute_threads,
         stance_seconds=stance,
+        attention_home=attention_home,
     )
 
 
@@ -423,9 +444,9 @@ class _Timing:
     converts: bool
     dtype: str
     ram_layers: int
-    kv_home: str
+    kv: tuple[Literal["device", "cpu"], str]
     kv_elem_bytes: float
-    kv_quantized: bool
+    weight_dtype: str = "fp16"
 
     def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
         """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
@@ -433,14 +454,47 @@ class _Timing:
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         params = layer_params(cfg)
         rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
-        compute = (2 * batch * tokens * params + 4 * batch * tokens * slots * q_width) / rate
-        if self.converts and not m.has_gpu:  # the reader's dequantization shares the cores with compute
-            compute += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        rows = batch * tokens
+        matmuls = 2 * rows * params / rate
+        fused = not m.has_gpu and self.weight_dtype in FUSED_RATES and self.dtype == "bf16"
+        if fused and rows <= FUSED_MAX_ROWS:  # torch's fused kernels read the stored bytes: no dequantization
+            values_per_s, flops = FUSED_RATES[self.weight_dtype]
+            matmuls = params * (1 / values_per_s + 2 * rows / flops) / m.compute_threads
+        elif self.converts and not m.has_gpu:  # dequantized by the reader (or, fused, once by the compute thread)
+            matmuls += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        compute = matmuls + 4 * rows * slots * q_width / rate
         kv_values = 2 * batch * slots * kv_width
-        if m.has_gpu and self.kv_home == "cpu" and tokens == 1:  # the compressed bytes are what moves up
-            compute += kv_values * self.kv_elem_bytes / m.h2d_bps
-        if self.kv_quantized and not m.has_gpu:
+        if tokens == 1:
+            compute += decode_attention(cfg, m, self.kv, self.kv_elem_bytes, batch, slots)[1]
+        if self.kv[1] in KV_QUANTIZED and not m.has_gpu:
             compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         from_ram = self.layer_bytes / m.h2d_bps if m.has_gpu else 0.0
         from_disk = max(self.layer_bytes / m.disk_read_bps, from_ram)
         return self.ram_layers * max(from_ram, compute) + (L - self.ram_layers) * max(from_disk, compute)
+
+
+def decode_attention(
+    cfg: ModelConfig,
+    m: Machine,
+    kv: tuple[Literal["device", "cpu"], str],
+    kv_elem_bytes: float,
+    batch: int,
+    slots: float,
+) -> tuple[Literal["compute", "kv"], float]:
+    """Where a decode step attends over a KV cache in RAM on a GPU machine, and the seconds per layer it adds.
+
+    Copying the cache up costs its (compressed) bytes over the host link. Attending in RAM
+    (FlexGen's CPU attention) reads them once, dequantizes them, writes and reads them
+    again as fp32 and does the score FLOPs on the cores; only ``q`` and the output move.
+    The engine does the cheaper one. Anywhere else attention runs with the weights: 0 s.
+    """
+    kv_home, kv_dtype = kv
+    if not (m.has_gpu and kv_home == "cpu"):
+        return "compute", 0.0
+    kv_values = 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim
+    move = kv_values * kv_elem_bytes / m.h2d_bps
+    flops = 4 * batch * slots * cfg.num_attention_heads * cfg.head_dim
+    here = (kv_values * (kv_elem_bytes + 2 * 4)) / m.ram_bps + flops / m.cpu_flops
+    if kv_dtype in KV_QUANTIZED:
+        here += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+    return ("kv", here) if here < move else ("compute", move)

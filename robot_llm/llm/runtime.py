@@ -199,6 +199,7 @@ class LoadedModel:
         job = plan_run(settings, self.config, work, model.store.manifest.dtype)
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
         model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
+        model.attention_home = job.attention_home
         log.info("plan: batch %d, micro-batch %d, KV on %s", job.batch_size, job.micro_batch, job.kv_home)
         return job.batch_size
 
@@ -333,6 +334,7 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
         device=night.device,
         dtype=night.compute_dtype,
         kv_home=night.kv_home,
+        attention_home=night.attention_home,
         micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
         kv_dtype=night.kv_dtype if night.kv_dtype in ("int8", "int4") else None,
     )

@@ -10,13 +10,17 @@ dtype, the quantization scheme and every file's size and sha256.
 and resumes after an interruption: each finished file is renamed into place
 and recorded in ``progress.json`` before the next one starts.
 
-``int8`` is weight-only: the 2-D matrices of the transformer layers are stored
-as symmetric int8 with float32 scales, one per ``group_size`` input columns of
-each output row (per-channel when ``group_size`` is 0 or does not divide the
-row), and dequantized on the fly by :func:`dequantize_into`. ``int4`` stores
-the same matrices group-wise asymmetric in 4 bits (:mod:`robot_llm.llm.quant`;
-their logical shapes are in the file's safetensors metadata). The embedding
-(also the tied LM head), the output layer, norms and biases stay fp16.
+``int8`` and ``int4`` are weight-only: the 2-D matrices of the transformer
+layers are stored exactly as torch's fused CPU kernels read them
+(:mod:`robot_llm.llm.quant`): int8 symmetric per output channel with a bf16
+scale per row; int4 group-wise asymmetric, the codes packed in the kernel's
+row-block layout with a bf16 scale and zero per group (``group_size`` input
+columns of a row). Their logical shapes are in the file's safetensors metadata.
+The embedding (also the tied LM head), the output layer, norms and biases stay fp16.
+
+Format 2 (this one) changed the quantized layouts; a format-1 float store is
+the same bytes and still reads, a format-1 int8/int4 store is refused with a
+message that says to convert again.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import struct
@@ -37,7 +40,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
@@ -45,19 +47,30 @@ from robot_llm.llm.checkpoint import iter_release_modules
 from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, config_from_dict, module_plan
 from robot_llm.llm.diskio import DEFAULT_DEPTH, MAX_CHUNK, io_pool, read_span
 from robot_llm.llm.family import Params
-from robot_llm.llm.quant import check_group_size, int4_bytes, int4_groups, quantize_int4
+from robot_llm.llm.quant import (
+    ALIGN,
+    DEFAULT_INT4_GROUP,
+    check_group_size,
+    int4_bytes,
+    int4_padded_shape,
+    int8_bytes,
+    int8_padded_width,
+    quantize_int4,
+    quantize_int8,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT = "robot-llm-store/1"
+FORMAT = "robot-llm-store/2"
+#: The format before the quantized matrices took the fused kernels' layouts (its float stores still read).
+OLD_FORMAT = "robot-llm-store/1"
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
-#: Suffix of the scale tensor that accompanies an int8 or int4 matrix (int4: the group's step).
+#: Suffix of the scale tensor that accompanies a quantized matrix (int8: bf16 ``[N]``; int4: the
+#: kernel's bf16 ``scales_and_zeros [Kp / group, Np, 2]``).
 SCALE_SUFFIX = ".qscale"
-#: Suffix of the per-group minimum that accompanies an int4 matrix.
-MIN_SUFFIX = ".qmin"
-#: Safetensors metadata key of an int4 file: JSON ``{key: logical shape}`` of its packed matrices.
-INT4_SHAPES = "int4_shapes"
+#: Safetensors metadata key of a quantized file: JSON ``{key: logical shape}`` of its packed matrices.
+LOGICAL_SHAPES = "logical_shapes"
 #: Stored element type per ``--dtype``; int8 and int4 keep their non-matrix tensors in fp16.
 STORE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -68,8 +81,16 @@ STORE_DTYPES: dict[str, torch.dtype] = {
 }
 #: Store dtypes whose layer matrices are quantized.
 QUANTIZED = ("int8", "int4")
-DEFAULT_GROUP_SIZE = 64
+#: int4's group size when none is given (int8 is per channel and other dtypes have none: they record 0).
+DEFAULT_GROUP_SIZE = DEFAULT_INT4_GROUP
 
+_SAFETENSORS_NAMES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+}
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -91,41 +112,6 @@ def file_name(kind: ModuleKind, index: int) -> str:
 def is_quantized_key(kind: ModuleKind, key: str, shape: tuple[int, ...]) -> bool:
     """True for the tensors int8/int4 stores quantize: the matrices of transformer layers."""
     return kind == "layer" and len(shape) == 2 and key.endswith(".weight")
-
-
-# --------------------------------------------------------------------------- int8
-
-
-def group_count(in_features: int, group_size: int) -> int:
-    """Number of scale groups per row (1 = per-channel)."""
-    if group_size <= 0 or in_features % group_size:
-        return 1
-    return in_features // group_size
-
-
-def quantize_int8(weight: Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 of a ``[out, in]`` matrix: returns ``(q int8 [out, in], scale float32 [out, G])``."""
-    out_f, in_f = weight.shape
-    groups = group_count(in_f, group_size)
-    w = weight.float().reshape(out_f, groups, in_f // groups)
-    scale = (w.abs().amax(dim=-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(out_f, in_f), scale
-
-
-def dequantize_into(q: Tensor, scale: Tensor, out: Tensor) -> Tensor:
-    """Write ``q * scale`` into the preallocated ``out`` (any float dtype/device) without temporaries.
-
-    The scales are cast to ``out``'s dtype first: an in-place multiply by a wider dtype
-    makes torch compute into a temporary of the whole matrix in that dtype (measured: peak
-    RSS +25 % in the benchmark's int8 rows) and copy it back.
-    """
-    out_f, in_f = q.shape
-    groups = scale.shape[1]
-    view = out.view(out_f, groups, in_f // groups)
-    view.copy_(q.view(out_f, groups, in_f // groups))
-    view.mul_(scale.to(out.dtype)[..., None])
-    return out
 
 
 # --------------------------------------------------------------------------- manifest
@@ -156,19 +142,20 @@ class Manifest:
         """The quantization scheme, or None for a plain float store."""
         if self.dtype == "int4":
             return {
-                "scheme": "int4 weight-only, asymmetric min-max, fp16 step and minimum per group",
+                "scheme": "int4 weight-only, asymmetric: w = (q - 8) * scale + zero, bf16 scale and zero per group",
                 "group_size": self.group_size,
-                "groups": "consecutive elements of the row-major matrix; the last group padded",
+                "groups": "group_size consecutive input columns of a row (columns padded to the group)",
+                "layout": "torch._weight_int4pack_mm_for_cpu: codes uint8 [Np/64, Kp, 32] (byte j: row j low "
+                "nibble, row j+32 high), scales_and_zeros bf16 [Kp/group, Np, 2]; rows padded to 64",
                 "applies_to": "2-D weights of transformer layers",
                 "scale_suffix": SCALE_SUFFIX,
-                "min_suffix": MIN_SUFFIX,
             }
         if self.dtype != "int8":
             return None
         return {
-            "scheme": "int8 weight-only, symmetric, float32 scales",
-            "group_size": self.group_size,
-            "applies_to": "2-D weights of transformer layers (per-channel where group_size does not divide)",
+            "scheme": "int8 weight-only, symmetric, one bf16 scale per output channel",
+            "layout": "torch._weight_int8pack_mm: int8 [N, Kp] (columns zero-padded to 32), scales bf16 [N]",
+            "applies_to": "2-D weights of transformer layers",
             "scale_suffix": SCALE_SUFFIX,
         }
 
@@ -193,7 +180,13 @@ class Manifest:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         """Parse a ``manifest.json`` document."""
-        if data.get("format") != FORMAT:
+        if data.get("format") == OLD_FORMAT and data.get("dtype") in QUANTIZED:
+            raise StoreError(
+                f"this {data['dtype']} store was written by an older robot-llm (format {OLD_FORMAT}) whose "
+                f"{data['dtype']} layout the fused kernels cannot read: re-run `robot-llm model convert` with "
+                f"--dtype {data['dtype']} into an empty folder"
+            )
+        if data.get("format") not in (FORMAT, OLD_FORMAT):
             raise StoreError(f"not a {FORMAT} manifest (format={data.get('format')!r})")
         return cls(
             config=config_from_dict(data["config"], data.get("family", "yalm")),
@@ -211,6 +204,8 @@ def read_manifest(store_dir: str | Path) -> Manifest:
         raise StoreError(f"{path} does not exist{extra}")
     try:
         return Manifest.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except StoreError as exc:
+        raise StoreError(f"{path.parent}: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise StoreError(f"{path}: invalid manifest ({exc})") from exc
 
@@ -247,9 +242,9 @@ def expected_file_bytes(cfg: ModelConfig, dtype: str, group_size: int = DEFAULT_
             for d in shape:
                 numel *= d
             if dtype == "int8" and is_quantized_key(kind, key, shape):
-                total += numel + 4 * shape[0] * group_count(shape[1], group_size)
+                total += int8_bytes((shape[0], shape[1]))
             elif dtype == "int4" and is_quantized_key(kind, key, shape):
-                total += int4_bytes(numel, group_size)
+                total += int4_bytes((shape[0], shape[1]), group_size)
             else:
                 total += numel * elem
         sizes[file_name(kind, index)] = total
@@ -260,22 +255,25 @@ def _store_tensors(kind: ModuleKind, params: Params, dtype: str, group_size: int
     out: Params = {}
     for key, tensor in params.items():
         if dtype == "int8" and is_quantized_key(kind, key, tuple(tensor.shape)):
-            out[key], out[key + SCALE_SUFFIX] = quantize_int8(tensor, group_size)
+            out[key], out[key + SCALE_SUFFIX] = quantize_int8(tensor)
         elif dtype == "int4" and is_quantized_key(kind, key, tuple(tensor.shape)):
-            out[key], out[key + SCALE_SUFFIX], out[key + MIN_SUFFIX] = quantize_int4(tensor, group_size)
+            out[key], out[key + SCALE_SUFFIX] = quantize_int4(tensor, group_size)
         else:
             out[key] = tensor.to(STORE_DTYPES[dtype]).contiguous()
     return out
 
 
-def _check_dtype(dtype: str, group_size: int) -> None:
+def _check_dtype(dtype: str, group_size: int) -> int:
+    """The group size this store records: int4's (checked), 0 for every other dtype."""
     if dtype not in STORE_DTYPES:
         raise StoreError(f"unknown store dtype {dtype!r}; use one of {', '.join(STORE_DTYPES)}")
-    if dtype == "int4":
-        try:
-            check_group_size(group_size)
-        except ValueError as exc:
-            raise StoreError(str(exc)) from exc
+    if dtype != "int4":
+        return 0
+    try:
+        check_group_size(group_size)
+    except ValueError as exc:
+        raise StoreError(str(exc)) from exc
+    return group_size
 
 
 def _release_config(release_dir: Path) -> YalmConfig:
@@ -331,13 +329,20 @@ def convert_modules(
     ``on_file(file, done, total)`` is called after each file is in place (and for
     files an earlier run already finished).
     """
-    _check_dtype(dtype, group_size)
+    group_size = _check_dtype(dtype, group_size)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
-    header = {"family": cfg.family, "config": cfg.to_dict(), "dtype": dtype, "group_size": group_size}
+    header = {
+        "format": FORMAT,
+        "family": cfg.family,
+        "config": cfg.to_dict(),
+        "dtype": dtype,
+        "group_size": group_size,
+    }
     if (store / MANIFEST).exists():
         manifest = read_manifest(store)
-        if manifest.config != cfg or manifest.dtype != dtype or manifest.group_size != group_size:
+        recorded = manifest.group_size if manifest.dtype == "int4" else 0  # format 1 recorded one for every dtype
+        if manifest.config != cfg or manifest.dtype != dtype or recorded != group_size:
             raise StoreError(f"{store} already holds a different store ({manifest.dtype}); use an empty folder")
         if not _reopen_damaged(store, manifest, header):
             log.info("store %s is already complete", store)
@@ -434,13 +439,41 @@ def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtyp
     tensors = _store_tensors(kind, params, dtype, group_size)
     tmp = path.with_name(path.name + ".partial")
     # At most one metadata key: the order of several is not deterministic, and identical weights must hash equal.
-    shapes = {k: list(t.shape) for k, t in params.items() if k + MIN_SUFFIX in tensors}
-    save_file(tensors, str(tmp), metadata={INT4_SHAPES: json.dumps(shapes, sort_keys=True)} if shapes else None)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    shapes = {k: list(t.shape) for k, t in params.items() if k + SCALE_SUFFIX in tensors}
+    save_aligned(tensors, tmp, {LOGICAL_SHAPES: json.dumps(shapes, sort_keys=True)} if shapes else None)
     digest = sha256_file(tmp)
     os.replace(tmp, path)
     return StoreFile(name=path.name, kind=kind, index=index, size=path.stat().st_size, sha256=digest)
+
+
+def save_aligned(tensors: Params, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file (fsynced) whose data section and quantized matrices start at multiples of ALIGN.
+
+    The fused kernels are handed views of the bytes as read (the int8 kernel crashes on weights
+    not 16-byte aligned); slots and RAM homes are allocated aligned, so aligned file offsets
+    suffice. The quantized matrices (sizes multiples of ALIGN) come first, then the
+    rest by element size, then by name; the header is padded with spaces, as the format allows.
+    """
+    order = sorted(tensors, key=lambda k: (k + SCALE_SUFFIX not in tensors, -tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key in order:
+        t = tensors[key]
+        header[key] = {
+            "dtype": _SAFETENSORS_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for key in order:
+            f.write(memoryview(tensors[key].contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_store(
@@ -452,7 +485,7 @@ def write_store(
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> Manifest:
     """Write a store from ``(kind, index, params)`` in forward order (e.g. random weights for benchmarks)."""
-    _check_dtype(dtype, group_size)
+    group_size = _check_dtype(dtype, group_size)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     files = []
@@ -497,11 +530,13 @@ def _check_layout(path: Path, manifest: Manifest, kind: ModuleKind, shapes: dict
     for key, shape in shapes.items():
         want[key] = shape
         if manifest.dtype == "int8" and is_quantized_key(kind, key, shape):
-            want[key + SCALE_SUFFIX] = (shape[0], group_count(shape[1], manifest.group_size))
+            want[key] = (shape[0], int8_padded_width(shape[1]))
+            want[key + SCALE_SUFFIX] = (shape[0],)
         elif manifest.dtype == "int4" and is_quantized_key(kind, key, shape):
-            groups = int4_groups(math.prod(shape), manifest.group_size)
-            want[key] = (groups, manifest.group_size // 2)
-            want[key + SCALE_SUFFIX] = want[key + MIN_SUFFIX] = (groups,)
+            g = manifest.group_size
+            rows, cols = int4_padded_shape((shape[0], shape[1]), g)
+            want[key] = (rows, cols // 2)
+            want[key + SCALE_SUFFIX] = (cols // g, rows, 2)
     have = {k: t.shape for k, t in layout.tensors.items()}
     if have != want or any(layout.shape(k) != want_shape for k, want_shape in shapes.items()):
         return [f"{path.name}: tensors {sorted(have)} do not match the model config"]
@@ -523,7 +558,7 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class FileLayout:
-    """Parsed safetensors header: data section offset/size, tensor slots, int4 logical shapes."""
+    """Parsed safetensors header: data section offset/size, tensor slots, quantized matrices' logical shapes."""
 
     path: Path
     data_offset: int
@@ -539,7 +574,7 @@ class FileLayout:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
         metadata = header.pop("__metadata__", None) or {}
-        packed = {k: tuple(v) for k, v in json.loads(metadata.get(INT4_SHAPES, "{}")).items()}
+        packed = {k: tuple(v) for k, v in json.loads(metadata.get(LOGICAL_SHAPES, "{}")).items()}
         tensors = {}
         for key, info in header.items():
             if info["dtype"] not in _SAFETENSORS_DTYPES:
@@ -550,7 +585,7 @@ class FileLayout:
         return cls(path=path, data_offset=8 + n, data_size=data_size, tensors=tensors, packed_shapes=packed)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        """The model's shape of tensor ``key`` (an int4 matrix is stored packed in another shape)."""
+        """The model's shape of tensor ``key`` (a quantized matrix is stored packed in another shape)."""
         return self.packed_shapes.get(key) or self.tensors[key].shape
 
     def views(self, buffer: Tensor) -> Params:

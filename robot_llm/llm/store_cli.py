@@ -15,6 +15,7 @@ from typing import Any
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 from robot_llm.llm.config_hf import HF_PRESETS
+from robot_llm.llm.quant import DEFAULT_INT4_GROUP
 
 GB = 1e9
 
@@ -127,6 +128,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
     overrides = {
         "h2d_bps": args.h2d_gbps and args.h2d_gbps * GB,
+        "ram_bps": args.ram_gbps and args.ram_gbps * GB,
         "gpu_flops": args.gpu_tflops and args.gpu_tflops * 1e12,
         "cpu_flops": args.cpu_tflops and args.cpu_tflops * 1e12,
         "cpu_bf16_flops": args.cpu_bf16_tflops and args.cpu_bf16_tflops * 1e12,
@@ -178,7 +180,10 @@ def add_engine_commands(model_sub: Any) -> None:
         "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="default: %(default)s"
     )
     conv.add_argument(
-        "--group-size", type=int, default=64, help="scale group (int8: 0 = per-channel; int4: 2..128; default 64)"
+        "--group-size",
+        type=int,
+        default=DEFAULT_INT4_GROUP,
+        help="int4's scale group: 32, 64 or 128 input columns (default %(default)s; int8 is per output channel)",
     )
     conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
@@ -207,6 +212,12 @@ def add_engine_commands(model_sub: Any) -> None:
         "--disk-gbps", type=float, help="disk sequential read, GB/s (default: measured with --store, else 3)"
     )
     pl.add_argument("--h2d-gbps", type=float, help="host-to-GPU copy bandwidth, GB/s (default 12)")
+    pl.add_argument(
+        "--ram-gbps",
+        type=float,
+        help="CPU memory bandwidth, GB/s (default 10): decides whether a decode step attends over a KV cache "
+        "in RAM there (FlexGen's CPU attention) or copies it to the GPU",
+    )
     pl.add_argument("--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default 30)")
     pl.add_argument("--cpu-tflops", type=float, help="sustained CPU fp32 TFLOP/s (default 0.5)")
     pl.add_argument("--cpu-bf16-tflops", type=float, help="sustained CPU bf16 TFLOP/s (default 1.0)")

@@ -38,6 +38,8 @@ from robot_llm.llm.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    attend_with,
+    linear,
     resolve_dtype,
 )
 
@@ -74,14 +76,16 @@ def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv:
     """Self-attention (§3.4) without the output bias: returns ``A`` of ``h = x + (A + b_o)``."""
     B, T, H = a_in.shape
     n, hn = cfg.num_attention_heads, cfg.head_dim
-    c = F.linear(a_in, params["attention.query_key_value.weight"], params["attention.query_key_value.bias"])
+    c = linear(a_in, params["attention.query_key_value.weight"], params["attention.query_key_value.bias"])
     # Fused layout is per-head interleaved [n, 3, hn] (§3.4.2).
     q, k, v = c.view(B, T, n, 3, hn).unbind(dim=3)
     cos, sin = step.rotary["rope"]
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
+    mask = step.mask
     if kv is not None:
         k, v = kv.update(k, v)
+        q, mask = attend_with(q, mask, k)
     S = k.shape[1]
     q = q.transpose(1, 2).reshape(B * n, T, hn)
     k = k.permute(0, 2, 3, 1).reshape(B * n, hn, S)
@@ -90,18 +94,19 @@ def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv:
     scores = torch.baddbmm(
         torch.empty(B * n, T, S, dtype=q.dtype, device=q.device), q, k, beta=0.0, alpha=1.0 / math.sqrt(hn)
     ).view(B, n, T, S)
-    scores = scores.masked_fill(step.mask, MASK_VALUE)
+    scores = scores.masked_fill(mask, MASK_VALUE)
     probs = torch.softmax(scores, dim=-1)
     o = torch.bmm(probs.view(B * n, T, S), v).view(B, n, T, hn).transpose(1, 2).reshape(B, T, H)
-    return F.linear(o, params["attention.dense.weight"])
+    o = o.to(a_in.device, a_in.dtype)
+    return linear(o, params["attention.dense.weight"])
 
 
 def geglu_mlp(m_in: Tensor, params: Params) -> Tensor:
     """GeGLU MLP (§3.5) without the output bias: returns ``M`` of ``x' = h + (M + b_out)``."""
-    u = F.linear(m_in, params["mlp.dense_ffn_hidden.weight"])
+    u = linear(m_in, params["mlp.dense_ffn_hidden.weight"])
     r = F.gelu(u + params["mlp.dense_ffn_hidden.bias"])
-    g = F.linear(m_in, params["mlp.dense_ffn_gate.weight"], params["mlp.dense_ffn_gate.bias"])
-    return F.linear(r * g, params["mlp.dense_ffn_output.weight"])
+    g = linear(m_in, params["mlp.dense_ffn_gate.weight"], params["mlp.dense_ffn_gate.bias"])
+    return linear(r * g, params["mlp.dense_ffn_output.weight"])
 
 
 def transformer_layer(

@@ -15,7 +15,9 @@ from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
 from robot_llm.plan import plan_night
 from robot_llm.preflight import preflight
-from robot_llm.prompting import TemplateError, content_free_context, load_template, stance_label_problems
+from robot_llm.prompting.loading import load_template
+from robot_llm.prompting.stance_prompt import content_free_context, stance_label_problems
+from robot_llm.prompting.template import TemplateError
 from robot_llm.stance import StanceSpec, label_measure, parse_stance_spec, stance_from_pieces
 
 CALIBRATED = TINY_TEMPLATE.replace('name: tiny\nversion: "1"', 'name: tiny\nversion: "2"').replace(

@@ -68,3 +68,55 @@ def test_the_engine_generates_from_a_compressed_cache(
         assert 0 < float((ours_logits - want_logits).abs().max()) <= bound
     plain.close()
     packed.close()
+
+
+def test_a_decode_step_attends_where_the_cache_is_stored_in_fp32() -> None:
+    from robot_llm.llm.family import LayerKV, attend_with
+
+    g = torch.Generator().manual_seed(1)
+    for kv_dtype in (None, "int8", "int4"):
+        shape = (2, 6, 1, 8)
+        k_store = QuantKV.empty(shape, kv_dtype, "cpu") if kv_dtype else torch.zeros(shape, dtype=torch.bfloat16)
+        v_store = QuantKV.empty(shape, kv_dtype, "cpu") if kv_dtype else torch.zeros(shape, dtype=torch.bfloat16)
+        prefill = torch.randn(2, 3, 1, 8, generator=g).bfloat16()
+        keys, _ = LayerKV(k_store, v_store, 0, attend_where_stored=True).update(prefill, prefill)
+        assert keys.dtype == torch.bfloat16  # a prefill attends with the weights, in the compute dtype
+        step = torch.randn(2, 1, 1, 8, generator=g).bfloat16()
+        keys, values = LayerKV(k_store, v_store, 3, attend_where_stored=True).update(step, step)
+        assert keys.dtype == values.dtype == torch.float32 and keys.shape == (2, 4, 1, 8)
+        plain, _ = LayerKV(k_store, v_store, 3).update(step, step)
+        assert plain.dtype == torch.bfloat16 and torch.allclose(plain.float(), keys, atol=0.02, rtol=0.02)
+        q, mask = attend_with(step, torch.zeros(2, 1, 1, 4, dtype=torch.bool), keys)
+        assert q.dtype == torch.float32 and mask.dtype == torch.bool
+
+
+def test_the_engine_attends_where_the_cache_lives(stores: dict[str, Path], tokenizer: YalmTokenizer) -> None:
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+    for kv_dtype in (None, "int8"):
+        plain = StreamingModel(stores["fp16"], home="ram", device="cpu", dtype="fp32", kv_home="cpu", kv_dtype=kv_dtype)
+        there = StreamingModel(
+            stores["fp16"],
+            home="ram",
+            device="cpu",
+            dtype="fp32",
+            kv_home="cpu",
+            kv_dtype=kv_dtype,
+            attention_home="kv",
+        )
+        assert there.new_cache(1, 4).attend_where_stored and not plain.new_cache(1, 4).attend_where_stored
+        ours = generate(there, tokenizer, PROMPTS, params, batch_size=4)
+        theirs = generate(plain, tokenizer, PROMPTS, params, batch_size=4)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        plain.close()
+        there.close()
+    # In bf16 the attention itself runs in fp32 where the cache is: close to, not equal to, bf16 attention.
+    bf16 = StreamingModel(stores["bf16"], home="ram", device="cpu", dtype="bf16", kv_home="cpu")
+    ids = torch.tensor([tokenizer.encode(p)[:3] for p in PROMPTS])
+    logits = []
+    for home in ("compute", "kv"):
+        bf16.attention_home = home
+        cache = bf16.new_cache(4, 8)
+        first = bf16.forward(ids, cache)
+        logits.append(bf16.forward(first[:, -1:].argmax(-1), cache))
+    assert float((logits[0] - logits[1]).abs().max()) <= 0.1
+    bf16.close()

@@ -10,18 +10,11 @@ from pathlib import Path
 import pytest
 from prompting_helpers import AS_OF
 
-from robot_llm.prompting import (
-    NewsEntry,
-    PromptTooLong,
-    SignalEntry,
-    TemplateError,
-    bundled_prompts_dir,
-    find_template,
-    load_template,
-    render_within_budget,
-    sanitize_text,
-    token_budget,
-)
+from robot_llm.prompting.budget import PromptTooLong, render_within_budget, token_budget
+from robot_llm.prompting.context import NewsEntry, SignalEntry
+from robot_llm.prompting.loading import bundled_prompts_dir, find_template, load_template
+from robot_llm.prompting.sanitize import sanitize_text
+from robot_llm.prompting.template import TemplateError
 
 BUNDLED = sorted(bundled_prompts_dir().glob("*.j2"))
 

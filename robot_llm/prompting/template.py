@@ -1,0 +1,163 @@
+"""What a template declares: its YAML front matter, validated, and the :class:`Template` it loads into.
+
+A template is a file ``prompts/<name>.j2``: YAML front matter between two ``---`` lines,
+then a Jinja2 body (see ``prompts/README.md``). The front matter is checked strictly
+(``extra=forbid``): a misspelt key is an error at load time, not a silently ignored option.
+Finding and reading the files is :mod:`robot_llm.prompting.loading`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from robot_llm.config import AppConfig, Duration, GenerationConfig
+from robot_llm.errors import RobotLLMError
+from robot_llm.prompting.sanitize import ALWAYS_MARKERS
+
+__all__ = [
+    "GenerationOverrides",
+    "NewsOptions",
+    "SignalOptions",
+    "StanceMethod",
+    "StanceOptions",
+    "Template",
+    "TemplateError",
+    "TemplateHeader",
+]
+
+
+class TemplateError(RobotLLMError):
+    """A template file is invalid or failed to render; the message names the file and line."""
+
+
+def _version_text(value: Any) -> Any:
+    # ``version: 2`` is an int in YAML; the version is a label, so keep what was written.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NewsOptions(_Section):
+    """Which news a template shows and how much of each item."""
+
+    max_items: int | None = Field(default=None, ge=0, le=200)
+    lookback: Duration | None = None
+    fields: tuple[Literal["title", "summary"], ...] = ("title", "summary")
+    max_chars: int = Field(default=300, ge=20, le=4000)
+
+
+class SignalOptions(_Section):
+    """Whether and how many of the robot's latest forecasts a template shows."""
+
+    include: bool = True
+    max: int = Field(default=3, ge=0, le=50)
+
+
+class GenerationOverrides(_Section):
+    """Per-template overrides of ``config.prompts.generation``; unset fields keep the config's value."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1, le=1023)
+    greedy: bool | None = None
+    temperature: float | None = Field(default=None, gt=0)
+    top_k: int | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+
+
+#: How the labels' token log-probabilities are compared (see :class:`StanceOptions`).
+StanceMethod = Literal["sum", "mean", "first"]
+
+
+class StanceOptions(_Section):
+    """The cue appended after a thesis, the label continuations scored after it, and how they compare.
+
+    ``method``: ``sum`` adds the log-probabilities of a label's pieces (a label of more
+    pieces is penalised for its length), ``mean`` takes their mean per piece (length-fair),
+    ``first`` the first piece only (the labels must then be single pieces with distinct
+    ids; the template check enforces it). ``calibrate``: divide out the label prior the
+    model shows for a content-free prompt (the template with no instrument, news or
+    forecast; Zhao et al., "Calibrate Before Use", 2021), computed once per template per night.
+    """
+
+    cue: str = Field(min_length=1)
+    labels: dict[str, float] = Field(min_length=2)
+    method: StanceMethod = "sum"
+    calibrate: bool = False
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, float]) -> dict[str, float]:
+        for label, value in v.items():
+            if not label.strip():
+                raise ValueError("a stance label must contain text (e.g. ' рост')")
+            if not -1.0 <= value <= 1.0:
+                raise ValueError(f"stance value of {label!r} must be between -1 and 1, got {value}")
+        return v
+
+
+class TemplateHeader(_Section):
+    """The YAML front matter of a template (``extra=forbid``: a misspelt key is an error)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    version: Annotated[str, BeforeValidator(_version_text)] = Field(min_length=1, max_length=64)
+    language: str = Field(pattern=r"^[a-z]{2}(-[A-Za-z]{2})?$")
+    description: str = ""
+    news: NewsOptions = NewsOptions()
+    signals: SignalOptions = SignalOptions()
+    generation: GenerationOverrides = GenerationOverrides()
+    stop: tuple[str, ...] = ()
+    stance: StanceOptions | None = None
+    markers: tuple[str, ...] = ()
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("an empty stop string would end every completion at once")
+        return v
+
+    @field_validator("markers")
+    @classmethod
+    def _visible_markers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s.strip() for s in v):
+            raise ValueError("markers must contain visible text")
+        return v
+
+
+class Template(TemplateHeader):
+    """A loaded template: its front matter, its Jinja body, and where it came from."""
+
+    path: Path
+    body: str
+    body_line: int = Field(ge=1)
+
+    def generation_for(self, config: AppConfig) -> GenerationConfig:
+        """``config.prompts.generation`` with this template's overrides applied."""
+        overrides = {k: v for k, v in self.generation.model_dump().items() if v is not None}
+        return config.prompts.generation.model_copy(update=overrides)
+
+    def news_limit(self, config: AppConfig) -> int:
+        """How many news items at most go into one prompt."""
+        return config.prompts.max_news if self.news.max_items is None else self.news.max_items
+
+    def news_lookback(self, config: AppConfig) -> timedelta:
+        """How far back (a timedelta) news is gathered for this template."""
+        return self.news.lookback if self.news.lookback is not None else config.prompts.news_lookback
+
+    def section_markers(self) -> tuple[str, ...]:
+        """Header words that data must not imitate: the declared markers, the stop strings, the cue."""
+        found: list[str] = list(ALWAYS_MARKERS)
+        candidates = [*self.markers, *self.stop, *((self.stance.cue,) if self.stance else ())]
+        for text in candidates:
+            word = text.strip().rstrip(":").strip()
+            if word and any(ch.isalnum() for ch in word) and word not in found:
+                found.append(word)
+        return tuple(found)
