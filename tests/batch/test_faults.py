@@ -78,7 +78,12 @@ def test_sigterm_finishes_the_batch_in_flight_and_exits_0(benv, night):
 @pytest.mark.parametrize("empty_db_url", ["postgresql"], indirect=True)
 def test_two_workers_on_postgresql_share_the_queue_without_taking_the_same_request(benv, night):
     n = 60
-    config_file = benv.write_config(model={"max_batch_size": 2})
+    # A lease far longer than any stall of a loaded machine: this test is about SKIP LOCKED, not about
+    # expired leases. With 2 s, a worker's first claim, blocked behind the lock below while the other
+    # worker loaded its model, set a lease already expired (its clock was read before the wait), and
+    # the other worker claimed that batch again (attempts 2); its slowed heartbeat (each renewal
+    # waits on the lock too) also came near the 2 s after which a worker is taken for dead.
+    config_file = benv.write_config(model={"max_batch_size": 2}, batch={"lease": "1m"})
     benv.seed(n, night)
     procs = []
     with benv.engine.connect() as conn:
@@ -146,8 +151,12 @@ def test_database_down_mid_run_keeps_stored_theses_and_fails_clearly(benv, night
     proc = start_worker(config_file, "--skip-preflight")
     try:
         wait_for(lambda: benv.thesis_count() >= 1, proc)
-        with benv.engine.begin() as conn:  # the worker's database goes away and stays away
+        # The worker's database goes away and stays away. NOLOGIN is committed before its sessions
+        # are ended: in one transaction, a worker that reconnected between the terminate and the
+        # commit (its pool pings and reconnects at the next checkout) kept working to the end.
+        with benv.engine.begin() as conn:
             conn.exec_driver_sql(f'ALTER ROLE "{role}" NOLOGIN')
+        with benv.engine.begin() as conn:
             conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :r"), {"r": role})
         _out, err = proc.communicate(timeout=120)
 

@@ -133,9 +133,12 @@ def start_daemon(config: Path, log_path: Path, *extra: str) -> subprocess.Popen[
         )
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 60) -> int:
-    """SIGTERM a process we started and wait for its exit code (SIGKILL if it will not stop)."""
-    if proc.poll() is None:
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 60, *, signalled: bool = False) -> int:
+    """SIGTERM a process we started and wait for its exit code (SIGKILL if it will not stop).
+
+    ``signalled``: the test already sent the SIGTERM; only wait (a second one means "stop now").
+    """
+    if proc.poll() is None and not signalled:
         proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(timeout=timeout)

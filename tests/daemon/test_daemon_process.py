@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -34,8 +36,10 @@ def _now() -> datetime:
 
 def _log_records(path: Path) -> list[dict[str, object]]:
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("{"):
+    # Complete lines only (bytes, so a cut character cannot fail the decoding): the daemon may be
+    # writing the last one while we read.
+    for line in path.read_bytes().split(b"\n")[:-1]:
+        if line.startswith(b"{"):
             records.append(json.loads(line))
     return records
 
@@ -99,21 +103,40 @@ def test_a_second_daemon_is_refused_and_a_bad_reload_keeps_the_old_config(
 def test_sigterm_mid_batch_exits_0_and_a_restart_finishes_without_duplicates(
     tmp_path: Path, db_url: str, daemon_engine: Engine
 ) -> None:
-    # Enough one-request batches of enough tokens that the queue cannot drain between the first
-    # stored thesis and the SIGTERM reaching the child (a 0.1 s poll, then the daemon's 0.25 s
-    # supervision tick), however fast the machine or slow the daemon under load: 30 requests of
-    # 8 tokens once drained in CI before the child saw the signal.
+    # Enough one-request batches of enough tokens (12 + 40 positions of the tiny model's 64) that
+    # the queue cannot drain between the first stored thesis and the child's freeze below, however
+    # fast the machine: 30 requests of 8 tokens (0.4 s) once drained in CI before the child got the
+    # daemon's SIGTERM; these take seconds.
     requests = 120
     data = config_data(tmp_path, db_url, tickers=requests, max_new_tokens=40)
     data["schedule"].update(nightly_around(_now(), fired_ago=timedelta(minutes=2), cutoff_in=timedelta(hours=2)))
     config = write_config(tmp_path, data)
 
-    first = start_daemon(config, tmp_path / "first.log")
+    first_log = tmp_path / "first.log"
+    first = start_daemon(config, first_log)
+    signalled = False
     try:
-        wait_for(lambda: _theses(daemon_engine), 180, "the first stored thesis")
+        wait_for(lambda: _theses(daemon_engine), 180, "the first stored thesis", interval=0.02)
+        # Freeze the generation child at once, so it generates nothing while the daemon takes the
+        # SIGTERM and forwards it (a 0.25 s supervision tick, much longer on a loaded machine), and
+        # resume it once the daemon has sent its SIGTERM: it finishes the batch in flight and stops.
+        workers = [r.pid for r in runs(daemon_engine, "generate") if r.status == "running"]
+        assert len(workers) == 1, f"the generation child is not running (it drained the queue?): {workers}"
+        child = workers[0]
+        os.kill(child, signal.SIGSTOP)
+        try:
+            first.send_signal(signal.SIGTERM)
+            signalled = True
+            forwarded = f"sending SIGTERM to the generation child (pid {child})"
+            # If the child was frozen inside a write, the daemon may wait on the database lock it holds
+            # before it forwards the signal: then let the child go on after a while anyway.
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: forwarded in first_log.read_text(encoding="utf-8"), 20, "the forwarded SIGTERM")
+        finally:
+            os.kill(child, signal.SIGCONT)
     finally:
-        code = stop_process(first, timeout=120)
-    assert code == 0, (tmp_path / "first.log").read_text(encoding="utf-8")[-3000:]
+        code = stop_process(first, timeout=120, signalled=signalled)
+    assert code == 0, first_log.read_text(encoding="utf-8")[-3000:]
     (night,) = runs(daemon_engine, NIGHTLY_KIND)
     assert night.status == "aborted", night.error
     stored_before = _theses(daemon_engine)
@@ -159,6 +182,11 @@ def test_a_daemon_restarted_right_after_a_sigkill_takes_over_its_lease_at_once(
             "the restarted daemon's lease",
         )
         assert lease.is_live(_now()) and second.poll() is None
-        assert f"pid {killed.pid} (that process is gone" in (tmp_path / "b.log").read_text(encoding="utf-8")
+        # The takeover is logged after the lease row is committed: wait for the line, do not race it.
+        wait_for(
+            lambda: f"pid {killed.pid} (that process is gone" in (tmp_path / "b.log").read_text(encoding="utf-8"),
+            60,
+            "the takeover's log line",
+        )
     finally:
         assert stop_process(second) == 0, (tmp_path / "b.log").read_text(encoding="utf-8")[-3000:]

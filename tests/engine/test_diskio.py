@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -48,13 +47,18 @@ def test_the_requested_depth_is_in_flight(tmp_path: Path, monkeypatch: pytest.Mo
     _file(tmp_path / "f", 8 << 20)
     real, lock = os.preadv, threading.Lock()
     active, peak = 0, 0
+    all_queued = threading.Event()
 
-    def slow_preadv(fd: int, buffers: list, offset: int) -> int:  # a drive with 20 ms per request
+    # A drive that answers once 4 requests are queued (or after 10 s): with a fixed 20 ms per
+    # request, a loaded machine started the 4th reader thread after the 1st had its answer (peak 3).
+    def slow_preadv(fd: int, buffers: list, offset: int) -> int:
         nonlocal active, peak
         with lock:
             active += 1
             peak = max(peak, active)
-        time.sleep(0.02)
+            if active == 4:
+                all_queued.set()
+        all_queued.wait(10)
         with lock:
             active -= 1
         return real(fd, buffers, offset)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,10 +70,16 @@ def test_404_is_not_retried(server: FeedServer) -> None:
 
 
 def test_read_timeout_is_retried_then_reported(server: FeedServer) -> None:
-    server.serve("/slow", Reply(200, BODY, delay=0.6))
+    # Far slower than the read timeout: a client thread starved for a while still times out.
+    server.serve("/slow", Reply(200, BODY, delay=5.0))
     http = HttpConfig(read_timeout=timedelta(seconds=0.15), retries=1, backoff=timedelta(seconds=0.01))
     with pytest.raises(FetchError, match=r"read timeout \(after 2 attempts\)"):
         fetch(server.url("/slow"), http)
+    # The server notes a request once its handler thread has read it, which a loaded machine may do
+    # after the client gave up on it: wait for the second one instead of racing it.
+    deadline = time.monotonic() + 30
+    while len(server.hits("/slow")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(server.hits("/slow")) == 2
 
 

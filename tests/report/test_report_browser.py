@@ -29,6 +29,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--no-first-run",
 ]
+HANG_MS = 180_000
 
 
 def _sync_playwright():
@@ -59,9 +60,12 @@ def test_morning_page_renders_in_chromium(engine: Engine, month) -> None:
     problems: list[str] = []
     requests: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        # Playwright's 30 s default bounds every step; on a loaded 2-core CI machine chromium's start
+        # and the page's 4 MB of inlined plotly may take long: a timeout here only bounds a hang.
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=HANG_MS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(HANG_MS)
             page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
             page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
             page.on("request", lambda r: requests.append(r.url))
