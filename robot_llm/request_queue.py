@@ -258,15 +258,20 @@ class RequestQueue:
             rows = conn.execute(query).mappings().all()
             ids = [r["id"] for r in rows]
             if ids:
+                # The lease runs from now, once the rows are ours: the statements above may have
+                # waited on another worker's locks for longer than a whole lease, and a lease
+                # dated from before that wait would be expired when it commits (and the rows
+                # claimable by anyone at once).
+                leased_at = utcnow()
                 conn.execute(
                     update(GenerationRequest)
                     .where(GenerationRequest.id.in_(ids))
                     .values(
                         status="running",
                         lease_owner=self.worker_id,
-                        lease_expires_at=now + lease,
+                        lease_expires_at=leased_at + lease,
                         attempts=GenerationRequest.attempts + 1,
-                        updated_at=now,
+                        updated_at=leased_at,
                     )
                 )
             conn.commit()

@@ -97,7 +97,8 @@ class Watchdog(threading.Thread):
             conn.execute(
                 update(GenerationRequest)
                 .where(GenerationRequest.lease_owner == self.queue.worker_id, GenerationRequest.status == "running")
-                .values(lease_expires_at=now + self.config.batch.lease)
+                # Dated after the heartbeat's commit, which may have waited on a lock.
+                .values(lease_expires_at=utcnow() + self.config.batch.lease)
             )
             conn.commit()
 
