@@ -16,6 +16,7 @@ logits keeping every token whose preceding cumulative probability is <= p.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.family import ForwardModel, KVCache
-from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, score_pieces, tree_scores
+from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, tree_scores
 from robot_llm.llm.slots import tree_layout
 from robot_llm.llm.tokenizer import Tokenizer
 
@@ -326,8 +327,8 @@ def generate(
 
     ``followups`` (one per prompt, or None) are scored after each finished completion
     into ``Completion.followup_logprobs``, from the row's KV cache when they fit the
-    step reserved for them, else by a re-prefill (:func:`score_pieces`); they stay None
-    when the context does not fit the model's window.
+    step reserved for them, else by a re-prefill of their contexts (``batch_size`` rows per pass);
+    they stay None when the context does not fit the model's window.
 
     ``share_prefix`` (0 = off): when the prompts of a batch start with at least that many
     common tokens (a template's head), their KV is computed once in a pass of its own,
@@ -367,18 +368,35 @@ def generate(
         done += len(chunk) + _run_batch(model, tokenizer, chunk, on_step, share_prefix, todo, refill_slots)
         if on_progress is not None:
             on_progress(done, len(rows))
-    for r in rows:
-        if r.followup is not None and r.followup_logprobs is None:
-            _rescore(model, tokenizer, r, batch_size)
+    _rescore([r for r in rows if r.followup is not None and r.followup_logprobs is None], model, tokenizer, batch_size)
     return [r.completion(tokenizer) for r in rows]
 
 
-def _rescore(model: ForwardModel, tokenizer: Tokenizer, row: _Row, batch_size: int) -> None:
-    """A followup the cache could not serve (no tokens generated, a thesis re-tokenised far back): re-prefill."""
-    assert row.followup is not None
-    context = row.followup_context(tokenizer)
-    try:
-        pieces = score_pieces(model, tokenizer, context, row.followup.continuations, batch_size=batch_size)
-    except ValueError:  # longer than the model's window: the caller decides what to judge instead
-        return
-    row.followup_logprobs = tuple(tuple(p) for p in pieces)
+def _rescore(rows: list[_Row], model: ForwardModel, tokenizer: Tokenizer, batch_size: int) -> None:
+    """Followups the cache could not serve (no token generated, a thesis re-tokenised far back): re-prefilled.
+
+    ``batch_size`` rows per weight pass, each row's context once with its continuations as
+    branches (the tree of :func:`generate`'s cache path on an empty cache), not one pass per
+    row and continuation. A context longer than the model's window stays unscored: the
+    caller decides what to judge instead.
+    """
+    max_pos = model.config.max_position_embeddings
+    planned = []
+    for r in rows:
+        assert r.followup is not None
+        tree = plan_tree(tokenizer, r.followup, r.followup_context(tokenizer), [], max_pos, sys.maxsize, 0)
+        if tree is not None:
+            planned.append((r, tree))
+    for start in range(0, len(planned), batch_size):
+        chunk = planned[start : start + batch_size]
+        trees = {b: tree for b, (_, tree) in enumerate(chunk)}
+        steps = max(len(tree.tokens) for tree in trees.values())
+        cache = model.new_cache(len(chunk), steps)
+        step = torch.full((len(chunk), steps), tokenizer.eos_id, dtype=torch.long)
+        for b, tree in trees.items():
+            step[b, : len(tree.tokens)] = torch.tensor(tree.tokens)
+        shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
+        cache.layout = tree_layout(len(chunk), steps, shapes, cache.slots)
+        out = model.forward(step, cache)
+        for b, scores in tree_scores(out, trees).items():
+            chunk[b][0].followup_logprobs = scores

@@ -104,7 +104,13 @@ def test_a_calibrated_night_scores_the_prior_once(benv, night, monkeypatch) -> N
         rescored.append(prompt)
         return real(model, tokenizer, prompt, continuations, **kw)
 
-    monkeypatch.setattr(gen, "score_pieces", counting)  # a thesis the cache could not serve
+    real_rescore = gen._rescore
+
+    def rescoring(rows, *args, **kw):  # type: ignore[no-untyped-def]
+        rescored.extend(r.prompt for r in rows)  # a thesis the cache could not serve
+        return real_rescore(rows, *args, **kw)
+
+    monkeypatch.setattr(gen, "_rescore", rescoring)
     monkeypatch.setattr(scoring, "score_pieces", counting)  # the runtime's re-prefill (the calibration)
     summary = run_queue(config, benv.engine, as_of=night, progress=False, preflight=False)
     assert summary.done == 3

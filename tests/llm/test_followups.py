@@ -283,3 +283,28 @@ def test_shared_prefix_and_followups_on_gemma3_270m(tmp_path: Path) -> None:
         _check(model, tokenizer, ["Market news: Apple shares rose.\nThesis:", "Thesis:"], [EN, EN])  # type: ignore[arg-type]
     finally:
         model.close()
+
+
+def test_followups_the_cache_cannot_serve_are_rescored_a_batch_per_pass(
+    tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No slot reserved for the followup step: every row's labels must be re-prefilled (as when a
+    # thesis re-tokenises far back), each row's context once with its labels as branches,
+    # a batch of rows per weight pass, equal to scoring each continuation on its own.
+    import robot_llm.llm.generate as generation
+
+    monkeypatch.setattr(generation, "followup_slots", lambda tokenizer, followup: 0)
+    rows = [*prompts, prompts[0][:11]]
+    params = PARAMS[: len(rows)]
+    followups = [RU, EN, RU, EN, RU]
+    counted = Counting(tiny_model, [])
+    got = generate(counted, tokenizer, rows, params, batch_size=2, followups=followups)  # type: ignore[arg-type]
+    plain = Counting(tiny_model, [])
+    generate(plain, tokenizer, rows, params, batch_size=2)  # type: ignore[arg-type]
+    assert len(counted.calls) == len(plain.calls) + 3  # 5 rows, 2 per rescoring pass
+    for prompt, f, c in zip(rows, followups, got, strict=True):
+        want = score_pieces(tiny_model, tokenizer, prompt + c.text + f.cue, f.continuations)
+        assert c.followup_logprobs is not None
+        assert [len(x) for x in c.followup_logprobs] == [len(x) for x in want]
+        for mine, ref in zip(c.followup_logprobs, want, strict=True):
+            assert mine == pytest.approx(ref, abs=1e-4)
