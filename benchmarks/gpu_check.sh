@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.store import convert
+from robot_llm.llm.store_writer import convert
 
 store = Path(sys.argv[2]) / "tiny-store"
 convert(sys.argv[1], store)

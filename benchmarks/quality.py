@@ -50,7 +50,8 @@ from robot_llm.llm.quant import (
     quantize_int8,
 )
 from robot_llm.llm.scoring import token_logprobs
-from robot_llm.llm.store import MANIFEST, Store, convert_modules, read_manifest
+from robot_llm.llm.store import MANIFEST, Store, read_manifest
+from robot_llm.llm.store_writer import convert_modules
 from robot_llm.llm.tokenizer import load_tokenizer
 from robot_llm.stance import StanceSpec, stance_from_pieces
 

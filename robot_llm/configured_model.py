@@ -133,7 +133,8 @@ def model_shape(config: AppConfig) -> Any:
 
     m = config.model
     if m.store is not None:
-        from robot_llm.llm.store import StoreError, read_manifest
+        from robot_llm.llm.store import read_manifest
+        from robot_llm.llm.store_layout import StoreError
 
         try:
             return read_manifest(m.store).config

@@ -124,7 +124,8 @@ def _import_gemma(gguf: Path, store: Path, out: TextIO) -> None:
 
 def _build_model(workdir: Path, store: Path, out: TextIO) -> None:
     from robot_llm.llm.demo_checkpoint import build_demo_checkpoint
-    from robot_llm.llm.store import convert, verify
+    from robot_llm.llm.store import verify
+    from robot_llm.llm.store_writer import convert
 
     text_sources = [Path(str(DEMO_DATA / "feeds")), Path(str(resources.files("robot_llm.prompts")))]
     checkpoint = build_demo_checkpoint(workdir / "model" / "release", text_sources)

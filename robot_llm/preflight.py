@@ -112,7 +112,8 @@ def _disk(config: AppConfig, engine: Engine | None) -> Check:
 
 
 def _store(store: Path, deep: bool) -> Check:
-    from robot_llm.llm.store import StoreError, read_manifest, verify
+    from robot_llm.llm.store import read_manifest, verify
+    from robot_llm.llm.store_layout import StoreError
 
     try:
         manifest = read_manifest(store)

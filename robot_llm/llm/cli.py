@@ -94,7 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
     if (args.store is None) == (args.checkpoint is None):
         raise RobotLLMError("give either --store STORE_DIR or --checkpoint RELEASE_DIR")
     if args.store is not None:
-        from robot_llm.llm.store import StoreError, read_manifest
+        from robot_llm.llm.store import read_manifest
+        from robot_llm.llm.store_layout import StoreError
 
         try:
             config = read_manifest(args.store).config

@@ -3,7 +3,7 @@
 :func:`import_model` reads the source's config, writes its tokenizer beside the
 store (``tokenizer.json`` + ``tokenizer_config.json``, loaded by
 :class:`~robot_llm.llm.tokenizer.HFTokenizer`) and hands the modules, one at a
-time, to :func:`~robot_llm.llm.store.convert_modules`, which writes the same
+time, to :func:`~robot_llm.llm.store_writer.convert_modules`, which writes the same
 store a YaLM release converts into (fp32/fp16/bf16/int8).
 
 * **GGUF** (read with ``gguf``, the llama.cpp project's own library): tensors are
@@ -34,7 +34,8 @@ from robot_llm.llm.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.config_hf import FULL, SLIDING, Gemma3Config, LlamaConfig
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import GGUF_INT4_GROUP
-from robot_llm.llm.store import DEFAULT_GROUP_SIZE, Manifest, StoreFile, convert_modules
+from robot_llm.llm.store import Manifest, StoreFile
+from robot_llm.llm.store_writer import DEFAULT_GROUP_SIZE, convert_modules
 from robot_llm.llm.tokenizer import TOKENIZER_CONFIG
 
 log = logging.getLogger(__name__)

@@ -311,7 +311,8 @@ def open_model(settings: ModelSettings) -> LoadedModel:
 
 def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
     from robot_llm.llm.engine import StreamingModel
-    from robot_llm.llm.store import MANIFEST, Store, convert
+    from robot_llm.llm.store import MANIFEST, Store
+    from robot_llm.llm.store_writer import convert
 
     store_dir = settings.store
     if store_dir is None:

@@ -30,7 +30,8 @@ def _progress_bar(total_label: str) -> Any:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from robot_llm.llm.store import StoreError, convert
+    from robot_llm.llm.store_layout import StoreError
+    from robot_llm.llm.store_writer import convert
 
     config = YalmConfig.preset(args.preset) if args.preset else None
     bar = _progress_bar("convert")
@@ -74,7 +75,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from robot_llm.llm.store import StoreError, verify
+    from robot_llm.llm.store import verify
+    from robot_llm.llm.store_layout import StoreError
 
     bar = _progress_bar("verify")
 
@@ -113,7 +115,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise RobotLLMError("give --preset NAME or --store DIR")
     disk_bps = args.disk_gbps * GB if args.disk_gbps else None
     if disk_bps is None and args.store:
-        from robot_llm.llm.store import Store, measure_read_bandwidth
+        from robot_llm.llm.store import Store
+        from robot_llm.llm.store_layout import measure_read_bandwidth
 
         disk_bps = measure_read_bandwidth(Store(args.store).layer_files()[0])
     if args.ram_gb is None:

@@ -78,7 +78,7 @@ def test_database_not_migrated(benv, tmp_path):
 
 @SQLITE_ONLY
 def test_store_missing_corrupt_and_deep_verified(benv, tmp_path):
-    from robot_llm.llm.store import convert
+    from robot_llm.llm.store_writer import convert
 
     store = tmp_path / "store"
     stream = {"backend": "stream", "store": str(store), "dtype": "fp32"}

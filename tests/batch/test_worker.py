@@ -177,7 +177,7 @@ def test_expired_lease_is_claimed_again_and_a_worker_that_died_too_often_fails_i
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_stream_backend_from_a_converted_store(benv, night, tmp_path):
-    from robot_llm.llm.store import convert
+    from robot_llm.llm.store_writer import convert
 
     convert(TINY, tmp_path / "store", dtype="fp32", reserve_bytes=0)
     config = benv.config(model={"backend": "stream", "store": str(tmp_path / "store"), "checkpoint": None})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.store import convert
+from robot_llm.llm.store_writer import convert
 from robot_llm.llm.yalm import Yalm
 
 # Tiny models: more intra-op threads only add synchronisation cost on shared CI cores.

@@ -14,7 +14,7 @@ from robot_llm.llm.backends.deepspeed import DeepSpeedModel
 from robot_llm.llm.cli import check_fixture
 from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.family import random_weights
-from robot_llm.llm.store import write_store
+from robot_llm.llm.store_writer import write_store
 from robot_llm.llm.yalm import Yalm
 
 HERE = Path(__file__).resolve().parent

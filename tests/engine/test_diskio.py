@@ -11,7 +11,7 @@ import torch
 
 from robot_llm.llm import diskio
 from robot_llm.llm.diskio import MIN_CHUNK, chunk_size, io_pool, read_span
-from robot_llm.llm.store import FileLayout, StoreError, aligned_buffer, direct_span, read_into
+from robot_llm.llm.store_layout import FileLayout, StoreError, aligned_buffer, direct_span, read_into
 
 
 def _file(path: Path, size: int) -> bytes:

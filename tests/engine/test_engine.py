@@ -14,7 +14,8 @@ from robot_llm.llm.engine import StreamingModel
 from robot_llm.llm.family import InMemoryModel, Weights
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.quant import dequantize_int4_into
-from robot_llm.llm.store import SCALE_SUFFIX, Store
+from robot_llm.llm.store import Store
+from robot_llm.llm.store_layout import SCALE_SUFFIX
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.llm.yalm import Yalm
 

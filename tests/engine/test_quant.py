@@ -28,16 +28,9 @@ from robot_llm.llm.quant import (
     quantize_int4,
     quantize_int8,
 )
-from robot_llm.llm.store import (
-    MANIFEST,
-    SCALE_SUFFIX,
-    Store,
-    StoreError,
-    convert,
-    read_manifest,
-    verify,
-    write_store,
-)
+from robot_llm.llm.store import MANIFEST, Store, read_manifest, verify
+from robot_llm.llm.store_layout import SCALE_SUFFIX, StoreError
+from robot_llm.llm.store_writer import convert, write_store
 
 # N not a multiple of 64 (padded rows), K not a multiple of the group (padded columns), both, neither.
 SHAPES = [(64, 64), (172, 64), (64, 172), (172, 172), (200, 300), (7, 3)]

@@ -11,18 +11,9 @@ import torch
 
 from robot_llm.llm.checkpoint import module_plan
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.store import (
-    MANIFEST,
-    PROGRESS,
-    SCALE_SUFFIX,
-    Store,
-    StoreError,
-    StoreFile,
-    convert,
-    read_manifest,
-    sha256_file,
-    verify,
-)
+from robot_llm.llm.store import MANIFEST, PROGRESS, Store, StoreFile, read_manifest, sha256_file, verify
+from robot_llm.llm.store_layout import SCALE_SUFFIX, StoreError
+from robot_llm.llm.store_writer import convert
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "int8", "int4"])

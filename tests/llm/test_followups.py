@@ -61,7 +61,7 @@ class Counting:
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StreamingModel, YalmTokenizer]]:
     """The demo checkpoint, converted to an fp32 store and streamed from disk."""
     from robot_llm.llm.demo_checkpoint import build_demo_checkpoint
-    from robot_llm.llm.store import convert
+    from robot_llm.llm.store_writer import convert
 
     root = tmp_path_factory.mktemp("demo")
     sources = [REPO / "robot_llm" / "demo_data" / "feeds", REPO / "prompts"]

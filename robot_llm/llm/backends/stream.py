@@ -14,7 +14,8 @@ from pathlib import Path
 
 from robot_llm.llm.backends import BackendError, ModelRequest
 from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.store import MANIFEST, QUANTIZED, Store, convert
+from robot_llm.llm.store import MANIFEST, QUANTIZED, Store
+from robot_llm.llm.store_writer import convert
 
 
 def open_store(checkpoint: Path, request: ModelRequest, store_dtype: str, work_dir: Path | None = None) -> Store:
