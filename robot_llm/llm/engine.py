@@ -38,7 +38,8 @@ from torch import Tensor
 
 from robot_llm.llm.config import embedding_is_head
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
-from robot_llm.llm.family import KVCache, Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.family import Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.kv_cache import KVCache
 from robot_llm.llm.quant import PackedInt4, PackedInt8
 from robot_llm.llm.store import Store
 from robot_llm.llm.store_layout import SCALE_SUFFIX, FileLayout, StoreError, aligned_buffer, direct_span, read_into

@@ -25,7 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from robot_llm.llm.family import ForwardModel, KVCache
+from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.kv_cache import KVCache
 from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, tree_scores
 from robot_llm.llm.slots import tree_layout
 from robot_llm.llm.tokenizer import Tokenizer

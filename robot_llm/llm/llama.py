@@ -23,16 +23,15 @@ from torch import Tensor
 from robot_llm.llm.config_hf import LlamaConfig
 from robot_llm.llm.family import (
     Family,
-    LayerKV,
     Params,
     Resident,
     StepInfo,
     apply_rotary,
-    attend_with,
     grouped_attention,
     linear,
     rope_inv_freq,
 )
+from robot_llm.llm.kv_cache import LayerKV, attend_with
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -30,18 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.family import (
-    Family,
-    InMemoryModel,
-    LayerKV,
-    Params,
-    Resident,
-    StepInfo,
-    apply_rotary,
-    attend_with,
-    linear,
-    resolve_dtype,
-)
+from robot_llm.llm.family import Family, InMemoryModel, Params, Resident, StepInfo, apply_rotary, linear, resolve_dtype
+from robot_llm.llm.kv_cache import LayerKV, attend_with
 
 #: Score written over masked attention logits (masked_fill, as the original does).
 MASK_VALUE = -10000.0

@@ -41,7 +41,8 @@ from robot_llm.llm.backends import BackendError, ModelRequest
 from robot_llm.llm.backends.deepspeed_ops import prepare_ops
 from robot_llm.llm.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.family import KVCache, Params, StepInfo, prepare_step, resolve_dtype
+from robot_llm.llm.family import Params, StepInfo, prepare_step, resolve_dtype
+from robot_llm.llm.kv_cache import KVCache
 from robot_llm.llm.store import MANIFEST, QUANTIZED, Store
 from robot_llm.llm.yalm import embed, output_head, rope, transformer_layer
 
