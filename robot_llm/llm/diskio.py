@@ -20,7 +20,8 @@ DEFAULT_DEPTH = 16
 MIN_CHUNK = 1 << 20
 #: ... and at most this large (so a layer of a few hundred MB still spreads over ``depth`` requests).
 MAX_CHUNK = 16 << 20
-_ALIGN = 4096
+#: Alignment O_DIRECT needs for buffer addresses, file offsets and lengths (chunks keep it).
+DIRECT_ALIGN = 4096
 
 
 def io_pool(depth: int = DEFAULT_DEPTH) -> ThreadPoolExecutor:
@@ -33,7 +34,7 @@ def io_pool(depth: int = DEFAULT_DEPTH) -> ThreadPoolExecutor:
 def chunk_size(length: int, depth: int) -> int:
     """Chunk length that spreads ``length`` bytes over about ``depth`` aligned requests."""
     per_request = -(-length // max(depth, 1))
-    return min(MAX_CHUNK, max(MIN_CHUNK, -(-per_request // _ALIGN) * _ALIGN))
+    return min(MAX_CHUNK, max(MIN_CHUNK, -(-per_request // DIRECT_ALIGN) * DIRECT_ALIGN))
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:

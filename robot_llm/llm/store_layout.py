@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.diskio import DEFAULT_DEPTH, MAX_CHUNK, io_pool, read_span
+from robot_llm.llm.diskio import DEFAULT_DEPTH, DIRECT_ALIGN, MAX_CHUNK, io_pool, read_span
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import ALIGN
 
@@ -134,10 +134,6 @@ class FileLayout:
     def views(self, buffer: Tensor) -> Params:
         """Tensors viewing a uint8 ``buffer`` that holds this file's data section (no copies)."""
         return {key: buffer[s.start : s.end].view(s.dtype).view(s.shape) for key, s in self.tensors.items()}
-
-
-#: Alignment O_DIRECT needs for buffer addresses, file offsets and lengths.
-DIRECT_ALIGN = 4096
 
 
 def _round_up(n: int, align: int = DIRECT_ALIGN) -> int:
