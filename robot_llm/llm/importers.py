@@ -33,9 +33,9 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.config_hf import FULL, SLIDING, Gemma3Config, LlamaConfig
 from robot_llm.llm.family import Params
-from robot_llm.llm.quant import GGUF_INT4_GROUP
+from robot_llm.llm.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 from robot_llm.llm.store import Manifest, StoreFile
-from robot_llm.llm.store_writer import DEFAULT_GROUP_SIZE, convert_modules
+from robot_llm.llm.store_writer import convert_modules
 from robot_llm.llm.tokenizer import TOKENIZER_CONFIG
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,7 @@ def import_model(
                 raise ModelImportError(f"{source}: no tokenizer.json (pass one with --tokenizer)")
             tokenizer = source / "tokenizer.json"
         modules = iter_hf_modules(source, cfg)
-        default_group = DEFAULT_GROUP_SIZE
+        default_group = DEFAULT_INT4_GROUP
     else:
         raise ModelImportError(f"{source}: neither a .gguf file nor a Hugging Face folder with config.json")
     if tokenizer is not None:

@@ -57,8 +57,6 @@ STORE_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.float16,
     "int4": torch.float16,
 }
-#: int4's group size when none is given (int8 is per channel and other dtypes have none: they record 0).
-DEFAULT_GROUP_SIZE = DEFAULT_INT4_GROUP
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -70,7 +68,7 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def expected_file_bytes(cfg: ModelConfig, dtype: str, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, int]:
+def expected_file_bytes(cfg: ModelConfig, dtype: str, group_size: int = DEFAULT_INT4_GROUP) -> dict[str, int]:
     """Payload bytes of each store file for ``cfg`` (headers add a few KiB)."""
     elem = STORE_DTYPES[dtype].itemsize
     sizes = {}
@@ -132,7 +130,7 @@ def convert(
     *,
     dtype: str = "fp16",
     config: YalmConfig | None = None,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int = DEFAULT_INT4_GROUP,
     reserve_bytes: int = 1 << 30,
     trust_pickle: bool = False,
     on_file: Callable[[StoreFile, int, int], None] | None = None,
@@ -155,7 +153,7 @@ def convert_modules(
     store_dir: str | Path,
     *,
     dtype: str = "fp16",
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int = DEFAULT_INT4_GROUP,
     reserve_bytes: int = 1 << 30,
     on_file: Callable[[StoreFile, int, int], None] | None = None,
 ) -> Manifest:
@@ -291,7 +289,7 @@ def write_store(
     modules: Iterable[tuple[ModuleKind, int, Params]],
     *,
     dtype: str = "fp16",
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int = DEFAULT_INT4_GROUP,
 ) -> Manifest:
     """Write a store from ``(kind, index, params)`` in forward order (e.g. random weights for benchmarks)."""
     group_size = _check_dtype(dtype, group_size)
