@@ -37,7 +37,14 @@ from torch import Tensor
 
 from robot_llm.llm.config import ModelConfig, module_plan
 from robot_llm.llm.kv_cache import KVCache, LayerKV
-from robot_llm.llm.quant import FUSED_MAX_ROWS, PackedInt4, PackedInt8, int4_linear, int8_linear
+from robot_llm.llm.quant import (
+    FUSED_MAX_ROWS,
+    PackedInt4,
+    PackedInt8,
+    int4_linear,
+    int8_linear,
+    int8_linear_widened,
+)
 
 #: A module's weights by key. The streaming engine may hand a layer's matrices over packed
 #: (:class:`PackedInt4`/:class:`PackedInt8`): families multiply them only through :func:`linear`.
@@ -71,17 +78,21 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8, bias: Tensor | N
     """``x @ weight.T + bias`` for a streamed matrix: a plain tensor, or one the engine handed over packed.
 
     A packed matrix runs torch's fused kernel when ``x`` is a bf16 CPU tensor of
-    at most :data:`~robot_llm.llm.quant.FUSED_MAX_ROWS` rows (decode steps: it
-    never dequantizes); otherwise it is dequantized once into its buffer and
-    multiplied densely (a prefill, fp32 compute, another device).
+    at most :data:`~robot_llm.llm.quant.FUSED_MAX_ROWS` rows for its dtype (decode
+    steps); otherwise it is made dense once, into its buffer, and multiplied densely
+    (int4: dequantized; int8: its codes widened, the scale applied to the output).
     """
     if isinstance(weight, Tensor):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= FUSED_MAX_ROWS:
-        y = int4_linear(x, weight) if isinstance(weight, PackedInt4) else int8_linear(x, weight)
-        return y if bias is None else y + bias
-    return F.linear(x, weight.dense(x.dtype), bias)
+    kernel = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    if isinstance(weight, PackedInt4):
+        if not (kernel and rows <= FUSED_MAX_ROWS["int4"]):
+            return F.linear(x, weight.dense(x.dtype), bias)
+        y = int4_linear(x, weight)
+    else:
+        y = int8_linear(x, weight) if kernel and rows <= FUSED_MAX_ROWS["int8"] else int8_linear_widened(x, weight)
+    return y if bias is None else y + bias
 
 
 # --------------------------------------------------------------------------- step metadata

@@ -51,6 +51,9 @@ DEQUANT_ELEMS_PER_S = 1.0e9
 #: ``V`` values and ``r`` rows takes ``V / values_per_s + 2 r V / flops``. Fitted to 8192x2048 here (AVX512-BF16,
 #: 1 thread): int4 0.91 ms at 1 row, 13.3 ms at 32; int8 1.32 ms and 19.6 ms (fp32 dense: 4.2 ms and 22 ms).
 FUSED_RATES = {"int4": (33e9, 84e9), "int8": (23e9, 57e9)}
+#: int8 codes widened to bf16 per second per thread (a plain copy; measured 3.8-5 G here) when a pass has more
+#: rows than the int8 kernel is worth (:data:`~robot_llm.llm.quant.FUSED_MAX_ROWS`): then a bf16 GEMM follows.
+INT8_WIDEN_ELEMS_PER_S = 4.0e9
 
 Home = Literal["ram", "disk", "split"]
 
@@ -457,9 +460,11 @@ class _Timing:
         rows = batch * tokens
         matmuls = 2 * rows * params / rate
         fused = not m.has_gpu and self.weight_dtype in FUSED_RATES and self.dtype == "bf16"
-        if fused and rows <= FUSED_MAX_ROWS:  # torch's fused kernels read the stored bytes: no dequantization
+        if fused and rows <= FUSED_MAX_ROWS[self.weight_dtype]:  # torch's fused kernels read the stored bytes
             values_per_s, flops = FUSED_RATES[self.weight_dtype]
             matmuls = params * (1 / values_per_s + 2 * rows / flops) / m.compute_threads
+        elif fused and self.weight_dtype == "int8":  # the codes widened once per pass, then a bf16 GEMM
+            matmuls += params / (INT8_WIDEN_ELEMS_PER_S * m.compute_threads)
         elif self.converts and not m.has_gpu:  # dequantized by the reader (or, fused, once by the compute thread)
             matmuls += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         compute = matmuls + 4 * rows * slots * q_width / rate

@@ -57,10 +57,13 @@ _MIN_STEP = 2.0**-14
 #: Values dequantized per pass (at least one block of 64 rows): the byte temporaries stay in the cache
 #: (measured here: 0.32 G values/s into bf16 at 256 Ki values per pass, 0.22 at 4 Mi).
 _PASS_VALUES = 1 << 18
-#: Rows of a call above which a quantized matrix is dequantized once and multiplied densely: the fused
-#: kernels' cost grows with every row (int4: 0.9 ms for an 8192x2048 matrix at 1 row, 13 ms at 32) while a
-#: bf16 GEMM after dequantising barely does (measured here, 1 thread; see the planner).
-FUSED_MAX_ROWS = 48
+#: Rows of a call, per stored dtype, above which a quantized matrix is made dense once and multiplied by a
+#: bf16 GEMM: the fused kernels' cost grows with every row while the GEMM's barely does. Measured here (1 thread,
+#: bf16, 8192x2048 / 5460x1024 / 1024x2730): int4 fused 1.2 / 0.8 / 0.4 ms at 1 row, 20 / 5.8 / 3.1 ms at 32,
+#: against 30-66 / 8.4 / 7.8 ms to dequantize, so int4 stays fused up to 48 rows (it crosses at 48-96);
+#: int8 fused 24 / 5.8 / 3.7 ms at 32 rows against 11 / 2.8 / 1.6 ms to widen the codes to bf16 (a plain
+#: copy: 4 G values/s) and multiply densely, the scale applied to the output; int8 crosses at 8-12 rows.
+FUSED_MAX_ROWS = {"int4": 48, "int8": 10}
 #: The int8 kernel reads garbage (or crashes) when K is not a multiple of 16 (measured: 168, 184, 27308),
 #: and crashes on weights not 16-byte aligned: stored int8 rows are zero-padded to a multiple of 64, and the
 #: store places every quantized matrix at a multiple of :data:`ALIGN` bytes.
@@ -365,13 +368,30 @@ def dequantize_int8_into(q: Tensor, scale: Tensor, out: Tensor) -> Tensor:
 @dataclass
 class PackedInt8:
     """A per-channel int8 matrix (``q [N, Kp]``, bf16 ``scale [N]``) as ``_weight_int8pack_mm`` takes it,
-    with its logical shape ``[N, K]``; ``buffer`` as :class:`PackedInt4`'s."""
+    with its logical shape ``[N, K]``; ``buffer`` as :class:`PackedInt4`'s (:meth:`dense` and :meth:`widened`
+    fill it, whichever is called first for this matrix)."""
 
     q: Tensor
     scale: Tensor
     shape: tuple[int, int]
     buffer: Tensor | None = None
     _dense: Tensor | None = None
+    _widened: Tensor | None = None
+
+    def widened(self, dtype: torch.dtype) -> Tensor:
+        """The codes as a float ``[N, K]`` tensor of ``dtype``, unscaled (one copy, on the first call).
+
+        Every int8 code is exact in bf16, so ``linear(x, widened) * scale`` is the matrix product
+        with no rounding of the weights at all.
+        """
+        import torch
+
+        if self._widened is None or self._widened.dtype != dtype:
+            out = self.buffer
+            if out is None or out.dtype != dtype:
+                out = torch.empty(self.shape, dtype=dtype, device=self.q.device)
+            self._widened = out.copy_(self.q[:, : self.shape[1]])
+        return self._widened
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """The weights as a float ``[N, K]`` tensor of ``dtype`` (dequantised on the first call)."""
@@ -383,6 +403,13 @@ class PackedInt8:
                 out = torch.empty(self.shape, dtype=dtype, device=self.q.device)
             self._dense = dequantize_int8_into(self.q, self.scale, out)
         return self._dense
+
+
+def int8_linear_widened(x: Tensor, w: PackedInt8) -> Tensor:
+    """``x @ w.T`` for many rows: a dense product with the widened codes, then each output channel's scale."""
+    import torch.nn.functional as F
+
+    return F.linear(x, w.widened(x.dtype)).mul_(w.scale.to(x.dtype))
 
 
 def int8_linear(x: Tensor, w: PackedInt8) -> Tensor:

@@ -9,7 +9,17 @@ import pytest
 
 from robot_llm.llm.config import PRESETS
 from robot_llm.llm.machine import Machine, cpu_has_native_bf16, free_cores
-from robot_llm.llm.planner import FUSED_RATES, GB, PlanError, Work, layer_bytes, layer_params, plan
+from robot_llm.llm.planner import (
+    FUSED_RATES,
+    GB,
+    INT8_WIDEN_ELEMS_PER_S,
+    PlanError,
+    Work,
+    layer_bytes,
+    layer_params,
+    plan,
+)
+from robot_llm.llm.quant import FUSED_MAX_ROWS
 
 YALM = PRESETS["yalm-100b"]
 JOB = Work(num_prompts=300, prompt_tokens=512, max_new_tokens=128)
@@ -161,6 +171,27 @@ def test_cpu_int4_and_int8_decode_with_the_fused_kernels() -> None:
         matmuls = YALM.num_layers * layer_params(YALM) * (1 / values_per_s + 2 / flops) / 8
         assert matmuls < fused.decode_seconds < 1.05 * matmuls
         assert dequantized.decode_seconds > 10 * fused.decode_seconds
+
+
+def test_cpu_int8_past_the_kernels_row_limit_widens_then_multiplies_densely() -> None:
+    # Past FUSED_MAX_ROWS["int8"] the int8 kernel costs more than widening the codes once (a copy) and a bf16
+    # GEMM; int4 keeps its kernel up to its own limit (dequantizing int4 is far slower than widening int8).
+    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8)
+    rows = FUSED_MAX_ROWS["int8"] + 1
+    assert rows <= FUSED_MAX_ROWS["int4"]
+    steps = {
+        dtype: plan(YALM, Work(rows, 64, 16), machine, weight_dtype=dtype, compute_dtype="bf16", weight_home="ram")
+        for dtype in ("int8", "int4")
+    }
+    params = YALM.num_layers * layer_params(YALM)
+    widen = params / INT8_WIDEN_ELEMS_PER_S / 8
+    gemm = 2 * rows * params / (machine.cpu_rate("bf16") * machine.compute_threads / machine.cores)
+    assert widen + gemm < steps["int8"].decode_seconds < 1.05 * (widen + gemm)
+    values_per_s, flops = FUSED_RATES["int8"]
+    assert steps["int8"].decode_seconds < params * (1 / values_per_s + 2 * rows / flops) / 8  # cheaper than fused
+    values_per_s, flops = FUSED_RATES["int4"]
+    int4_fused = params * (1 / values_per_s + 2 * rows / flops) / 8
+    assert int4_fused < steps["int4"].decode_seconds < 1.05 * int4_fused
 
 
 def test_decode_attention_runs_in_ram_only_where_that_beats_copying_the_cache_up() -> None:

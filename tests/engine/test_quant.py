@@ -91,7 +91,7 @@ def test_int8_round_trip_is_within_half_a_step_and_pads_k_with_zeros(shape: tupl
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("rows", [1, 5, FUSED_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, FUSED_MAX_ROWS["int4"]])
 def test_fused_kernels_equal_the_dequantized_weights_within_bf16(shape: tuple[int, int], group: int, rows: int) -> None:
     w = _weight(shape, 3)
     x = torch.randn(rows, 1, shape[1], generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -116,7 +116,7 @@ def test_linear_runs_the_fused_kernel_only_for_few_bf16_rows_on_the_cpu() -> Non
     y = linear(few, packed, bias)
     assert packed._dense is None  # never dequantized
     assert torch.equal(y, int4_linear(few, packed) + bias)
-    many = torch.randn(FUSED_MAX_ROWS + 1, 172).bfloat16()
+    many = torch.randn(FUSED_MAX_ROWS["int4"] + 1, 172).bfloat16()
     y = linear(many, packed, bias)
     assert packed._dense is buffer  # dequantized once, into the buffer it was given
     assert torch.equal(y, torch.nn.functional.linear(many, buffer, bias))
@@ -127,6 +127,30 @@ def test_linear_runs_the_fused_kernel_only_for_few_bf16_rows_on_the_cpu() -> Non
     assert (dense - exact).abs().max() <= 1e-5
     plain = torch.randn(172, 172)
     assert torch.equal(linear(few.float(), plain), torch.nn.functional.linear(few.float(), plain))
+
+
+@pytest.mark.parametrize("shape", [(172, 172), (96, 200)])
+def test_int8_above_its_row_limit_widens_the_codes_once_and_scales_the_output(shape: tuple[int, int]) -> None:
+    w, bias = _weight(shape, 6), torch.randn(shape[0]).bfloat16()
+    q, scale = quantize_int8(w)
+    exact = dequantize_int8_into(q, scale, torch.empty(shape))
+    buffer = torch.empty(shape, dtype=torch.bfloat16)
+    few = torch.randn(FUSED_MAX_ROWS["int8"], shape[1]).bfloat16()
+    packed = PackedInt8(q, scale, shape, buffer)
+    assert torch.equal(linear(few, packed, bias), int8_linear(few, packed) + bias)
+    assert packed._widened is None and packed._dense is None  # the kernel read the stored bytes
+    many = torch.randn(2, FUSED_MAX_ROWS["int8"], shape[1]).bfloat16()
+    y = linear(many, packed, bias)
+    assert packed._widened is buffer and packed._dense is None  # widened once, into its buffer, unscaled
+    assert torch.equal(buffer, q[:, : shape[1]].bfloat16())
+    assert linear(many, packed) is not None and packed._widened is buffer  # the second call reuses it
+    assert y.shape == (2, FUSED_MAX_ROWS["int8"], shape[0]) and y.dtype == torch.bfloat16
+    # Two bf16 roundings of the output (the product, then the scale) on top of bf16 activations.
+    bound = 2 * _bf16_bound(many, exact) + (bias.float().abs() + 1e-3) * 2**-7
+    assert bool(((y.float() - (many.float() @ exact.T + bias.float())).abs() <= bound).all())
+    # Any other dtype (fp32 compute, another device) takes the same dense path, exactly in fp32.
+    y32 = linear(many.float(), PackedInt8(q, scale, shape))
+    assert (y32 - many.float() @ exact.T).abs().max() <= 1e-4
 
 
 def test_int4_group_sizes_are_the_kernels() -> None:
