@@ -288,6 +288,7 @@ def plan(
                 break
         if isinstance(candidate, Plan):
             candidate = _rebalance(cfg, work, machine, candidate, ram, gpu, cap_batch)
+            candidate = _kernel_sized(cfg, work, machine, candidate, ram, gpu)
             if best is None or candidate.total_seconds < best.total_seconds:
                 best = candidate
         elif candidate is not None:
@@ -308,6 +309,16 @@ def _descending(cap: int) -> list[int]:
     """Batch sizes to try, largest first: cap, then powers of two below it, then 1."""
     sizes = [cap] + [2**k for k in range(int(math.log2(cap)), -1, -1) if 2**k < cap]
     return sizes
+
+
+def _kernel_sized(cfg: ModelConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int) -> Plan:
+    """``p``, or batches small enough for the fused int4/int8 CPU kernels' decode steps where that is faster."""
+    limit = FUSED_MAX_ROWS.get(p.weight_dtype)
+    if machine.has_gpu or p.compute_dtype != "bf16" or limit is None or p.batch_size <= limit:
+        return p
+    even = math.ceil(work.num_prompts / math.ceil(work.num_prompts / limit))
+    small = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
+    return small if isinstance(small, Plan) and small.total_seconds < p.total_seconds else p
 
 
 def _rebalance(cfg: ModelConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int, cap: int) -> Plan:

@@ -213,3 +213,20 @@ def test_decode_attention_runs_in_ram_only_where_that_beats_copying_the_cache_up
     assert in_ram.batch_size > copying.batch_size and in_ram.total_seconds < copying.total_seconds
     cpu_only = plan(YALM, work, Machine(ram_bytes=int(512 * GB), ram_bps=200 * GB))
     assert cpu_only.attention_home == "compute"  # no GPU: attention already runs where the cache is
+
+
+def test_cpu_int4_night_of_a_few_batches_runs_them_at_the_kernels_size_when_that_is_faster() -> None:
+    # 60 prompts in one batch decode densely (each step dequantizes every weight); two batches of 30 decode
+    # with the fused kernel. The planner tries both and keeps the faster.
+    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8)
+    work = Work(60, 64, 64)
+    chosen = plan(YALM, work, machine, weight_dtype="int4")
+    assert chosen.batch_size == 30 and chosen.num_batches == 2
+    largest = plan(YALM, work, machine, weight_dtype="int4", compute_dtype="bf16", max_batch_size=60)
+    assert largest.batch_size == 30  # the cap is a ceiling, not a pin
+    one_batch = plan(YALM, Work(60, 64, 64), machine, weight_dtype="int4", max_batch_size=60, compute_dtype="fp32")
+    assert one_batch.batch_size == 60  # no kernel in fp32: the largest batch stays
+    # Its decode steps are the fused kernel's at 30 rows.
+    values_per_s, flops = FUSED_RATES["int4"]
+    matmuls = YALM.num_layers * layer_params(YALM) * (1 / values_per_s + 2 * 30 / flops) / machine.compute_threads
+    assert matmuls < chosen.decode_seconds < 1.05 * matmuls
