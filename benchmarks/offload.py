@@ -78,6 +78,21 @@ def random_modules(cfg: YalmConfig) -> Iterator[tuple[ModuleKind, int, Params]]:
         yield kind, index, params
 
 
+def peak_rss() -> int:
+    """This process image's peak resident set (bytes): ``VmHWM``, not ``ru_maxrss``.
+
+    Linux carries ``ru_maxrss`` across fork + exec, so a child would report its parent's
+    high-water mark when that is higher (the parent that wrote the stores peaks near 0.4 GiB).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def compute_dtype(store_dtype: str) -> str:
     """fp32 stores compute in fp32; the others in bf16 where the CPU has it natively (the plan's auto)."""
     return "fp32" if store_dtype == "fp32" or not cpu_has_native_bf16() else "bf16"
@@ -139,7 +154,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
         drop_page_cache([store.path / f.name for f in store.manifest.files])
         result = run_night(store.path, spec, Path(spec["vocab"]))
-        result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_rss"] = peak_rss()
         return result
     if spec["kind"] == "deepspeed":
         from robot_llm.llm.backends.deepspeed import DeepSpeedModel
@@ -154,7 +169,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["kind"] == "deepspeed":
         drop_page_cache(model.swap_files())
     result = night(model, cfg, spec["prompts"], spec["prompt"], spec["new"], spec["batch"])
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss"] = peak_rss()
     if spec["kind"] != "deepspeed":
         result |= {"read_bps": model.stats.read_bandwidth, "io_hidden": model.stats.io_hidden_fraction}
     model.close()
