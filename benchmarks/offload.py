@@ -12,9 +12,10 @@ Rows: the engine with weights cold on disk at batch 1 and 32 for each dtype
 (fp32 computed in fp32; bf16/int8/int4 in bf16 where the CPU has it natively,
 else fp32): these stream every layer every pass, whatever RAM the machine has.
 The fp32, bf16 and int4 models held in RAM by the engine (loaded untimed): the
-bound. The fp32 and bf16 engines at batch 32 opened the way a night opens them
+bound. The fp32 and bf16 engines opened the way a night opens them
 (:func:`robot_llm.llm.runtime.open_model`: the plan applied, its weight home,
-KV dtype and micro-batch chosen within a RAM budget), in two budgets: one that
+KV dtype, micro-batch and batch size, at most 32, chosen within a RAM budget;
+the 32 prompts run in the planned batches), in two budgets: one that
 holds about half the layers in RAM (a split) and this machine's RAM (all in
 RAM); for these the store's page cache is dropped before the model opens and
 the opening (reading the RAM-homed layers from cold disk, ``load s``) is
@@ -121,7 +122,7 @@ def night_settings(spec: dict[str, Any], budget: int | None) -> ModelSettings:
         device="cpu",
         dtype=spec["dtype"],
         threads=spec["threads"],
-        max_batch_size=spec["batch"],
+        max_batch_size=spec.get("max_batch", spec["batch"]),
         memory_budget_bytes=budget,
         max_new_tokens=spec["new"],
         stance_tokens=CUE + LABELS,
@@ -226,6 +227,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         # The plan _open_stream applied (the same inputs plan the same); checked against the engine it opened.
         used = plan_run(settings, cfg, night_work(settings, cfg), store.manifest.dtype)
         assert model.ram_layers == (used.ram_layers if used.weight_home != "disk" else 0), (model.ram_layers, used)
+        assert used.batch_size == spec["batch"], (used.batch_size, spec["batch"])  # the parent planned the same
         extra = {
             "load_s": load_s,
             "home": used.weight_home,
@@ -337,17 +339,22 @@ def benchmark(
         wanted_plan = [k for k in (f"{dtype}_plan_half_b32", f"{dtype}_plan_b32") if rows is None or k in rows]
         if not wanted_plan:
             continue
-        night = {k: v for k, v in specs[f"{dtype}_b32"].items() if k != "home"}  # the plan chooses the home
-        night |= {"kind": "plan", "vocab": str(_vocabulary(work))}
-        half = half_layers_budget(night)
+        as_night = {k: v for k, v in specs[f"{dtype}_b32"].items() if k != "home"}  # the plan chooses the home
+        as_night |= {"kind": "plan", "vocab": str(_vocabulary(work))}
+        half = half_layers_budget(as_night)
         budgets = {
             f"{dtype}_plan_half_b32": ("about half the layers in RAM", half),
             f"{dtype}_plan_b32": ("this machine's RAM", ram),
         }
         for key in wanted_plan:
             what, budget = budgets[key]
-            label = f"engine {dtype} planned in {budget / 2**30:.2f} GiB, batch 32"
-            specs[key] = night | {"label": label, "budget": budget, "budget_is": what}
+            row = as_night | {"budget": budget, "budget_is": what, "max_batch": 32}
+            # The night's batches are the plan's (its 32 prompts in batches of the planned size), as a night's are.
+            store = Store(row["store"])
+            settings = night_settings(row, budget)
+            planned = plan_run(settings, store.config, night_work(settings, store.config), store.manifest.dtype)
+            label = f"engine {dtype} planned in {budget / 2**30:.2f} GiB, batch {planned.batch_size}"
+            specs[key] = row | {"label": label, "batch": planned.batch_size}
     for dtype in ("fp32", "bf16") if "bf16" in stores else ("fp32",):
         for b in size["batches"]:
             specs[f"ds_{dtype}_b{b}"] = base | {
@@ -456,8 +463,9 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
             r = runs[key]
             print(
                 f"{key}: budget = {spec['budget_is']} ({spec['budget'] / 2**20:.0f} MiB); the plan: weights in "
-                f"{r['home']} ({r['ram_layers']} of {L} layers in RAM), KV cache {r['kv_dtype']}, prefill "
-                f"micro-batch {r['micro_batch']}; opened from cold disk in {r['load_s']:.2f} s, inside its tok/s"
+                f"{r['home']} ({r['ram_layers']} of {L} layers in RAM), batch {spec['batch']} of at most 32, KV "
+                f"cache {r['kv_dtype']}, prefill micro-batch {r['micro_batch']}; opened from cold disk in "
+                f"{r['load_s']:.2f} s, inside its tok/s"
             )
 
     def ratio(name: str, ours: str, theirs: str) -> None:
