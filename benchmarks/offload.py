@@ -10,27 +10,39 @@ of every row scored the way the worker does it now, from the row's KV cache
 
 Rows: the engine with weights cold on disk at batch 1 and 32 for each dtype
 (fp32 computed in fp32; bf16/int8/int4 in bf16 where the CPU has it natively,
-else fp32), the fp32, bf16 and int4 models held in RAM by the engine, and DeepSpeed ZeRO-3
-with NVMe parameter offload in fp32 and bf16. Next to each: the raw read
-bandwidth measured right before it with 16 requests in flight (fio's queue
-depth), the measured decode step and its roofline (max of the step's bytes
-over that bandwidth and its FLOPs over the GEMM rate measured in the same
-setting), and peak RSS against the planner's estimate for that row. Headline
-ratios come from these fresh processes only. Two more rows time a night's real
-work (:mod:`night`: thesis_ru prompts, stance re-prefilled per thesis as before
-vs scored from the KV cache as now) and count its weight passes. The last line
-is one JSON object.
+else fp32): these stream every layer every pass, whatever RAM the machine has.
+The fp32, bf16 and int4 models held in RAM by the engine (loaded untimed): the
+bound. The fp32 and bf16 engines opened the way a night opens them
+(:func:`robot_llm.llm.runtime.open_model`: the plan applied, its weight home,
+KV dtype, micro-batch and batch size, at most 32, chosen within a RAM budget;
+the 32 prompts run in the planned batches), in two budgets: one that
+holds about half the layers in RAM (a split) and this machine's RAM (all in
+RAM); for these the store's page cache is dropped before the model opens and
+the opening (reading the RAM-homed layers from cold disk, ``load s``) is
+counted in the row's time. And DeepSpeed ZeRO-3 with NVMe parameter offload in
+fp32 and bf16. Next to each: where its weights live, the raw read bandwidth
+measured right before it with 16 requests in flight (fio's queue depth), the
+measured decode step and its roofline (max of the bytes the step streams over
+that bandwidth and its FLOPs over the GEMM rate measured in the same setting),
+and peak RSS (``VmHWM``) against the planner's estimate for that row (the plan
+rows': the plan the runtime applied). Headline ratios come from these fresh
+processes only. Two more rows time a night's real work (:mod:`night`:
+thesis_ru prompts, stance re-prefilled per thesis as before vs scored from the
+KV cache as now) and count its weight passes. The last line is one JSON object.
 
     python benchmarks/offload.py [--quick] [--dir WORK_DIR] [--threads N] [--rows fp32_b1,int4_b1,...]
 
-``--rows`` runs only the named engine rows (``DTYPE_bBATCH``, ``DTYPE_ram_b32``, ``ds_DTYPE_bBATCH``),
-in that order, and no night rows.
+``--rows`` runs only the named engine rows (``DTYPE_bBATCH``, ``DTYPE_ram_b32``,
+``DTYPE_plan_half_b32``, ``DTYPE_plan_b32``, ``ds_DTYPE_bBATCH``), in that order,
+and no night rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import resource
 import shutil
 import subprocess
@@ -38,6 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +60,7 @@ from robot_llm.llm.config import ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.family import Params
 from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
+from robot_llm.llm.runtime import ModelSettings, night_work, plan_run
 from robot_llm.llm.store import Store
 from robot_llm.llm.store_layout import drop_page_cache, measure_read_bandwidth
 from robot_llm.llm.store_writer import write_store
@@ -78,9 +92,67 @@ def random_modules(cfg: YalmConfig) -> Iterator[tuple[ModuleKind, int, Params]]:
         yield kind, index, params
 
 
+def peak_rss() -> int:
+    """This process image's peak resident set (bytes): ``VmHWM``, not ``ru_maxrss``.
+
+    Linux carries ``ru_maxrss`` across fork + exec, so a child would report its parent's
+    high-water mark when that is higher (the parent that wrote the stores peaks near 0.4 GiB).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def compute_dtype(store_dtype: str) -> str:
     """fp32 stores compute in fp32; the others in bf16 where the CPU has it natively (the plan's auto)."""
     return "fp32" if store_dtype == "fp32" or not cpu_has_native_bf16() else "bf16"
+
+
+def night_settings(spec: dict[str, Any], budget: int | None) -> ModelSettings:
+    """How a night opens the model for this row's work (:func:`robot_llm.llm.runtime.open_model`): planned
+    within ``budget`` bytes of RAM, its work (:func:`night_work`) exactly the benchmark's."""
+    return ModelSettings(
+        vocab=Path(spec["vocab"]),
+        backend="stream",
+        store=Path(spec["store"]),
+        device="cpu",
+        dtype=spec["dtype"],
+        threads=spec["threads"],
+        max_batch_size=spec.get("max_batch", spec["batch"]),
+        memory_budget_bytes=budget,
+        max_new_tokens=spec["new"],
+        stance_tokens=CUE + LABELS,
+        max_positions=spec["prompt"] + spec["new"] + CUE + LABELS,
+    )
+
+
+def half_layers_budget(spec: dict[str, Any]) -> int:
+    """A RAM budget under which the plan holds about half the layers in RAM and streams the rest.
+
+    The planner's own estimate: its disk-home plan's RAM total plus half the layers' stored
+    bytes (its KV cache in the dtype the plan under that budget picks), over the usable share
+    of RAM :func:`plan` assumes (its ``headroom``). A split keeps
+    two staging slots: with 4 layers (``--quick``) half of them cost what all of them do, and
+    that plan holds them all; the split shows in the full run's 12.
+    """
+    settings = night_settings(spec, None)
+    store = Store(spec["store"])
+    cfg, dtype = store.config, store.manifest.dtype
+    work, headroom = night_work(settings, cfg), inspect.signature(plan).parameters["headroom"].default
+    kv_dtype = "auto"
+    for _ in range(3):  # a tight budget may compress the KV cache, which frees RAM for more layers: plan with it
+        disk = plan_run(replace(settings, home="disk", kv_dtype=kv_dtype), cfg, work, dtype)
+        need = sum(disk.memory["ram"].values()) + cfg.num_layers // 2 * layer_bytes(cfg, dtype)
+        budget = math.ceil(need / headroom) + 4096
+        chosen = plan_run(replace(settings, memory_budget_bytes=budget), cfg, work, dtype)
+        if chosen.kv_dtype == disk.kv_dtype:
+            break
+        kv_dtype = chosen.kv_dtype
+    return budget
 
 
 # --------------------------------------------------------------------------- child process
@@ -139,12 +211,35 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
         drop_page_cache([store.path / f.name for f in store.manifest.files])
         result = run_night(store.path, spec, Path(spec["vocab"]))
-        result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_rss"] = peak_rss()
         return result
-    if spec["kind"] == "deepspeed":
+    model: Any
+    extra: dict[str, Any] = {}
+    if spec["kind"] == "plan":  # opened the way a night opens it, from cold disk, the opening timed
+        from robot_llm.llm.runtime import open_model
+
+        settings = night_settings(spec, spec["budget"])
+        drop_page_cache([store.path / f.name for f in store.manifest.files])
+        started = time.perf_counter()
+        loaded = open_model(settings)
+        load_s = time.perf_counter() - started
+        model = loaded.model
+        # The plan _open_stream applied (the same inputs plan the same); checked against the engine it opened.
+        used = plan_run(settings, cfg, night_work(settings, cfg), store.manifest.dtype)
+        assert model.ram_layers == (used.ram_layers if used.weight_home != "disk" else 0), (model.ram_layers, used)
+        assert used.batch_size == spec["batch"], (used.batch_size, spec["batch"])  # the parent planned the same
+        extra = {
+            "load_s": load_s,
+            "home": used.weight_home,
+            "ram_layers": model.ram_layers,
+            "kv_dtype": used.kv_dtype,
+            "micro_batch": model.micro_batch,
+            "estimate": sum(used.memory["ram"].values()),
+        }
+    elif spec["kind"] == "deepspeed":
         from robot_llm.llm.backends.deepspeed import DeepSpeedModel
 
-        model: Any = DeepSpeedModel(store.path, cfg, offload="nvme", dtype=spec["dtype"], offload_dir=spec["nvme"])
+        model = DeepSpeedModel(store.path, cfg, offload="nvme", dtype=spec["dtype"], offload_dir=spec["nvme"])
     else:
         from robot_llm.llm.engine import StreamingModel
 
@@ -154,7 +249,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["kind"] == "deepspeed":
         drop_page_cache(model.swap_files())
     result = night(model, cfg, spec["prompts"], spec["prompt"], spec["new"], spec["batch"])
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss"] = peak_rss()
+    if "load_s" in extra:  # a night reads its RAM-homed layers before its first token: that time counts
+        result["seconds"] += extra["load_s"]
+    result |= extra
     if spec["kind"] != "deepspeed":
         result |= {"read_bps": model.stats.read_bandwidth, "io_hidden": model.stats.io_hidden_fraction}
     model.close()
@@ -216,6 +314,7 @@ def benchmark(
             log(f"writing the {cfg.num_layers}-layer {dtype} store")
             write_store(stores[dtype], cfg, random_modules(cfg), dtype=dtype)
     P, N = size["prompt"], size["new"]
+    ram = detect_machine().ram_bytes
     base = {"prompt": P, "new": N, "threads": threads}
     specs: dict[str, dict[str, Any]] = {}
     for dtype in wanted:
@@ -233,6 +332,29 @@ def benchmark(
     for dtype in (d for d in ("fp32", "bf16", "int4") if f"{d}_b32" in specs):
         held = {"label": f"engine {dtype} held in RAM, batch 32", "home": "ram"}
         specs[f"{dtype}_ram_b32"] = specs[f"{dtype}_b32"] | held
+    # Opened the way a night opens it (runtime.open_model: the plan applied within a RAM budget), from cold
+    # disk, the opening inside the timed work: within a budget that holds about half the layers, and within
+    # this machine's RAM.
+    for dtype in (d for d in ("fp32", "bf16") if f"{d}_b32" in specs):
+        wanted_plan = [k for k in (f"{dtype}_plan_half_b32", f"{dtype}_plan_b32") if rows is None or k in rows]
+        if not wanted_plan:
+            continue
+        as_night = {k: v for k, v in specs[f"{dtype}_b32"].items() if k != "home"}  # the plan chooses the home
+        as_night |= {"kind": "plan", "vocab": str(_vocabulary(work))}
+        half = half_layers_budget(as_night)
+        budgets = {
+            f"{dtype}_plan_half_b32": ("about half the layers in RAM", half),
+            f"{dtype}_plan_b32": ("this machine's RAM", ram),
+        }
+        for key in wanted_plan:
+            what, budget = budgets[key]
+            row = as_night | {"budget": budget, "budget_is": what, "max_batch": 32}
+            # The night's batches are the plan's (its 32 prompts in batches of the planned size), as a night's are.
+            store = Store(row["store"])
+            settings = night_settings(row, budget)
+            planned = plan_run(settings, store.config, night_work(settings, store.config), store.manifest.dtype)
+            label = f"engine {dtype} planned in {budget / 2**30:.2f} GiB, batch {planned.batch_size}"
+            specs[key] = row | {"label": label, "batch": planned.batch_size}
     for dtype in ("fp32", "bf16") if "bf16" in stores else ("fp32",):
         for b in size["batches"]:
             specs[f"ds_{dtype}_b{b}"] = base | {
@@ -247,7 +369,9 @@ def benchmark(
     if rows is not None:
         unknown = [r for r in rows if r not in specs]
         if unknown:
-            raise SystemExit(f"unknown rows {', '.join(unknown)}; choose from {', '.join(specs)}")
+            plans = [f"{d}_plan{h}_b32" for d in ("fp32", "bf16") if f"{d}_b32" in specs for h in ("_half", "")]
+            known = [*specs, *(k for k in plans if k not in specs)]
+            raise SystemExit(f"unknown rows {', '.join(unknown)}; choose from {', '.join(known)}")
         specs = {r: specs[r] for r in rows}
     runs = {}
     for key, spec in specs.items():
@@ -298,8 +422,8 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
         f"{threads} intra-op thread(s) in every row; the stance of every row scored inside the timed work"
     )
     print(
-        f"{'configuration':<38} {'tok/s':>7} {'stance':>7} {'step s':>7} {'roofline':>8} {'raw GB/s':>8} "
-        f"{'read GB/s':>9} {'RSS MiB':>8} {'plan MiB':>8}"
+        f"{'configuration':<42} {'weights':>10} {'tok/s':>7} {'load s':>6} {'stance':>7} {'step s':>7} "
+        f"{'roofline':>8} {'raw GB/s':>8} {'read GB/s':>9} {'RSS MiB':>8} {'plan MiB':>8}"
     )
     ratios: dict[str, float] = {}
     for key, spec in specs.items():
@@ -307,26 +431,42 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
         tok_s = spec["prompts"] * spec["new"] / r["seconds"]
         r["tok_s"] = tok_s
         weight_dtype = Store(spec["store"]).manifest.dtype
-        step_bytes = L * layer_bytes(cfg, weight_dtype) if spec.get("home", "disk") == "disk" else 0
+        planned_row = spec["kind"] == "plan"
+        # Layers in RAM: as the plan chose (plan rows), all (held in RAM), none (cold disk; DeepSpeed streams all).
+        in_ram = r["ram_layers"] if planned_row else L if spec.get("home") == "ram" else 0
+        step_bytes = (L - in_ram) * layer_bytes(cfg, weight_dtype)
         r["roofline_s"] = max(step_bytes / r["raw_bps"], 2 * spec["batch"] * params * L / r["gemm"])
-        est = plan(
-            cfg,
-            Work(spec["batch"], spec["prompt"], spec["new"] + CUE + LABELS),
-            Machine(ram_bytes=ram),
-            weight_dtype=weight_dtype,
-            compute_dtype=spec["dtype"],
-            weight_home=spec.get("home", "disk"),
-            max_batch_size=spec["batch"],
-            headroom=1.0,
-        )
-        engine = spec["kind"] == "engine"  # the planner models our engine, not DeepSpeed's buffers
-        r["estimate"] = sum(est.memory["ram"].values()) if engine else None
+        if spec["kind"] == "engine":  # the planner models our engine, not DeepSpeed's buffers
+            est = plan(
+                cfg,
+                Work(spec["batch"], spec["prompt"], spec["new"] + CUE + LABELS),
+                Machine(ram_bytes=ram),
+                weight_dtype=weight_dtype,
+                compute_dtype=spec["dtype"],
+                weight_home=spec["home"],
+                max_batch_size=spec["batch"],
+                headroom=1.0,
+            )
+            r["estimate"] = sum(est.memory["ram"].values())
+        elif not planned_row:  # plan rows: the RAM total of the plan the runtime applied (the child's)
+            r["estimate"] = None
+        home = "ram" if in_ram == L else f"split {in_ram}/{L}" if in_ram else "disk"
         read = f"{r['read_bps'] / 1e9:9.2f}" if "read_bps" in r else f"{'-':>9}"
-        planned = f"{r['estimate'] / 2**20:8.0f}" if engine else f"{'-':>8}"
+        planned = f"{r['estimate'] / 2**20:8.0f}" if r["estimate"] else f"{'-':>8}"
+        load = f"{r['load_s']:6.1f}" if planned_row else f"{'-':>6}"
         print(
-            f"{spec['label']:<38} {tok_s:7.2f} {r['stance_s']:6.1f}s {r['step_s']:7.3f} {r['roofline_s']:8.3f} "
-            f"{r['raw_bps'] / 1e9:8.2f} {read} {r['peak_rss'] / 2**20:8.0f} {planned}"
+            f"{spec['label']:<42} {home:>10} {tok_s:7.2f} {load} {r['stance_s']:6.1f}s {r['step_s']:7.3f} "
+            f"{r['roofline_s']:8.3f} {r['raw_bps'] / 1e9:8.2f} {read} {r['peak_rss'] / 2**20:8.0f} {planned}"
         )
+    for key, spec in specs.items():
+        if spec["kind"] == "plan":
+            r = runs[key]
+            print(
+                f"{key}: budget = {spec['budget_is']} ({spec['budget'] / 2**20:.0f} MiB); the plan: weights in "
+                f"{r['home']} ({r['ram_layers']} of {L} layers in RAM), batch {spec['batch']} of at most 32, KV "
+                f"cache {r['kv_dtype']}, prefill micro-batch {r['micro_batch']}; opened from cold disk in "
+                f"{r['load_s']:.2f} s, inside its tok/s"
+            )
 
     def ratio(name: str, ours: str, theirs: str) -> None:
         if ours in runs and theirs in runs:
@@ -338,6 +478,11 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
     ratio("bf16_b1_vs_deepspeed_bf16_b1", "bf16_b1", "ds_bf16_b1")
     for dtype in ("fp32", "bf16", "int4"):
         ratio(f"{dtype}_disk_b32_vs_ram_b32", f"{dtype}_b32", f"{dtype}_ram_b32")
+    # The plan applied, its cold load counted (the forced-disk ratios above stream every pass).
+    for dtype in ("fp32", "bf16"):
+        for row in (f"{dtype}_plan_b32", f"{dtype}_plan_half_b32"):
+            ratio(f"{row}_vs_deepspeed_{dtype}_b32", row, f"ds_{dtype}_b32")
+            ratio(f"{row}_vs_ram_b32", row, f"{dtype}_ram_b32")
     ratio("int4_b1_vs_fp32_b1", "int4_b1", "fp32_b1")
     ratio("int8_b1_vs_fp32_b1", "int8_b1", "fp32_b1")
     ratio("int4_b32_vs_fp32_b32", "int4_b32", "fp32_b32")
