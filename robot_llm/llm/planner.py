@@ -487,7 +487,9 @@ class _Timing:
             compute += decode_attention(cfg, m, self.kv, self.kv_elem_bytes, batch, slots)[1]
         if self.kv[1] in KV_QUANTIZED and not m.has_gpu:
             compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
-        from_ram = self.layer_bytes / m.h2d_bps if m.has_gpu else 0.0
+        # A RAM-homed layer crosses the host link to a GPU; on the CPU the cores still read it from RAM,
+        # which bounds a small batch's step (counting it as free made batch 1 look as fast as any).
+        from_ram = self.layer_bytes / (m.h2d_bps if m.has_gpu else m.ram_bps)
         from_disk = max(self.layer_bytes / m.disk_read_bps, from_ram)
         return self.ram_layers * max(from_ram, compute) + (L - self.ram_layers) * max(from_disk, compute)
 

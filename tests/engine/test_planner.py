@@ -162,7 +162,7 @@ def test_a_compressed_kv_cache_is_chosen_when_memory_bounds_the_batch() -> None:
 def test_cpu_int4_and_int8_decode_with_the_fused_kernels() -> None:
     # bf16 on the CPU: decode steps read the stored bytes with torch's fused kernels (FUSED_RATES); fp32 compute
     # dequantizes every weight first (1 G values/s per thread), which costs ~20x more at batch 1.
-    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8)
+    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8, ram_bps=400 * GB)  # compute-bound, not RAM-bound
     work = Work(1, 64, 16)
     for dtype in ("int4", "int8"):
         fused = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype="bf16", weight_home="ram")
@@ -176,7 +176,7 @@ def test_cpu_int4_and_int8_decode_with_the_fused_kernels() -> None:
 def test_cpu_int8_past_the_kernels_row_limit_widens_then_multiplies_densely() -> None:
     # Past FUSED_MAX_ROWS["int8"] the int8 kernel costs more than widening the codes once (a copy) and a bf16
     # GEMM; int4 keeps its kernel up to its own limit (dequantizing int4 is far slower than widening int8).
-    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8)
+    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8, ram_bps=400 * GB)  # compute-bound, not RAM-bound
     rows = FUSED_MAX_ROWS["int8"] + 1
     assert rows <= FUSED_MAX_ROWS["int4"]
     steps = {
@@ -213,6 +213,19 @@ def test_decode_attention_runs_in_ram_only_where_that_beats_copying_the_cache_up
     assert in_ram.batch_size > copying.batch_size and in_ram.total_seconds < copying.total_seconds
     cpu_only = plan(YALM, work, Machine(ram_bytes=int(512 * GB), ram_bps=200 * GB))
     assert cpu_only.attention_home == "compute"  # no GPU: attention already runs where the cache is
+
+
+def test_cpu_weights_in_ram_are_read_at_ram_speed_so_batch_1_is_not_free() -> None:
+    # A step of a small batch on the CPU is bound by reading the weights from RAM; under a budget that
+    # holds the model only with batch 1, streaming part of it at batch 32 is the faster night.
+    machine = Machine(ram_bytes=int(512 * GB), cores=8, ram_bps=20 * GB)
+    one = plan(YALM, Work(1, 64, 16), machine, weight_home="ram")
+    assert one.decode_seconds >= YALM.num_layers * layer_bytes(YALM, "fp16") / (20 * GB)
+    work = Work(32, 64, 16)
+    whole = plan(YALM, work, machine, weight_home="ram", max_batch_size=1)
+    budget = sum(whole.memory["ram"].values()) / 0.9
+    tight = plan(YALM, work, machine, memory_budget_bytes=int(budget), max_batch_size=32)
+    assert tight.batch_size > 1 and tight.total_seconds < whole.total_seconds
 
 
 def test_cpu_int4_night_of_a_few_batches_runs_them_at_the_kernels_size_when_that_is_faster() -> None:
