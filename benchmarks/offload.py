@@ -57,12 +57,12 @@ from typing import Any
 import torch
 
 from robot_llm.llm.config import ModuleKind, YalmConfig, module_plan
+from robot_llm.llm.diskio import drop_page_cache, measure_read_bandwidth
 from robot_llm.llm.family import Params
 from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
 from robot_llm.llm.runtime import ModelSettings, night_work, plan_run
 from robot_llm.llm.store import Store
-from robot_llm.llm.store_layout import drop_page_cache, measure_read_bandwidth
 from robot_llm.llm.store_writer import write_store
 
 BENCHMARKS = Path(__file__).resolve().parent  # holds night.py (no package): imported only by the night rows

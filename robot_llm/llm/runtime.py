@@ -18,6 +18,7 @@ refused before any token is computed. ``robot-llm doctor`` prints the same plan.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -210,9 +211,30 @@ class LoadedModel:
             close()
 
 
+#: A store file smaller than this measures the disk's latency, not its bandwidth: the default rate stays.
+PROBE_MIN_BYTES = 64 << 20
+
+
+@functools.cache
+def store_read_bps(store: Path) -> float | None:
+    """The read bandwidth of the disk under ``store``, measured once per process on its largest file
+    (O_DIRECT, 16 large reads in flight, as the engine reads); None when every file is too small to tell."""
+    from robot_llm.llm.diskio import measure_read_bandwidth
+
+    files = [p for p in Path(store).iterdir() if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size, default=None)
+    if largest is None or largest.stat().st_size < PROBE_MIN_BYTES:
+        return None
+    bps = measure_read_bandwidth(largest)
+    log.info("disk under %s reads %.2f GB/s (measured on %s)", store, bps / 1e9, largest.name)
+    return bps
+
+
 def machine_for(settings: ModelSettings) -> Machine:
-    """This machine as the settings let the run use it (device, GPU budget, threads)."""
-    machine = detect_machine()
+    """This machine as the settings let the run use it (device, GPU budget, threads); a stream
+    run's disk rate is measured under its store (:func:`store_read_bps`)."""
+    store = settings.store if settings.backend == "stream" and settings.home != "ram" else None
+    machine = detect_machine(store_read_bps(store) if store is not None else None)
     if settings.device == "cpu":
         machine = replace(machine, gpu_bytes=0)
     elif settings.gpu_memory_budget_bytes is not None and machine.has_gpu:

@@ -115,10 +115,9 @@ def _plan(args: argparse.Namespace) -> int:
         raise RobotLLMError("give --preset NAME or --store DIR")
     disk_bps = args.disk_gbps * GB if args.disk_gbps else None
     if disk_bps is None and args.store:
-        from robot_llm.llm.store import Store
-        from robot_llm.llm.store_layout import measure_read_bandwidth
+        from robot_llm.llm.runtime import store_read_bps
 
-        disk_bps = measure_read_bandwidth(Store(args.store).layer_files()[0])
+        disk_bps = store_read_bps(Path(args.store))
     if args.ram_gb is None:
         machine = detect_machine(disk_bps)
     else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.diskio import DEFAULT_DEPTH, DIRECT_ALIGN, MAX_CHUNK, io_pool, read_span
+from robot_llm.llm.diskio import DIRECT_ALIGN, read_span
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import ALIGN
 
@@ -195,38 +194,3 @@ def read_into(
     finally:
         os.close(fd)
     return offset
-
-
-def drop_page_cache(paths: list[Path]) -> None:
-    """Ask the kernel to evict these files from the page cache (honest disk-read measurements)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH) -> float:
-    """Raw sequential read bandwidth of one file in bytes/s: O_DIRECT, ``depth`` large requests in
-    flight like fio's ``--iodepth`` (page cache dropped first and after; buffered where O_DIRECT is refused)."""
-    path = Path(path)
-    drop_page_cache([path])
-    window = min(depth * MAX_CHUNK, _round_up(path.stat().st_size))
-    view = memoryview(aligned_buffer(window).numpy()).cast("B")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-    total = 0
-    pool = io_pool(depth)
-    try:
-        started = time.perf_counter()
-        while n := read_span(fd, view, total, pool, depth):
-            total += n
-        elapsed = time.perf_counter() - started
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        pool.shutdown()
-        os.close(fd)
-    return total / max(elapsed, 1e-9)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -85,3 +87,38 @@ def test_a_truncated_layer_file_is_refused_with_parallel_reads(stores: dict[str,
             read_into(target, layout, aligned_buffer(direct_span(layout)), direct=True, pool=pool, depth=4)
     finally:
         pool.shutdown()
+
+
+def test_read_bandwidth_is_measured_over_the_whole_file_without_torch(tmp_path: Path) -> None:
+    # The probe `doctor` and a night's plan run: O_DIRECT into an anonymous mapping, no torch imported.
+    _file(tmp_path / "layer", (5 << 20) + 4097)  # not a multiple of the alignment
+    code = (
+        "import sys; from robot_llm.llm.diskio import measure_read_bandwidth as m; "
+        f"bps = m({str(tmp_path / 'layer')!r}, depth=4); "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(bps)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) > 0
+
+
+def test_a_night_plans_with_the_disk_measured_under_its_store(tmp_path: Path) -> None:
+    from robot_llm.llm import runtime
+
+    tiny, big = tmp_path / "tiny", tmp_path / "big"
+    tiny.mkdir()
+    big.mkdir()
+    _file(tiny / "layer_0.safetensors", 1 << 20)
+    (tiny / "manifest.json").write_text("{}")
+    assert runtime.store_read_bps(tiny) is None  # a small file measures latency: the default rate stays
+    with open(big / "layer_0.safetensors", "wb") as f:
+        f.truncate(runtime.PROBE_MIN_BYTES)  # sparse: reads are fast and harmless
+    _file(big / "small", 4096)
+    measured = runtime.store_read_bps(big)
+    assert measured is not None and measured > 0
+    assert runtime.store_read_bps(big) == measured  # measured once per process
+    settings = runtime.ModelSettings(vocab=tmp_path / "v", store=big)
+    assert runtime.machine_for(settings).disk_read_bps == measured
+    # Weights pinned in RAM are read from disk once: the plan does not need the disk's rate.
+    in_ram = runtime.ModelSettings(vocab=tmp_path / "v", store=big, home="ram")
+    default = runtime.Machine(ram_bytes=1).disk_read_bps
+    assert measured != default and runtime.machine_for(in_ram).disk_read_bps == default
