@@ -30,7 +30,11 @@ processes only. Two more rows time a night's real work (:mod:`night`:
 thesis_ru prompts, stance re-prefilled per thesis as before vs scored from the
 KV cache as now) and count its weight passes. The last line is one JSON object.
 
-    python benchmarks/offload.py [--quick] [--dir WORK_DIR] [--threads N] [--rows fp32_b1,int4_b1,...]
+    python benchmarks/offload.py [--quick] [--dir WORK_DIR] [--threads N] [--rows fp32_b1,int4_b1,...] [--repeat N]
+
+``--repeat N`` runs every row N times, in N rounds over all rows (so a slow minute
+does not fall on one configuration only); each row reports its fastest run, its
+spread (slowest over fastest) and the highest peak RSS of its runs.
 
 ``--rows`` runs only the named engine rows (``DTYPE_bBATCH``, ``DTYPE_ram_b32``,
 ``DTYPE_plan_half_b32``, ``DTYPE_plan_b32``, ``ds_DTYPE_bBATCH``), in that order,
@@ -282,6 +286,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="work folder (default: a temporary folder, removed afterwards)")
     parser.add_argument("--threads", type=int, help="intra-op threads in every row (default: the free cores)")
     parser.add_argument("--rows", help="comma-separated rows to run, in order (e.g. fp32_b1,int4_b1); no night rows")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds over the rows; each row keeps its fastest run (noisy machines)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -293,7 +300,7 @@ def main() -> None:
     threads = args.threads or detect_machine().compute_threads
     try:
         rows = args.rows.split(",") if args.rows else None
-        report = benchmark(size, work, threads, NIGHT_BATCH["quick" if args.quick else "full"], rows)
+        report = benchmark(size, work, threads, NIGHT_BATCH["quick" if args.quick else "full"], rows, args.repeat)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -301,7 +308,12 @@ def main() -> None:
 
 
 def benchmark(
-    size: dict[str, Any], work: Path, threads: int, night_batch: int, rows: list[str] | None = None
+    size: dict[str, Any],
+    work: Path,
+    threads: int,
+    night_batch: int,
+    rows: list[str] | None = None,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     started = time.perf_counter()
     # 1024 positions: room for the night rows' thesis prompts.
@@ -373,10 +385,20 @@ def benchmark(
             known = [*specs, *(k for k in plans if k not in specs)]
             raise SystemExit(f"unknown rows {', '.join(unknown)}; choose from {', '.join(known)}")
         specs = {r: specs[r] for r in rows}
+    # Rounds over every row, each run a fresh process with its own probe: a row keeps its fastest run (a
+    # neighbour's burst only ever slows a run down), the spread (slowest / fastest) and its highest peak RSS.
+    tries: dict[str, list[dict[str, Any]]] = {key: [] for key in specs}
+    for round_ in range(repeat):
+        for key, spec in specs.items():
+            label = spec["label"] + (f" (round {round_ + 1} of {repeat})" if repeat > 1 else "")
+            probe = run_child(spec | {"kind": "probe", "store": str(stores["fp32"]), "label": f"{label}: probe"})
+            tries[key].append(run_child(spec | {"label": label}) | probe)
     runs = {}
-    for key, spec in specs.items():
-        probe = run_child(spec | {"kind": "probe", "store": str(stores["fp32"]), "label": f"{spec['label']}: probe"})
-        runs[key] = run_child(spec) | probe
+    for key, results in tries.items():
+        runs[key] = min(results, key=lambda r: r["seconds"]) | {
+            "spread": max(r["seconds"] for r in results) / min(r["seconds"] for r in results),
+            "peak_rss": max(r["peak_rss"] for r in results),
+        }
     shutil.rmtree(work / "nvme", ignore_errors=True)
     if rows is not None:
         result = report(cfg, specs, runs, threads)
@@ -422,7 +444,7 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
         f"{threads} intra-op thread(s) in every row; the stance of every row scored inside the timed work"
     )
     print(
-        f"{'configuration':<42} {'weights':>10} {'tok/s':>7} {'load s':>6} {'stance':>7} {'step s':>7} "
+        f"{'configuration':<42} {'weights':>10} {'tok/s':>7} {'spread':>6} {'load s':>6} {'stance':>7} {'step s':>7} "
         f"{'roofline':>8} {'raw GB/s':>8} {'read GB/s':>9} {'RSS MiB':>8} {'plan MiB':>8}"
     )
     ratios: dict[str, float] = {}
@@ -455,7 +477,8 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
         planned = f"{r['estimate'] / 2**20:8.0f}" if r["estimate"] else f"{'-':>8}"
         load = f"{r['load_s']:6.1f}" if planned_row else f"{'-':>6}"
         print(
-            f"{spec['label']:<42} {home:>10} {tok_s:7.2f} {load} {r['stance_s']:6.1f}s {r['step_s']:7.3f} "
+            f"{spec['label']:<42} {home:>10} {tok_s:7.2f} {r['spread']:6.2f} {load} {r['stance_s']:6.1f}s "
+            f"{r['step_s']:7.3f} "
             f"{r['roofline_s']:8.3f} {r['raw_bps'] / 1e9:8.2f} {read} {r['peak_rss'] / 2**20:8.0f} {planned}"
         )
     for key, spec in specs.items():
@@ -491,7 +514,8 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
     print("headline ratios (fresh processes only): " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
     print("decode step / roofline: " + ", ".join(f"{k} {v}x" for k, v in steps.items()))
     print("peak RSS / planner estimate: " + ", ".join(f"{k} {v}x" for k, v in rss.items()))
-    return {"ratios": ratios, "step_vs_roofline": steps, "rss_vs_estimate": rss, "threads": threads}
+    spread = {k: round(r["spread"], 2) for k, r in runs.items()}
+    return {"ratios": ratios, "step_vs_roofline": steps, "rss_vs_estimate": rss, "spread": spread, "threads": threads}
 
 
 if __name__ == "__main__":
