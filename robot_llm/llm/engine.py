@@ -9,12 +9,13 @@ row of the batch, a background thread reads layer ``l+1`` into the other slot
 CUDA). Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
 the family as they were read (:class:`~robot_llm.llm.quant.PackedInt4`,
 :class:`~robot_llm.llm.quant.PackedInt8`): :func:`robot_llm.llm.family.linear`
-runs torch's fused kernels on them, so nothing is dequantized at decode batch
-sizes; a call with many rows (a prefill) dequantizes the matrix once into a
-compute buffer. Otherwise (fp32 compute on the CPU, or CUDA) quantized and
-mixed-dtype layers are converted into compute-dtype buffers: on the CPU by the
-reader thread, one set per slot, so dequantization overlaps compute like the
-read does; on CUDA on the GPU right before use, from the bytes copied up. Slots and buffers are allocated once
+runs torch's fused kernels on them at decode batch sizes, so nothing is
+dequantized; a call with more rows than the kernel is worth (a prefill; int8
+from 11 rows) makes the matrix dense once in a compute buffer. Otherwise (fp32
+compute on the CPU, or CUDA) quantized and mixed-dtype layers are converted into
+compute-dtype buffers: on the CPU by the reader thread, one set per slot, so
+dequantization overlaps compute like the read does; on CUDA on the GPU right
+before use, from the bytes copied up. Slots and buffers are allocated once
 and reused for every layer and every step, so memory does not grow with the
 number of steps. The last layer of a step prefetches layer 0 of the next
 step, so decode steps overlap too.
