@@ -76,9 +76,10 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH) -> float:
+def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH, max_bytes: int | None = None) -> float:
     """Raw sequential read bandwidth of one file in bytes/s: O_DIRECT, ``depth`` large requests in
     flight like fio's ``--iodepth`` (page cache dropped first and after; buffered where O_DIRECT is refused).
+    ``max_bytes`` stops after about that many bytes (a few windows past it at most).
 
     The buffer is an anonymous mapping (page-aligned, as O_DIRECT needs), so this imports no torch.
     """
@@ -95,7 +96,7 @@ def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH) -> floa
     pool = io_pool(depth)
     try:
         started = time.perf_counter()
-        while n := read_span(fd, view, total, pool, depth):
+        while (max_bytes is None or total < max_bytes) and (n := read_span(fd, view, total, pool, depth)):
             total += n
         elapsed = time.perf_counter() - started
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -101,6 +101,24 @@ def test_read_bandwidth_is_measured_over_the_whole_file_without_torch(tmp_path: 
     assert float(out.stdout) > 0
 
 
+def test_read_bandwidth_probe_stops_near_its_byte_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _file(tmp_path / "big", 40 << 20)
+    asked: list[int] = []
+    real = diskio.read_span
+
+    def counting(fd: int, view: memoryview, start: int, pool: object, depth: int) -> int:
+        n = real(fd, view, start, pool, depth)  # type: ignore[arg-type]
+        asked.append(n)
+        return n
+
+    monkeypatch.setattr(diskio, "read_span", counting)
+    assert diskio.measure_read_bandwidth(tmp_path / "big", depth=1, max_bytes=5 << 20) > 0
+    assert asked == [diskio.MAX_CHUNK]  # one window (16 MiB at depth 1) reaches the 5 MiB limit: it stops there
+    asked.clear()
+    diskio.measure_read_bandwidth(tmp_path / "big", depth=1)
+    assert sum(asked) == 40 << 20  # no limit: the whole file
+
+
 def test_a_night_plans_with_the_disk_measured_under_its_store(tmp_path: Path) -> None:
     from robot_llm.llm import runtime
 
