@@ -13,7 +13,7 @@ from robot_llm.llm.config import YalmConfig
 from robot_llm.llm.engine import StreamingModel
 from robot_llm.llm.family import InMemoryModel, Weights
 from robot_llm.llm.generate import SamplingParams, generate
-from robot_llm.llm.quant import dequantize_int4_into
+from robot_llm.llm.quant import FUSED_MAX_ROWS, dequantize_int4_into, dequantize_int8_into
 from robot_llm.llm.store import Store
 from robot_llm.llm.store_layout import SCALE_SUFFIX
 from robot_llm.llm.tokenizer import YalmTokenizer
@@ -99,6 +99,52 @@ def test_int4_engine_equals_the_model_with_the_dequantized_weights(
     assert (model.forward(ids, cache) - dequantized.forward(ids, ref_cache)).abs().max() <= 1e-4
     token = torch.full((3, 1), 9)
     assert (model.forward(token, cache) - dequantized.forward(token, ref_cache)).abs().max() <= 1e-4
+    model.close()
+
+
+def test_int8_decode_past_the_kernels_row_limit_widens_into_the_slot_buffers(
+    stores: dict[str, Path], tiny_config: YalmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bf16 on the CPU: a decode step of more rows than FUSED_MAX_ROWS["int8"] widens every int8 matrix into
+    # the engine's own buffers and runs a bf16 GEMM. Its logits stay as close to the fp32 model with the
+    # dequantized weights as the kernel's (measured 0.11-0.12 of logits up to 15, both ways: bf16's error).
+    store = Store(stores["int8"])
+    layers = []
+    for i in range(tiny_config.num_layers):
+        raw, layout = store.load("layer", i), store.layout("layer", i)
+        layers.append(
+            {
+                key: dequantize_int8_into(t, raw[key + SCALE_SUFFIX], torch.empty(layout.shape(key)))
+                if t.dtype == torch.int8
+                else t.float()
+                for key, t in raw.items()
+                if not key.endswith(SCALE_SUFFIX)
+            }
+        )
+    resident = {kind: store.load(kind) for kind in tiny_config.resident_shapes()}
+    dequantized = InMemoryModel(tiny_config, Weights(resident=resident, layers=layers))
+    rows = FUSED_MAX_ROWS["int8"] + 2
+    ids = torch.randint(5, 600, (rows, 6), generator=torch.Generator().manual_seed(1))
+    kernel_calls = []
+    real = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: kernel_calls.append(1) or real(*a))
+    model = StreamingModel(store, home="disk", device="cpu", dtype="bf16")
+    pointers = model.buffer_pointers()
+    cache, ref_cache = model.new_cache(rows, 12), dequantized.new_cache(rows, 12)
+    model.forward(ids, cache), dequantized.forward(ids, ref_cache)
+    for step in range(3):
+        token = torch.full((rows, 1), 9 + step)
+        ours, theirs = model.forward(token, cache), dequantized.forward(token, ref_cache)
+        assert (ours.float() - theirs).abs().max() <= 0.25
+        assert model.buffer_pointers() == pointers
+    assert not kernel_calls
+    # At the limit the kernel runs, and agrees as well.
+    few = FUSED_MAX_ROWS["int8"]
+    cache, ref_cache = model.new_cache(few, 12), dequantized.new_cache(few, 12)
+    model.forward(ids[:few], cache), dequantized.forward(ids[:few], ref_cache)
+    token = torch.full((few, 1), 9)
+    assert (model.forward(token, cache).float() - dequantized.forward(token, ref_cache)).abs().max() <= 0.25
+    assert kernel_calls
     model.close()
 
 
