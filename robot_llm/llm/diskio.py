@@ -25,6 +25,9 @@ MIN_CHUNK = 1 << 20
 MAX_CHUNK = 16 << 20
 #: Alignment O_DIRECT needs for buffer addresses, file offsets and lengths (chunks keep it).
 DIRECT_ALIGN = 4096
+#: The bandwidth probe's buffer at most (4 MiB requests at depth 16): a night measures its disk before the
+#: model loads, and the probe must not raise the process's peak memory above what the plan allows for.
+PROBE_WINDOW = 64 << 20
 
 
 def io_pool(depth: int = DEFAULT_DEPTH) -> ThreadPoolExecutor:
@@ -86,7 +89,7 @@ def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH, max_byt
     path = Path(path)
     drop_page_cache([path])
     size = -(-path.stat().st_size // DIRECT_ALIGN) * DIRECT_ALIGN
-    window = mmap.mmap(-1, max(DIRECT_ALIGN, min(depth * MAX_CHUNK, size)))
+    window = mmap.mmap(-1, max(DIRECT_ALIGN, min(depth * MAX_CHUNK, size, PROBE_WINDOW)))
     view = memoryview(window)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)

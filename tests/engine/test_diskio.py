@@ -117,6 +117,10 @@ def test_read_bandwidth_probe_stops_near_its_byte_limit(tmp_path: Path, monkeypa
     asked.clear()
     diskio.measure_read_bandwidth(tmp_path / "big", depth=1)
     assert sum(asked) == 40 << 20  # no limit: the whole file
+    asked.clear()
+    monkeypatch.setattr(diskio, "PROBE_WINDOW", 8 << 20)
+    diskio.measure_read_bandwidth(tmp_path / "big", depth=16)
+    assert max(asked) == 8 << 20 and sum(asked) == 40 << 20  # reads never exceed the window, whatever the depth
 
 
 def test_a_night_plans_with_the_disk_measured_under_its_store(tmp_path: Path) -> None:
