@@ -114,10 +114,14 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         raise RobotLLMError("give --preset NAME or --store DIR")
     disk_bps = args.disk_gbps * GB if args.disk_gbps else None
+    disk_source = "given"
     if disk_bps is None and args.store:
         from robot_llm.llm.runtime import store_read_bps
 
         disk_bps = store_read_bps(Path(args.store))
+        disk_source = "measured under the store"
+    if disk_bps is None:
+        disk_source = "assumed; --disk-gbps states yours"
     if args.ram_gb is None:
         machine = detect_machine(disk_bps)
     else:
@@ -146,7 +150,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(
         f"machine: GPU {machine.gpu_bytes / GB:.0f} GB, RAM {machine.ram_bytes / GB:.0f} GB, "
-        f"disk {machine.disk_read_bps / GB:.1f} GB/s, host-to-GPU {machine.h2d_bps / GB:.0f} GB/s, "
+        f"disk {machine.disk_read_bps / GB:.1f} GB/s ({disk_source}), host-to-GPU {machine.h2d_bps / GB:.0f} GB/s, "
         f"CPU {machine.cores} cores, {machine.cpu_flops / 1e12:.2g} TFLOP/s fp32"
         + (f", {machine.cpu_bf16_flops / 1e12:.2g} bf16" if machine.cpu_bf16 else ", no native bf16")
     )

@@ -93,8 +93,10 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "batch size" in out and "weights homed in split" in out and "estimated time" in out
     assert "stance: from each row's KV cache" in out
+    assert "disk 3.5 GB/s (given)" in out  # where the disk's rate came from is printed with it
     assert main(["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "4", "--ram-gb", "16"]) == 1
-    assert "refused" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "refused" in out and "GB/s (assumed; --disk-gbps states yours)" in out
     assert main([*args, "--dtype", "int4"]) == 0
     assert "weights stored as int4" in capsys.readouterr().out
 
