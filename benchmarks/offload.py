@@ -44,7 +44,6 @@ and no night rows.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import resource
@@ -64,7 +63,7 @@ from robot_llm.llm.config import ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.diskio import drop_page_cache, measure_read_bandwidth
 from robot_llm.llm.family import Params
 from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
-from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
+from robot_llm.llm.planner import HEADROOM, Work, layer_bytes, layer_params, plan
 from robot_llm.llm.runtime import ModelSettings, night_work, plan_run
 from robot_llm.llm.store import Store
 from robot_llm.llm.store_writer import write_store
@@ -139,19 +138,19 @@ def half_layers_budget(spec: dict[str, Any]) -> int:
 
     The planner's own estimate: its disk-home plan's RAM total plus half the layers' stored
     bytes (its KV cache in the dtype the plan under that budget picks), over the usable share
-    of RAM :func:`plan` assumes (its ``headroom``). A split keeps
+    of RAM a plan may fill (:data:`~robot_llm.llm.planner.HEADROOM`). A split keeps
     two staging slots: with 4 layers (``--quick``) half of them cost what all of them do, and
     that plan holds them all; the split shows in the full run's 12.
     """
     settings = night_settings(spec, None)
     store = Store(spec["store"])
     cfg, dtype = store.config, store.manifest.dtype
-    work, headroom = night_work(settings, cfg), inspect.signature(plan).parameters["headroom"].default
+    work = night_work(settings, cfg)
     kv_dtype = "auto"
     for _ in range(3):  # a tight budget may compress the KV cache, which frees RAM for more layers: plan with it
         disk = plan_run(replace(settings, home="disk", kv_dtype=kv_dtype), cfg, work, dtype)
         need = sum(disk.memory["ram"].values()) + cfg.num_layers // 2 * layer_bytes(cfg, dtype)
-        budget = math.ceil(need / headroom) + 4096
+        budget = math.ceil(need / HEADROOM) + 4096
         chosen = plan_run(replace(settings, memory_budget_bytes=budget), cfg, work, dtype)
         if chosen.kv_dtype == disk.kv_dtype:
             break

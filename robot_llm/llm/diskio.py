@@ -30,6 +30,11 @@ DIRECT_ALIGN = 4096
 PROBE_WINDOW = 64 << 20
 
 
+def round_up(n: int, align: int = DIRECT_ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align`` (O_DIRECT's alignment by default)."""
+    return -(-n // align) * align
+
+
 def io_pool(depth: int = DEFAULT_DEPTH) -> ThreadPoolExecutor:
     """A pool of ``depth`` reader threads for :func:`read_span`."""
     if depth < 1:
@@ -40,7 +45,7 @@ def io_pool(depth: int = DEFAULT_DEPTH) -> ThreadPoolExecutor:
 def chunk_size(length: int, depth: int) -> int:
     """Chunk length that spreads ``length`` bytes over about ``depth`` aligned requests."""
     per_request = -(-length // max(depth, 1))
-    return min(MAX_CHUNK, max(MIN_CHUNK, -(-per_request // DIRECT_ALIGN) * DIRECT_ALIGN))
+    return min(MAX_CHUNK, max(MIN_CHUNK, round_up(per_request)))
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:
@@ -82,13 +87,13 @@ def drop_page_cache(paths: list[Path]) -> None:
 def measure_read_bandwidth(path: str | Path, depth: int = DEFAULT_DEPTH, max_bytes: int | None = None) -> float:
     """Raw sequential read bandwidth of one file in bytes/s: O_DIRECT, ``depth`` large requests in
     flight like fio's ``--iodepth`` (page cache dropped first and after; buffered where O_DIRECT is refused).
-    ``max_bytes`` stops after about that many bytes (a few windows past it at most).
+    ``max_bytes`` stops at the first window that reaches that many bytes.
 
     The buffer is an anonymous mapping (page-aligned, as O_DIRECT needs), so this imports no torch.
     """
     path = Path(path)
     drop_page_cache([path])
-    size = -(-path.stat().st_size // DIRECT_ALIGN) * DIRECT_ALIGN
+    size = round_up(path.stat().st_size)
     window = mmap.mmap(-1, max(DIRECT_ALIGN, min(depth * MAX_CHUNK, size, PROBE_WINDOW)))
     view = memoryview(window)
     try:

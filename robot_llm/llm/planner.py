@@ -36,6 +36,8 @@ from robot_llm.llm.quant import (
 
 GiB = 2**30
 GB = 1e9
+#: Share of each memory tier (RAM, GPU) a plan may fill; the rest is slack for what it does not model.
+HEADROOM = 0.9
 
 #: Bytes per element of a compute dtype.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -245,7 +247,7 @@ def plan(
     compute_dtype: str | None = None,
     max_batch_size: int | None = None,
     memory_budget_bytes: int | None = None,
-    headroom: float = 0.9,
+    headroom: float = HEADROOM,
     weight_home: Home | None = None,
     kv_dtype: str | None = None,
 ) -> Plan:

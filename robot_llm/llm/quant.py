@@ -293,6 +293,13 @@ def dequantize_int4_into(codes: Tensor, scales_and_zeros: Tensor, out: Tensor) -
     return out
 
 
+def _float_buffer(buffer: Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The packed matrix's own buffer when it has one of ``dtype``, else a new ``shape`` tensor."""
+    import torch
+
+    return buffer if buffer is not None and buffer.dtype == dtype else torch.empty(shape, dtype=dtype, device=device)
+
+
 @dataclass
 class PackedInt4:
     """An int4 matrix as the fused CPU kernel takes it (see the module docstring), with its logical shape.
@@ -314,12 +321,8 @@ class PackedInt4:
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """The weights as a float ``[N, K]`` tensor of ``dtype`` (dequantised on the first call)."""
-        import torch
-
         if self._dense is None or self._dense.dtype != dtype:
-            out = self.buffer
-            if out is None or out.dtype != dtype:
-                out = torch.empty(self.shape, dtype=dtype, device=self.codes.device)
+            out = _float_buffer(self.buffer, self.shape, dtype, self.codes.device)
             self._dense = dequantize_int4_into(self.codes, self.scales_and_zeros, out)
         return self._dense
 
@@ -384,23 +387,15 @@ class PackedInt8:
         Every int8 code is exact in bf16, so ``linear(x, widened) * scale`` is the matrix product
         with no rounding of the weights at all.
         """
-        import torch
-
         if self._widened is None or self._widened.dtype != dtype:
-            out = self.buffer
-            if out is None or out.dtype != dtype:
-                out = torch.empty(self.shape, dtype=dtype, device=self.q.device)
+            out = _float_buffer(self.buffer, self.shape, dtype, self.q.device)
             self._widened = out.copy_(self.q[:, : self.shape[1]])
         return self._widened
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """The weights as a float ``[N, K]`` tensor of ``dtype`` (dequantised on the first call)."""
-        import torch
-
         if self._dense is None or self._dense.dtype != dtype:
-            out = self.buffer
-            if out is None or out.dtype != dtype:
-                out = torch.empty(self.shape, dtype=dtype, device=self.q.device)
+            out = _float_buffer(self.buffer, self.shape, dtype, self.q.device)
             self._dense = dequantize_int8_into(self.q, self.scale, out)
         return self._dense
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.diskio import DIRECT_ALIGN, read_span
+from robot_llm.llm.diskio import DIRECT_ALIGN, read_span, round_up
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import ALIGN
 
@@ -135,13 +135,9 @@ class FileLayout:
         return {key: buffer[s.start : s.end].view(s.dtype).view(s.shape) for key, s in self.tensors.items()}
 
 
-def _round_up(n: int, align: int = DIRECT_ALIGN) -> int:
-    return -(-n // align) * align
-
-
 def direct_span(layout: FileLayout) -> int:
     """Bytes a direct read of this file covers (header included, rounded up to the alignment)."""
-    return _round_up(layout.data_offset + layout.data_size)
+    return round_up(layout.data_offset + layout.data_size)
 
 
 def aligned_buffer(nbytes: int, *, pin_memory: bool = False) -> Tensor:
