@@ -15,6 +15,9 @@ scale per row; int4 group-wise asymmetric, the codes packed in the kernel's
 row-block layout with a bf16 scale and zero per group (``group_size`` input
 columns of a row). Their logical shapes are in the file's safetensors metadata.
 The embedding (also the tied LM head), the output layer, norms and biases stay fp16.
+An int4 store may keep some matrices int8 (a GGUF source's matrices that the file holds at
+more than int4's bits, :mod:`robot_llm.llm.importers`): the manifest lists them under
+``int8_tensors`` (file name -> keys); a manifest without that field is all-int4, as before.
 
 Format 2 (this one) changed the quantized layouts; a format-1 float store is
 the same bytes and still reads, a format-1 int8/int4 store is refused with a
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,7 @@ import torch
 
 from robot_llm.llm.config import ModelConfig, ModuleKind, config_from_dict, module_plan
 from robot_llm.llm.family import Params
-from robot_llm.llm.quant import int4_padded_shape, int8_padded_width
+from robot_llm.llm.quant import DEFAULT_INT4_GROUP, int4_bytes, int4_padded_shape, int8_bytes, int8_padded_width
 from robot_llm.llm.store_layout import SCALE_SUFFIX, FileLayout, StoreError, read_into
 
 FORMAT = "robot-llm-store/2"
@@ -44,6 +48,14 @@ MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 #: Store dtypes whose layer matrices are quantized.
 QUANTIZED = ("int8", "int4")
+#: Stored element type per store dtype of the tensors it keeps float (int8 and int4: fp16).
+STORE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.float16,
+    "int4": torch.float16,
+}
 
 
 def file_name(kind: ModuleKind, index: int) -> str:
@@ -54,6 +66,60 @@ def file_name(kind: ModuleKind, index: int) -> str:
 def is_quantized_key(kind: ModuleKind, key: str, shape: tuple[int, ...]) -> bool:
     """True for the tensors int8/int4 stores quantize: the matrices of transformer layers."""
     return kind == "layer" and len(shape) == 2 and key.endswith(".weight")
+
+
+def matrix_dtype(
+    dtype: str, kind: ModuleKind, key: str, shape: tuple[int, ...], int8_keys: Collection[str] = ()
+) -> str | None:
+    """How a store of ``dtype`` keeps tensor ``key``: ``"int8"``/``"int4"`` when quantized, None when float.
+
+    ``int8_keys`` are the keys of this tensor's file that an int4 store keeps int8
+    (:attr:`Manifest.int8_tensors`).
+    """
+    if dtype not in QUANTIZED or not is_quantized_key(kind, key, shape):
+        return None
+    return "int8" if key in int8_keys else dtype
+
+
+def expected_file_bytes(
+    cfg: ModelConfig,
+    dtype: str,
+    group_size: int = DEFAULT_INT4_GROUP,
+    int8_tensors: Mapping[str, Collection[str]] | None = None,
+) -> dict[str, int]:
+    """Payload bytes of each store file for ``cfg`` (headers add a few KiB); ``int8_tensors`` as the manifest's."""
+    elem = STORE_DTYPES[dtype].itemsize
+    int8_tensors = int8_tensors or {}
+    sizes = {}
+    for kind, index, shapes in module_plan(cfg):
+        name = file_name(kind, index)
+        total = 0
+        for key, shape in shapes.items():
+            quantized = matrix_dtype(dtype, kind, key, shape, int8_tensors.get(name, ()))
+            if quantized == "int8":
+                total += int8_bytes((shape[0], shape[1]))
+            elif quantized == "int4":
+                total += int4_bytes((shape[0], shape[1]), group_size)
+            else:
+                total += math.prod(shape) * elem
+        sizes[name] = total
+    return sizes
+
+
+def check_int8_tensors(cfg: ModelConfig, dtype: str, int8_tensors: Mapping[str, Collection[str]]) -> None:
+    """Raise :class:`StoreError` unless every listed tensor is a layer matrix an int4 store of ``cfg`` quantizes."""
+    if not int8_tensors:
+        return
+    if dtype != "int4":
+        raise StoreError(f"only an int4 store keeps some matrices int8, not a {dtype} store")
+    plan = {file_name(kind, index): (kind, shapes) for kind, index, shapes in module_plan(cfg)}
+    for name, keys in int8_tensors.items():
+        if name not in plan:
+            raise StoreError(f"int8_tensors names {name}, not a file of this model")
+        kind, shapes = plan[name]
+        bad = [k for k in keys if k not in shapes or not is_quantized_key(kind, k, shapes[k])]
+        if bad:
+            raise StoreError(f"int8_tensors names {name} {bad}: not quantized layer matrices of this model")
 
 
 # --------------------------------------------------------------------------- manifest
@@ -78,6 +144,8 @@ class Manifest:
     dtype: str
     group_size: int
     files: list[StoreFile] = field(default_factory=list)
+    #: int4 store only: the matrices kept int8 instead, file name -> keys (empty: every matrix int4).
+    int8_tensors: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def quantization(self) -> dict[str, Any] | None:
@@ -89,7 +157,8 @@ class Manifest:
                 "groups": "group_size consecutive input columns of a row (columns padded to the group)",
                 "layout": "torch._weight_int4pack_mm_for_cpu: codes uint8 [Np/64, Kp, 32] (byte j: row j low "
                 "nibble, row j+32 high), scales_and_zeros bf16 [Kp/group, Np, 2]; rows padded to 64",
-                "applies_to": "2-D weights of transformer layers",
+                "applies_to": "2-D weights of transformer layers"
+                + (", but those in int8_tensors: int8 as in an int8 store" if self.int8_tensors else ""),
                 "scale_suffix": SCALE_SUFFIX,
             }
         if self.dtype != "int8":
@@ -106,9 +175,25 @@ class Manifest:
         """Sum of all file sizes."""
         return sum(f.size for f in self.files)
 
+    def matrix_counts(self) -> dict[str, int]:
+        """Quantized layer matrices per dtype, e.g. ``{"int4": 27, "int8": 99}`` (empty for a float store)."""
+        counts: dict[str, int] = {}
+        for kind, index, shapes in module_plan(self.config):
+            int8_keys = self.int8_tensors.get(file_name(kind, index), ())
+            for key, shape in shapes.items():
+                quantized = matrix_dtype(self.dtype, kind, key, shape, int8_keys)
+                if quantized is not None:
+                    counts[quantized] = counts.get(quantized, 0) + 1
+        return counts
+
+    def layer_bytes(self) -> list[int]:
+        """Payload bytes of each transformer layer's file, in order (what the planner plans a store with)."""
+        sizes = expected_file_bytes(self.config, self.dtype, self.group_size, self.int8_tensors)
+        return [sizes[file_name("layer", i)] for i in range(self.config.num_layers)]
+
     def to_json(self) -> dict[str, Any]:
-        """The JSON document written to ``manifest.json``."""
-        return {
+        """The JSON document written to ``manifest.json`` (``int8_tensors`` only when there are any)."""
+        data = {
             "format": FORMAT,
             "family": self.config.family,
             "config": self.config.to_dict(),
@@ -118,6 +203,9 @@ class Manifest:
             "total_bytes": self.total_bytes,
             "files": [vars(f) for f in self.files],
         }
+        if self.int8_tensors:
+            data["int8_tensors"] = {name: list(keys) for name, keys in self.int8_tensors.items()}
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
@@ -130,11 +218,15 @@ class Manifest:
             )
         if data.get("format") not in (FORMAT, OLD_FORMAT):
             raise StoreError(f"not a {FORMAT} manifest (format={data.get('format')!r})")
+        config = config_from_dict(data["config"], data.get("family", "yalm"))
+        int8_tensors = {name: tuple(keys) for name, keys in data.get("int8_tensors", {}).items()}
+        check_int8_tensors(config, data["dtype"], int8_tensors)
         return cls(
-            config=config_from_dict(data["config"], data.get("family", "yalm")),
+            config=config,
             dtype=data["dtype"],
             group_size=int(data["group_size"]),
             files=[StoreFile(**f) for f in data["files"]],
+            int8_tensors=int8_tensors,
         )
 
 
@@ -190,13 +282,15 @@ def verify(store_dir: str | Path, *, on_file: Callable[[StoreFile, int, int], No
 
 def _check_layout(path: Path, manifest: Manifest, kind: ModuleKind, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     layout = FileLayout.read(path)
+    int8_keys = manifest.int8_tensors.get(path.name, ())
     want: dict[str, tuple[int, ...]] = {}
     for key, shape in shapes.items():
         want[key] = shape
-        if manifest.dtype == "int8" and is_quantized_key(kind, key, shape):
+        quantized = matrix_dtype(manifest.dtype, kind, key, shape, int8_keys)
+        if quantized == "int8":
             want[key] = (shape[0], int8_padded_width(shape[1]))
             want[key + SCALE_SUFFIX] = (shape[0],)
-        elif manifest.dtype == "int4" and is_quantized_key(kind, key, shape):
+        elif quantized == "int4":
             g = manifest.group_size
             rows, cols = int4_padded_shape((shape[0], shape[1]), g)
             want[key] = (rows, cols // 2)

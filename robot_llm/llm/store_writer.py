@@ -16,47 +16,33 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError
 
 from robot_llm.llm.checkpoint import iter_release_modules
 from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.family import Params
-from robot_llm.llm.quant import (
-    DEFAULT_INT4_GROUP,
-    check_group_size,
-    int4_bytes,
-    int8_bytes,
-    quantize_int4,
-    quantize_int8,
-)
+from robot_llm.llm.quant import DEFAULT_INT4_GROUP, check_group_size, quantize_int4, quantize_int8
 from robot_llm.llm.store import (
     FORMAT,
     MANIFEST,
     PROGRESS,
+    STORE_DTYPES,
     Manifest,
     StoreFile,
+    check_int8_tensors,
+    expected_file_bytes,
     file_name,
-    is_quantized_key,
+    matrix_dtype,
     read_manifest,
     sha256_file,
 )
 from robot_llm.llm.store_layout import LOGICAL_SHAPES, SCALE_SUFFIX, StoreError, save_aligned
 
 log = logging.getLogger(__name__)
-
-#: Stored element type per ``--dtype``; int8 and int4 keep their non-matrix tensors in fp16.
-STORE_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "int8": torch.float16,
-    "int4": torch.float16,
-}
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -68,32 +54,15 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def expected_file_bytes(cfg: ModelConfig, dtype: str, group_size: int = DEFAULT_INT4_GROUP) -> dict[str, int]:
-    """Payload bytes of each store file for ``cfg`` (headers add a few KiB)."""
-    elem = STORE_DTYPES[dtype].itemsize
-    sizes = {}
-    for kind, index, shapes in module_plan(cfg):
-        total = 0
-        for key, shape in shapes.items():
-            numel = 1
-            for d in shape:
-                numel *= d
-            if dtype == "int8" and is_quantized_key(kind, key, shape):
-                total += int8_bytes((shape[0], shape[1]))
-            elif dtype == "int4" and is_quantized_key(kind, key, shape):
-                total += int4_bytes((shape[0], shape[1]), group_size)
-            else:
-                total += numel * elem
-        sizes[file_name(kind, index)] = total
-    return sizes
-
-
-def _store_tensors(kind: ModuleKind, params: Params, dtype: str, group_size: int) -> Params:
+def _store_tensors(
+    kind: ModuleKind, params: Params, dtype: str, group_size: int, int8_keys: Collection[str] = ()
+) -> Params:
     out: Params = {}
     for key, tensor in params.items():
-        if dtype == "int8" and is_quantized_key(kind, key, tuple(tensor.shape)):
+        quantized = matrix_dtype(dtype, kind, key, tuple(tensor.shape), int8_keys)
+        if quantized == "int8":
             out[key], out[key + SCALE_SUFFIX] = quantize_int8(tensor)
-        elif dtype == "int4" and is_quantized_key(kind, key, tuple(tensor.shape)):
+        elif quantized == "int4":
             out[key], out[key + SCALE_SUFFIX] = quantize_int4(tensor, group_size)
         else:
             out[key] = tensor.to(STORE_DTYPES[dtype]).contiguous()
@@ -111,6 +80,20 @@ def _check_dtype(dtype: str, group_size: int) -> int:
     except ValueError as exc:
         raise StoreError(str(exc)) from exc
     return group_size
+
+
+def _normalized_int8(
+    cfg: ModelConfig, dtype: str, int8_tensors: Mapping[str, Collection[str]] | None
+) -> dict[str, tuple[str, ...]]:
+    """``int8_tensors`` checked, without empty entries, files in name order (the manifest's form)."""
+    int8 = {name: tuple(keys) for name, keys in sorted((int8_tensors or {}).items()) if keys}
+    check_int8_tensors(cfg, dtype, int8)
+    return int8
+
+
+def _describe(manifest: Manifest) -> str:
+    int8 = manifest.matrix_counts().get("int8", 0) if manifest.dtype == "int4" else 0
+    return manifest.dtype + (f", {int8} matrices int8" if int8 else "")
 
 
 def _release_config(release_dir: Path) -> YalmConfig:
@@ -156,37 +139,43 @@ def convert_modules(
     group_size: int = DEFAULT_INT4_GROUP,
     reserve_bytes: int = 1 << 30,
     on_file: Callable[[StoreFile, int, int], None] | None = None,
+    int8_tensors: Mapping[str, Collection[str]] | None = None,
 ) -> Manifest:
     """Write ``modules`` (``(kind, index, params)`` in forward order, read lazily) into a store.
 
     Every importer (release checkpoint, GGUF, Hugging Face folder) ends here. The
     conversion is refused before any file is written when the free space of
     ``store_dir`` minus ``reserve_bytes`` cannot hold the files still to write; it
-    resumes an interrupted conversion (modules already written are skipped).
+    resumes an interrupted conversion (modules already written are skipped; the
+    earlier run must have had the same settings, ``int8_tensors`` included).
     ``on_file(file, done, total)`` is called after each file is in place (and for
-    files an earlier run already finished).
+    files an earlier run already finished). ``int8_tensors`` (int4 only: file
+    name -> keys) are layer matrices stored int8 instead of int4.
     """
     group_size = _check_dtype(dtype, group_size)
+    int8 = _normalized_int8(cfg, dtype, int8_tensors)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
-    header = {
+    header: dict[str, Any] = {
         "format": FORMAT,
         "family": cfg.family,
         "config": cfg.to_dict(),
         "dtype": dtype,
         "group_size": group_size,
     }
+    if int8:  # absent when empty, so an all-int4 conversion resumes one an older robot-llm began
+        header["int8_tensors"] = {name: list(keys) for name, keys in int8.items()}
     if (store / MANIFEST).exists():
         manifest = read_manifest(store)
         recorded = manifest.group_size if manifest.dtype == "int4" else 0  # format 1 recorded one for every dtype
-        if manifest.config != cfg or manifest.dtype != dtype or recorded != group_size:
-            raise StoreError(f"{store} already holds a different store ({manifest.dtype}); use an empty folder")
+        if (manifest.config, manifest.dtype, recorded, manifest.int8_tensors) != (cfg, dtype, group_size, int8):
+            raise StoreError(f"{store} already holds a different store ({_describe(manifest)}); use an empty folder")
         if not _reopen_damaged(store, manifest, header):
             log.info("store %s is already complete", store)
             return manifest
 
     done = _resume_state(store, header)
-    sizes = expected_file_bytes(cfg, dtype, group_size)
+    sizes = expected_file_bytes(cfg, dtype, group_size, int8)
     needed = sum(size for name, size in sizes.items() if name not in done)
     free = shutil.disk_usage(store).free
     if needed + reserve_bytes > free:
@@ -206,7 +195,7 @@ def convert_modules(
         if name in done:
             continue
         try:
-            entry = _write_module(store / name, kind, index, params, dtype, group_size)
+            entry = _write_module(store / name, kind, index, params, dtype, group_size, int8.get(name, ()))
             del params
             done[name] = entry
             _write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
@@ -226,7 +215,9 @@ def convert_modules(
             on_file(entry, len(done), total)
 
     order = [file_name(kind, index) for kind, index, _ in module_plan(cfg)]
-    manifest = Manifest(config=cfg, dtype=dtype, group_size=group_size, files=[done[n] for n in order])
+    manifest = Manifest(
+        config=cfg, dtype=dtype, group_size=group_size, files=[done[n] for n in order], int8_tensors=int8
+    )
     _write_json_atomic(store / MANIFEST, manifest.to_json())
     (store / PROGRESS).unlink()
     return manifest
@@ -272,8 +263,16 @@ def _resume_state(store: Path, header: dict[str, Any]) -> dict[str, StoreFile]:
     return done
 
 
-def _write_module(path: Path, kind: ModuleKind, index: int, params: Params, dtype: str, group_size: int) -> StoreFile:
-    tensors = _store_tensors(kind, params, dtype, group_size)
+def _write_module(
+    path: Path,
+    kind: ModuleKind,
+    index: int,
+    params: Params,
+    dtype: str,
+    group_size: int,
+    int8_keys: Collection[str] = (),
+) -> StoreFile:
+    tensors = _store_tensors(kind, params, dtype, group_size, int8_keys)
     tmp = path.with_name(path.name + ".partial")
     # At most one metadata key: the order of several is not deterministic, and identical weights must hash equal.
     shapes = {k: list(t.shape) for k, t in params.items() if k + SCALE_SUFFIX in tensors}
