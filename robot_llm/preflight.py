@@ -183,16 +183,18 @@ def _memory(config: AppConfig) -> Check:
     m = config.model
     shape = model_shape(config)
     settings = model_settings(config)
+    layer_sizes = None
     if m.store is not None:  # the runtime reads the store whenever one is set
         from robot_llm.llm.store import read_manifest
 
-        weight_dtype = read_manifest(m.store).dtype
+        manifest = read_manifest(m.store)
+        weight_dtype, layer_sizes = manifest.dtype, manifest.layer_bytes()
     else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
         weight_dtype = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
         settings = replace(settings, home="ram")
     try:
-        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype)
+        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype, layer_sizes)
     except PlanError as exc:
         return Check("memory", False, f"the model does not fit: {exc}".replace("\n", " "))
     if chosen.batch_size < m.max_batch_size:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -250,6 +251,7 @@ def plan(
     headroom: float = HEADROOM,
     weight_home: Home | None = None,
     kv_dtype: str | None = None,
+    layer_sizes: Sequence[int] | None = None,
 ) -> Plan:
     """The fastest placement that fits; raises :class:`PlanError` when none does.
 
@@ -262,7 +264,13 @@ def plan(
     CPUs have no fast fp16 GEMM). ``kv_dtype`` pins the KV cache's dtype;
     None or ``"auto"`` tries the compute dtype, int8 and int4 (compressed,
     :mod:`robot_llm.llm.kvquant`) and keeps the fastest, the least compressed on a tie.
+    ``layer_sizes`` are the stored bytes of each transformer layer of a converted store
+    (:meth:`robot_llm.llm.store.Manifest.layer_bytes`: an int4 store of a GGUF file keeps
+    some matrices int8); by default every layer has :func:`layer_bytes` of ``weight_dtype``.
     """
+    sizes = tuple(layer_sizes) if layer_sizes is not None else (layer_bytes(cfg, weight_dtype),) * cfg.num_layers
+    if len(sizes) != cfg.num_layers:
+        raise PlanError(f"{len(sizes)} layer sizes for a model of {cfg.num_layers} layers")
     if work.num_prompts < 1 or work.prompt_tokens < 1 or work.max_new_tokens < 0:
         raise PlanError(f"nothing to plan for {work}")
     total_tokens = work.prompt_tokens + work.max_new_tokens
@@ -288,12 +296,12 @@ def plan(
     for home, kv_home, kvd in itertools.product(homes, kv_homes, kv_dtypes):
         candidate = None
         for batch in _descending(cap_batch):
-            candidate = _try(cfg, work, machine, weight_dtype, cdtype, home, (kv_home, kvd), batch, ram, gpu)
+            candidate = _try(cfg, work, machine, sizes, weight_dtype, cdtype, home, (kv_home, kvd), batch, ram, gpu)
             if isinstance(candidate, Plan):
                 break
         if isinstance(candidate, Plan):
-            candidate = _rebalance(cfg, work, machine, candidate, ram, gpu, cap_batch)
-            candidate = _kernel_sized(cfg, work, machine, candidate, ram, gpu)
+            candidate = _rebalance(cfg, work, machine, sizes, candidate, ram, gpu, cap_batch)
+            candidate = _kernel_sized(cfg, work, machine, sizes, candidate, ram, gpu)
             if best is None or candidate.total_seconds < best.total_seconds:
                 best = candidate
         elif candidate is not None:
@@ -316,26 +324,30 @@ def _descending(cap: int) -> list[int]:
     return sizes
 
 
-def _kernel_sized(cfg: ModelConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int) -> Plan:
+def _kernel_sized(
+    cfg: ModelConfig, work: Work, machine: Machine, sizes: tuple[int, ...], p: Plan, ram: int, gpu: int
+) -> Plan:
     """``p``, or batches small enough for the fused int4/int8 CPU kernels' decode steps where that is faster."""
     limit = FUSED_MAX_ROWS.get(p.weight_dtype)
     if machine.has_gpu or p.compute_dtype != "bf16" or limit is None or p.batch_size <= limit:
         return p
     even = math.ceil(work.num_prompts / math.ceil(work.num_prompts / limit))
-    small = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
+    small = _try(cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
     return small if isinstance(small, Plan) and small.total_seconds < p.total_seconds else p
 
 
-def _rebalance(cfg: ModelConfig, work: Work, machine: Machine, p: Plan, ram: int, gpu: int, cap: int) -> Plan:
+def _rebalance(
+    cfg: ModelConfig, work: Work, machine: Machine, sizes: tuple[int, ...], p: Plan, ram: int, gpu: int, cap: int
+) -> Plan:
     """Grow the batch between the found power of two and the cap, then even out the batches."""
     lo, hi = p.batch_size, min(cap, 2 * p.batch_size - 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        got = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, mid, ram, gpu)
+        got = _try(cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, mid, ram, gpu)
         lo, hi = (mid, hi) if isinstance(got, Plan) else (lo, mid - 1)
     batches = math.ceil(work.num_prompts / lo)
     even = math.ceil(work.num_prompts / batches)
-    final = _try(cfg, work, machine, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
+    final = _try(cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
     return final if isinstance(final, Plan) else p
 
 
@@ -343,6 +355,7 @@ def _try(
     cfg: ModelConfig,
     work: Work,
     machine: Machine,
+    sizes: tuple[int, ...],
     weight_dtype: str,
     cdtype: str,
     home: Home,
@@ -351,11 +364,14 @@ def _try(
     ram_cap: int,
     gpu_cap: int,
 ) -> Plan | str:
-    """The plan for exactly this batch with the KV cache ``kv`` = (home, dtype), or why it does not fit."""
+    """The plan for exactly this batch with the KV cache ``kv`` = (home, dtype), or why it does not fit.
+
+    ``sizes`` are the stored bytes of each layer: a slot holds the largest, a home the ones it homes.
+    """
     kv_home, kv_dtype = kv
     L, c = cfg.num_layers, DTYPE_BYTES[cdtype]
     kv_elem = kv_bits_per_value(kv_dtype, cfg.head_dim) / 8 if kv_dtype in KV_QUANTIZED else DTYPE_BYTES[kv_dtype]
-    lb = layer_bytes(cfg, weight_dtype)
+    lb = max(sizes)
     converts = weight_dtype != cdtype
     cuda = machine.has_gpu
     fused = not cuda and weight_dtype in FUSED_RATES and cdtype == "bf16"
@@ -368,7 +384,7 @@ def _try(
     gpu: dict[str, int] = {"cuda context": CUDA_CONTEXT_BYTES} if cuda else {}
     compute_tier = gpu if cuda else ram
     if home == "ram":
-        ram["weights (RAM home)"] = L * lb
+        ram["weights (RAM home)"] = sum(sizes)
     else:
         ram["staging slots"] = 2 * lb
     host_embedding = 0 if embedding_is_head(cfg) or not cuda else embedding_params(cfg) * c
@@ -410,23 +426,24 @@ def _try(
     compute_tier["activations"] = activations(micro)
     ram_layers = L if home == "ram" else 0
     if home == "split":
-        # What RAM has left holds the first layers; the rest stream from disk.
-        ram_layers = min(L - 1, (ram_cap - sum(ram.values())) // lb)
+        # What RAM has left holds the first layers (the engine's order); the rest stream from disk.
+        left = ram_cap - sum(ram.values())
+        ram_layers = sum(1 for held in itertools.accumulate(sizes[: L - 1]) if held <= left)
         if ram_layers < 1:
-            return f"batch {batch} leaves no RAM for a layer ({_fmt(lb)})"
-        ram["weights (RAM part)"] = ram_layers * lb
+            return f"batch {batch} leaves no RAM for a layer ({_fmt(sizes[0])})"
+        ram["weights (RAM part)"] = sum(sizes[:ram_layers])
     if sum(ram.values()) > ram_cap:
         return f"batch {batch} needs {_fmt(sum(ram.values()))} of RAM, {_fmt(ram_cap)} usable"
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
-    memory["disk"] = {"weight store": L * lb + resident_params(cfg) * 2}
+    memory["disk"] = {"weight store": sum(sizes) + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    timing = _Timing(cfg, machine, lb, converts, cdtype, ram_layers, kv, kv_elem, weight_dtype)
+    timing = _Timing(cfg, machine, sizes, converts, cdtype, ram_layers, kv, kv_elem, weight_dtype)
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
     stance = timing.pass_seconds(batch, T, slots) if T else 0.0
     notes = []
     if ram_layers < L:
-        streamed = (L - ram_layers) * lb
+        streamed = sum(sizes[ram_layers:])
         notes.append(f"streams {_fmt(streamed)} of weights from disk per pass at {machine.disk_read_bps / GB:.1f} GB/s")
     if T:
         notes.append(f"stance: from each row's KV cache, one more pass of the batch over {T} cue and label tokens")
@@ -459,7 +476,7 @@ class _Timing:
 
     cfg: ModelConfig
     machine: Machine
-    layer_bytes: int
+    layer_sizes: tuple[int, ...]
     converts: bool
     dtype: str
     ram_layers: int
@@ -469,7 +486,7 @@ class _Timing:
 
     def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
         """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
-        cfg, m, L = self.cfg, self.machine, self.cfg.num_layers
+        cfg, m = self.cfg, self.machine
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         params = layer_params(cfg)
         rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
@@ -491,9 +508,11 @@ class _Timing:
             compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         # A RAM-homed layer crosses the host link to a GPU; on the CPU the cores still read it from RAM,
         # which bounds a small batch's step (counting it as free made batch 1 look as fast as any).
-        from_ram = self.layer_bytes / (m.h2d_bps if m.has_gpu else m.ram_bps)
-        from_disk = max(self.layer_bytes / m.disk_read_bps, from_ram)
-        return self.ram_layers * max(from_ram, compute) + (L - self.ram_layers) * max(from_disk, compute)
+        ram_bps = m.h2d_bps if m.has_gpu else m.ram_bps
+        return sum(
+            max(size / ram_bps, size / m.disk_read_bps if i >= self.ram_layers else 0.0, compute)
+            for i, size in enumerate(self.layer_sizes)
+        )
 
 
 def decode_attention(

@@ -197,7 +197,8 @@ class LoadedModel:
         kv_dtype = model.kv_dtype or _dtype_name(model.dtype)
         settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype), kv_dtype=kv_dtype)
         work = Work(count, prompt_tokens, new_tokens, shared)
-        job = plan_run(settings, self.config, work, model.store.manifest.dtype)
+        manifest = model.store.manifest
+        job = plan_run(settings, self.config, work, manifest.dtype, manifest.layer_bytes())
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
         model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
         model.attention_home = job.attention_home
@@ -254,8 +255,17 @@ def night_work(settings: ModelSettings, config: ModelConfig) -> Work:
     return Work(settings.max_batch_size, window - new - stance, new, stance_tokens=stance)
 
 
-def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dtype: str) -> Plan:
-    """The plan for ``work`` on this machine under the settings' budgets and pins (raises PlanError)."""
+def plan_run(
+    settings: ModelSettings,
+    config: ModelConfig,
+    work: Work,
+    weight_dtype: str,
+    layer_sizes: Sequence[int] | None = None,
+) -> Plan:
+    """The plan for ``work`` on this machine under the settings' budgets and pins (raises PlanError).
+
+    ``layer_sizes``: a store's bytes per layer (:meth:`~robot_llm.llm.store.Manifest.layer_bytes`).
+    """
     return plan(
         config,
         work,
@@ -266,6 +276,7 @@ def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dt
         memory_budget_bytes=settings.memory_budget_bytes,
         weight_home=None if settings.home == "auto" else settings.home,
         kv_dtype=settings.kv_dtype,
+        layer_sizes=layer_sizes,
     )
 
 
@@ -349,7 +360,7 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
             convert(settings.checkpoint, store_dir, dtype="fp16", config=config)
     store = Store(store_dir)
     # Refuse now what cannot fit; otherwise open the engine exactly as planned.
-    night = plan_run(settings, config, night_work(settings, config), store.manifest.dtype)
+    night = plan_run(settings, config, night_work(settings, config), store.manifest.dtype, store.manifest.layer_bytes())
     log.info("the night's plan:\n%s", night.describe())
     _set_threads(night.threads)
     model = StreamingModel(
