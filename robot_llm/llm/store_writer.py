@@ -251,7 +251,8 @@ def _resume_state(store: Path, header: dict[str, Any]) -> dict[str, StoreFile]:
     if not path.exists():
         return {}
     state = json.loads(path.read_text(encoding="utf-8"))
-    if {k: state.get(k) for k in header} != header:
+    keys = {*header, "int8_tensors"}  # an all-int4 header has none: a list the earlier run kept differs too
+    if {k: state.get(k) for k in keys} != {k: header.get(k) for k in keys}:
         raise StoreError(f"{store} holds an unfinished conversion with other settings; use an empty folder")
     done = {}
     for f in state["files"]:
