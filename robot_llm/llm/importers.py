@@ -167,11 +167,12 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _gguf_by_module(reader: Any, path: Path) -> dict[tuple[str, int], dict[str, Any]]:
-    """The file's tensors by store module ``(kind, index)`` and Hugging Face key."""
+def _gguf_by_module(reader: Any, path: Path) -> tuple[dict[tuple[str, int], dict[str, Any]], list[str]]:
+    """The file's tensors by store module ``(kind, index)`` and Hugging Face key; the names of those it ignores."""
     arch = _field(reader, "general.architecture")
     layer_names = _GGUF_LAYER | _GGUF_NORMS[_GGUF_ARCHS[arch]]
     by_module: dict[tuple[str, int], dict[str, Any]] = {}
+    ignored = []
     for t in reader.tensors:
         if t.name in _GGUF_RESIDENT:
             kind, key = _GGUF_RESIDENT[t.name]
@@ -182,8 +183,8 @@ def _gguf_by_module(reader: Any, path: Path) -> dict[tuple[str, int], dict[str, 
                 raise ModelImportError(f"{path}: unexpected tensor {t.name!r} for architecture {arch}")
             by_module.setdefault(("layer", int(index)), {})[layer_names[rest]] = t
         else:
-            log.warning("%s: ignoring tensor %s", path, t.name)
-    return by_module
+            ignored.append(t.name)
+    return by_module, ignored
 
 
 def gguf_bits_per_weight(tensor_type: Any) -> float:
@@ -209,7 +210,7 @@ def gguf_int8_tensors(reader: Any, cfg: ModelConfig, path: Path) -> dict[str, tu
     from gguf import GGMLQuantizationType
 
     floats = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-    by_module = _gguf_by_module(reader, path)
+    by_module, _ = _gguf_by_module(reader, path)  # the conversion warns about the ignored ones
     matrices = [
         (file_name(kind, index), key, by_module.get((kind, index), {}).get(key))
         for kind, index, shapes in module_plan(cfg)
@@ -253,7 +254,9 @@ def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tup
 
     arch = _field(reader, "general.architecture")
     family = _GGUF_ARCHS[arch]
-    by_module = _gguf_by_module(reader, path)
+    by_module, ignored = _gguf_by_module(reader, path)
+    for name in ignored:
+        log.warning("%s: ignoring tensor %s", path, name)
 
     def load(key: str, tensor: Any) -> np.ndarray:
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
