@@ -14,6 +14,9 @@ that is not ``auto`` pins its choice. Every :meth:`LoadedModel.generate` and
 :meth:`LoadedModel.score` call is then planned for its real work: the batch size
 and prefill micro-batch come from that plan, and a job that cannot fit is
 refused before any token is computed. ``robot-llm doctor`` prints the same plan.
+The plan's rates are this machine's, measured once per process (:func:`night_machine`):
+the disk under the store, the CPU's GEMM and RAM read rates at the night's threads,
+and a GPU's copy and GEMM rates.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 from robot_llm.llm.machine import Machine, detect_machine
 from robot_llm.llm.planner import Plan, Work, auto_compute_dtype, plan
+from robot_llm.llm.rates import measure_rates
 
 if TYPE_CHECKING:
     from robot_llm.llm.generate import Completion, SamplingParams
@@ -232,18 +236,36 @@ def store_read_bps(store: Path) -> float | None:
     return bps
 
 
-def machine_for(settings: ModelSettings) -> Machine:
-    """This machine as the settings let the run use it (device, GPU budget, threads); a stream
-    run's disk rate is measured under its store (:func:`store_read_bps`)."""
+def night_machine(settings: ModelSettings) -> tuple[Machine, dict[str, str]]:
+    """This machine as the settings let the run use it (device, GPU budget, threads), with its rates measured,
+    and where each rate came from (:func:`robot_llm.llm.rates.measure_rates`).
+
+    A stream run's disk rate is measured under its store (:func:`store_read_bps`); the CPU's GEMM and RAM
+    read rates at the threads the night computes with, and a GPU's copy and GEMM rates where it uses one.
+    Every probe runs once per process.
+    """
     store = settings.store if settings.backend == "stream" and settings.home != "ram" else None
-    machine = detect_machine(store_read_bps(store) if store is not None else None)
+    disk = store_read_bps(store) if store is not None else None
+    machine = detect_machine(disk)
     if settings.device == "cpu":
         machine = replace(machine, gpu_bytes=0)
     elif settings.gpu_memory_budget_bytes is not None and machine.has_gpu:
         machine = replace(machine, gpu_bytes=min(machine.gpu_bytes, settings.gpu_memory_budget_bytes))
     if settings.threads:
         machine = replace(machine, threads=settings.threads)
-    return machine
+    machine, sources = measure_rates(machine)
+    if disk is not None:
+        sources["disk_read_bps"] = "measured under the store"
+    elif store is not None:
+        sources["disk_read_bps"] = "assumed; the store's files are too small to measure"
+    elif settings.backend == "stream" and settings.home == "ram":
+        sources["disk_read_bps"] = "assumed; the weights are read once, into RAM"
+    return machine, sources
+
+
+def machine_for(settings: ModelSettings) -> Machine:
+    """This machine as the settings let the run use it, its rates measured (:func:`night_machine`)."""
+    return night_machine(settings)[0]
 
 
 def night_work(settings: ModelSettings, config: ModelConfig) -> Work:
@@ -254,12 +276,15 @@ def night_work(settings: ModelSettings, config: ModelConfig) -> Work:
     return Work(settings.max_batch_size, window - new - stance, new, stance_tokens=stance)
 
 
-def plan_run(settings: ModelSettings, config: ModelConfig, work: Work, weight_dtype: str) -> Plan:
-    """The plan for ``work`` on this machine under the settings' budgets and pins (raises PlanError)."""
+def plan_run(
+    settings: ModelSettings, config: ModelConfig, work: Work, weight_dtype: str, machine: Machine | None = None
+) -> Plan:
+    """The plan for ``work`` on this machine (``machine``: as :func:`machine_for` gives it) under the settings'
+    budgets and pins (raises PlanError)."""
     return plan(
         config,
         work,
-        machine_for(settings),
+        machine or machine_for(settings),
         weight_dtype=weight_dtype,
         compute_dtype=None if settings.dtype in ("auto", "int8", "int4") else settings.dtype,
         max_batch_size=settings.max_batch_size,
