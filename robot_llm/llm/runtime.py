@@ -199,7 +199,15 @@ class LoadedModel:
             return self.settings.max_batch_size
         home = "ram" if model.home == "ram" else "split" if model.ram_layers else "disk"
         kv_dtype = model.kv_dtype or _dtype_name(model.dtype)
-        settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype), kv_dtype=kv_dtype)
+        # Planned for the engine as it runs: its threads too (the ones the night's rates were measured at,
+        # not the cores free this minute, which would measure again and time a thread count nothing uses).
+        settings = replace(
+            self.settings,
+            home=home,
+            dtype=_dtype_name(model.dtype),
+            kv_dtype=kv_dtype,
+            threads=torch.get_num_threads(),
+        )
         work = Work(count, prompt_tokens, new_tokens, shared)
         job = plan_run(settings, self.config, work, model.store.manifest.dtype)
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
