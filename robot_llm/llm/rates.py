@@ -165,16 +165,22 @@ def ram_read_bps(threads: int) -> float | None:
 
 
 @functools.cache
-def gpu_rates(device: str = "cuda") -> tuple[float, float] | None:
-    """(pinned host-to-device bytes/s, fp16 GEMM FLOP/s) of ``device``; None where it is not there.
-    Once per process."""
+def gpu_rates(
+    device: str = "cuda", shape: tuple[int, int, int] = GPU_GEMM_SHAPE, nbytes: int = PROBE_BYTES
+) -> tuple[float, float] | None:
+    """(host-to-device bytes/s of ``nbytes``, fp16 GEMM FLOP/s at ``shape``) of ``device``; None where it is not
+    there. Once per process. (The tests run it on the CPU device, at a small shape.)"""
     if not _torch_present():
         return None
     import torch
 
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
         return None
-    return copy_bps(device), gemm_flops(*GPU_GEMM_SHAPE, "fp16", device=device)
+    rates = copy_bps(device, nbytes), gemm_flops(*shape, "fp16", device=device)
+    if cuda:  # the probes' ~320 MiB go back to the device before the model is placed there
+        torch.cuda.empty_cache()
+    return rates
 
 
 # --------------------------------------------------------------------------- the machine with its rates
