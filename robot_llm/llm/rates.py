@@ -213,7 +213,7 @@ def measure_rates(
     """
     given = dict(given or {})
     sources = {name: "assumed" for name in RATE_FIELDS}
-    threads, cores = machine.compute_threads, max(machine.cores, 1)
+    threads, cores = max(machine.compute_threads, 1), max(machine.cores, 1)
     measured: dict[str, float] = {}
     label = f"measured at {_threads_label(threads)}"
     if probe_cpu:
