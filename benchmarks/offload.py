@@ -64,6 +64,7 @@ from robot_llm.llm.diskio import drop_page_cache, measure_read_bandwidth
 from robot_llm.llm.family import Params
 from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.planner import HEADROOM, Work, layer_bytes, layer_params, plan
+from robot_llm.llm.rates import gemm_flops
 from robot_llm.llm.runtime import ModelSettings, night_work, plan_run
 from robot_llm.llm.store import Store
 from robot_llm.llm.store_writer import write_store
@@ -185,16 +186,9 @@ def night(model: Any, cfg: YalmConfig, prompts: int, prompt: int, new: int, batc
 
 
 def gemm_rate(cfg: YalmConfig, batch: int, dtype: str) -> float:
-    """FLOP/s of this layer's largest matmul at ``batch`` rows in ``dtype`` (threads as set)."""
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    x = torch.randn(batch, cfg.hidden_size).to(dt)
-    w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size).to(dt)
-    torch.nn.functional.linear(x, w)
-    started, n = time.perf_counter(), 0
-    while time.perf_counter() - started < 0.5:
-        torch.nn.functional.linear(x, w)
-        n += 1
-    return 2 * batch * w.numel() * n / (time.perf_counter() - started)
+    """FLOP/s of this layer's largest matmul at ``batch`` rows in ``dtype`` (threads as set), over 0.5 s:
+    the product's probe (:func:`robot_llm.llm.rates.gemm_flops`) at this row's shape, not the planner's."""
+    return gemm_flops(batch, cfg.hidden_size, 2 * cfg.intermediate_size, dtype, seconds=0.5)
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:

@@ -178,7 +178,8 @@ def _memory(config: AppConfig) -> Check:
 
     from robot_llm.configured_model import model_settings, model_shape
     from robot_llm.llm.planner import PlanError
-    from robot_llm.llm.runtime import night_work, plan_run
+    from robot_llm.llm.rates import describe_rates
+    from robot_llm.llm.runtime import night_machine, night_work, plan_run
 
     m = config.model
     shape = model_shape(config)
@@ -193,8 +194,11 @@ def _memory(config: AppConfig) -> Check:
         weight_dtype = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
         settings = replace(settings, home="ram")
+    # The machine as the night sees it: its rates measured as the night measures them (once per process).
+    machine, sources = night_machine(settings)
+    rates = f"rates: {describe_rates(machine, sources)}"
     try:
-        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype, layer_sizes)
+        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype, machine, layer_sizes)
     except PlanError as exc:
         return Check("memory", False, f"the model does not fit: {exc}".replace("\n", " "))
     if chosen.batch_size < m.max_batch_size:
@@ -214,13 +218,14 @@ def _memory(config: AppConfig) -> Check:
             False,
             f"one layer of a batch's prefill takes an estimated {layer_s:.0f}s (batch {chosen.batch_size} on "
             f"{chosen.device}), longer than batch.stall_timeout {stall_s:.0f}s: the watchdog would end every "
-            "batch; lower model.max_batch_size or raise batch.stall_timeout",
+            "batch; lower model.max_batch_size or raise batch.stall_timeout\n       " + rates,
         )
     summary = (
         f"batch {chosen.batch_size} fits on {chosen.device} (weights in {chosen.weight_home}, "
         f"estimated {chosen.tokens_per_second:.3g} tokens/s); the night's plan:"
     )
-    return Check("memory", True, summary + "".join(f"\n       {line}" for line in chosen.describe().splitlines()))
+    lines = [rates, *chosen.describe().splitlines()]
+    return Check("memory", True, summary + "".join(f"\n       {line}" for line in lines))
 
 
 def _templates(config: AppConfig) -> Check:

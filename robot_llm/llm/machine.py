@@ -4,8 +4,9 @@ Pure Python (torch is imported only to ask CUDA for its memory): the daemon's
 ``doctor`` and ``model plan`` use it without loading the model.
 
 The default rates describe a typical desktop (NVMe, PCIe 4, a consumer GPU,
-8-16 cores); ``model plan`` measures the disk of a given store, takes the rest
-from its options, and ``benchmarks/offload.py`` measures this machine's.
+8-16 cores). A night and ``model plan`` for this machine replace them with
+measured ones: the disk under the store (:func:`robot_llm.llm.runtime.store_read_bps`),
+the CPU, RAM and GPU rates (:mod:`robot_llm.llm.rates`); given options win.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ GB = 1e9
 class Machine:
     """What the planner knows about the hardware (bytes, bytes/s, FLOP/s, cores).
 
-    ``cpu_flops`` is the sustained fp32 GEMM rate, ``cpu_bf16_flops`` the bf16
-    one where the CPU has native bf16 (``cpu_bf16``; AVX512-BF16 or AMX), else
-    unused. ``threads`` is how many intra-op threads compute gets (0 = all
-    ``cores``).
+    ``cpu_flops`` is the sustained fp32 GEMM rate on all ``cores``, ``cpu_bf16_flops``
+    the bf16 one where the CPU has native bf16 (``cpu_bf16``; AVX512-BF16 or AMX),
+    else unused; the planner charges ``compute_threads / cores`` of them. ``ram_bps``
+    is how fast the compute threads read weights out of RAM. ``threads`` is how many
+    intra-op threads compute gets (0 = all ``cores``).
     """
 
     ram_bytes: int
@@ -93,22 +95,23 @@ def free_cores(cores: int, load: float | None = None) -> int:
     return max(1, min(cores, round(cores - load)))
 
 
-def detect_machine(disk_read_bps: float | None = None) -> Machine:
-    """This machine: RAM from the OS, GPU memory from torch when CUDA is present, CPU flags, free cores."""
+def detect_machine(disk_read_bps: float | None = None, *, gpu: bool = True) -> Machine:
+    """This machine: RAM from the OS, GPU memory from torch when CUDA is present (and ``gpu``), CPU flags,
+    free cores. Its rates are the defaults until measured (:func:`robot_llm.llm.rates.measure_rates`)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    gpu = 0
+    gpu_bytes = 0
     try:
         import torch
 
-        if torch.cuda.is_available():
-            gpu = torch.cuda.mem_get_info()[1]
+        if gpu and torch.cuda.is_available():
+            gpu_bytes = torch.cuda.mem_get_info()[1]
     except ImportError:
-        gpu = 0
+        gpu_bytes = 0
     kwargs = {"disk_read_bps": disk_read_bps} if disk_read_bps else {}
     cores = usable_cores()
     return Machine(
         ram_bytes=ram,
-        gpu_bytes=gpu,
+        gpu_bytes=gpu_bytes,
         cpu_bf16=cpu_has_native_bf16(),
         cores=cores,
         threads=free_cores(cores),

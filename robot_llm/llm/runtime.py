@@ -14,6 +14,9 @@ that is not ``auto`` pins its choice. Every :meth:`LoadedModel.generate` and
 :meth:`LoadedModel.score` call is then planned for its real work: the batch size
 and prefill micro-batch come from that plan, and a job that cannot fit is
 refused before any token is computed. ``robot-llm doctor`` prints the same plan.
+The plan's rates are this machine's, measured once per process (:func:`night_machine`):
+the disk under the store, the CPU's GEMM and RAM read rates at the night's threads,
+and a GPU's copy and GEMM rates.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 from robot_llm.llm.machine import Machine, detect_machine
 from robot_llm.llm.planner import Plan, Work, auto_compute_dtype, plan
+from robot_llm.llm.rates import measure_rates
 
 if TYPE_CHECKING:
     from robot_llm.llm.generate import Completion, SamplingParams
@@ -195,10 +199,18 @@ class LoadedModel:
             return self.settings.max_batch_size
         home = "ram" if model.home == "ram" else "split" if model.ram_layers else "disk"
         kv_dtype = model.kv_dtype or _dtype_name(model.dtype)
-        settings = replace(self.settings, home=home, dtype=_dtype_name(model.dtype), kv_dtype=kv_dtype)
+        # Planned for the engine as it runs: its threads too (the ones the night's rates were measured at,
+        # not the cores free this minute, which would measure again and time a thread count nothing uses).
+        settings = replace(
+            self.settings,
+            home=home,
+            dtype=_dtype_name(model.dtype),
+            kv_dtype=kv_dtype,
+            threads=torch.get_num_threads(),
+        )
         work = Work(count, prompt_tokens, new_tokens, shared)
         manifest = model.store.manifest
-        job = plan_run(settings, self.config, work, manifest.dtype, manifest.layer_bytes())
+        job = plan_run(settings, self.config, work, manifest.dtype, layer_sizes=manifest.layer_bytes())
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
         model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
         model.attention_home = job.attention_home
@@ -233,18 +245,36 @@ def store_read_bps(store: Path) -> float | None:
     return bps
 
 
-def machine_for(settings: ModelSettings) -> Machine:
-    """This machine as the settings let the run use it (device, GPU budget, threads); a stream
-    run's disk rate is measured under its store (:func:`store_read_bps`)."""
+def night_machine(settings: ModelSettings) -> tuple[Machine, dict[str, str]]:
+    """This machine as the settings let the run use it (device, GPU budget, threads), with its rates measured,
+    and where each rate came from (:func:`robot_llm.llm.rates.measure_rates`).
+
+    A stream run's disk rate is measured under its store (:func:`store_read_bps`); the CPU's GEMM and RAM
+    read rates at the threads the night computes with, and a GPU's copy and GEMM rates where it uses one.
+    Every probe runs once per process.
+    """
     store = settings.store if settings.backend == "stream" and settings.home != "ram" else None
-    machine = detect_machine(store_read_bps(store) if store is not None else None)
+    disk = store_read_bps(store) if store is not None else None
+    machine = detect_machine(disk)
     if settings.device == "cpu":
         machine = replace(machine, gpu_bytes=0)
     elif settings.gpu_memory_budget_bytes is not None and machine.has_gpu:
         machine = replace(machine, gpu_bytes=min(machine.gpu_bytes, settings.gpu_memory_budget_bytes))
     if settings.threads:
         machine = replace(machine, threads=settings.threads)
-    return machine
+    machine, sources = measure_rates(machine)
+    if disk is not None:
+        sources["disk_read_bps"] = "measured under the store"
+    elif store is not None:
+        sources["disk_read_bps"] = "assumed; the store's files are too small to measure"
+    elif settings.backend == "stream" and settings.home == "ram":
+        sources["disk_read_bps"] = "assumed; the weights are read once, into RAM"
+    return machine, sources
+
+
+def machine_for(settings: ModelSettings) -> Machine:
+    """This machine as the settings let the run use it, its rates measured (:func:`night_machine`)."""
+    return night_machine(settings)[0]
 
 
 def night_work(settings: ModelSettings, config: ModelConfig) -> Work:
@@ -260,16 +290,16 @@ def plan_run(
     config: ModelConfig,
     work: Work,
     weight_dtype: str,
+    machine: Machine | None = None,
     layer_sizes: Sequence[int] | None = None,
 ) -> Plan:
-    """The plan for ``work`` on this machine under the settings' budgets and pins (raises PlanError).
-
-    ``layer_sizes``: a store's bytes per layer (:meth:`~robot_llm.llm.store.Manifest.layer_bytes`).
-    """
+    """The plan for ``work`` on this machine (``machine``: as :func:`machine_for` gives it) under the settings'
+    budgets and pins (raises PlanError). ``layer_sizes``: a store's bytes per layer
+    (:meth:`~robot_llm.llm.store.Manifest.layer_bytes`; an int4 store may keep some matrices int8)."""
     return plan(
         config,
         work,
-        machine_for(settings),
+        machine or machine_for(settings),
         weight_dtype=weight_dtype,
         compute_dtype=None if settings.dtype in ("auto", "int8", "int4") else settings.dtype,
         max_batch_size=settings.max_batch_size,
@@ -360,7 +390,9 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
             convert(settings.checkpoint, store_dir, dtype="fp16", config=config)
     store = Store(store_dir)
     # Refuse now what cannot fit; otherwise open the engine exactly as planned.
-    night = plan_run(settings, config, night_work(settings, config), store.manifest.dtype, store.manifest.layer_bytes())
+    night = plan_run(
+        settings, config, night_work(settings, config), store.manifest.dtype, layer_sizes=store.manifest.layer_bytes()
+    )
     log.info("the night's plan:\n%s", night.describe())
     _set_threads(night.threads)
     model = StreamingModel(

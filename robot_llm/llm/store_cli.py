@@ -1,7 +1,8 @@
 """``robot-llm model convert | verify | plan``: weight store and memory planner commands.
 
 :func:`add_engine_commands` adds them to the ``model`` subcommand group.
-Torch is imported only when convert or verify runs (plan is pure arithmetic).
+Torch is imported only when convert or verify runs, and when plan measures this machine's rates
+(:mod:`robot_llm.llm.rates`; planning for a machine given by ``--ram-gb`` is pure arithmetic).
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from robot_llm.llm.config_hf import HF_PRESETS
 from robot_llm.llm.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 
 GB = 1e9
+#: The ``model plan`` option that states each rate (named where a rate is assumed).
+RATE_FLAGS = {
+    "disk_read_bps": "--disk-gbps",
+    "ram_bps": "--ram-gbps",
+    "cpu_flops": "--cpu-tflops",
+    "cpu_bf16_flops": "--cpu-bf16-tflops",
+    "h2d_bps": "--h2d-gbps",
+    "gpu_flops": "--gpu-tflops",
+}
 
 
 def _progress_bar(total_label: str) -> Any:
@@ -115,8 +125,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
     from robot_llm.llm.planner import PlanError, Work, plan
+    from robot_llm.llm.rates import describe_rates, measure_rates
 
     config: ModelConfig
     weight_dtype, layer_sizes = args.dtype or "fp16", None
@@ -131,35 +144,44 @@ def _plan(args: argparse.Namespace) -> int:
             weight_dtype, layer_sizes = manifest.dtype, manifest.layer_bytes()
     else:
         raise RobotLLMError("give --preset NAME or --store DIR")
-    disk_bps = args.disk_gbps * GB if args.disk_gbps else None
-    disk_source = "given"
+    given = {
+        field: value * scale
+        for field, value, scale in (
+            ("disk_read_bps", args.disk_gbps, GB),
+            ("h2d_bps", args.h2d_gbps, GB),
+            ("ram_bps", args.ram_gbps, GB),
+            ("gpu_flops", args.gpu_tflops, 1e12),
+            ("cpu_flops", args.cpu_tflops, 1e12),
+            ("cpu_bf16_flops", args.cpu_bf16_tflops, 1e12),
+        )
+        if value
+    }
+    disk_bps = given.get("disk_read_bps")
     if disk_bps is None and args.store:
         from robot_llm.llm.runtime import store_read_bps
 
         disk_bps = store_read_bps(Path(args.store))
-        disk_source = "measured under the store"
-    if disk_bps is None:
-        disk_source = "assumed; --disk-gbps states yours"
-    if args.ram_gb is None:
-        machine = detect_machine(disk_bps)
+    # --ram-gb describes another machine: none of its rates can be measured here. Without it the CPU and RAM
+    # are this machine's (measured); the GPU too unless --gpu-gb gives another (then its rates are assumed,
+    # and this machine's GPU is not touched).
+    this_cpu = args.ram_gb is None
+    this_gpu = this_cpu and args.gpu_gb is None
+    if this_cpu:
+        machine = detect_machine(disk_bps, gpu=this_gpu)
+        if not this_gpu:
+            machine = replace(machine, gpu_bytes=int(args.gpu_gb * GB))
     else:
         machine = Machine(
             ram_bytes=int(args.ram_gb * GB),
-            gpu_bytes=int(args.gpu_gb * GB),
+            gpu_bytes=int((args.gpu_gb or 0) * GB),
             cpu_bf16=cpu_has_native_bf16() if args.cpu_bf16 is None else args.cpu_bf16 == "yes",
             cores=args.cores,
             **({"disk_read_bps": disk_bps} if disk_bps else {}),
         )
-    overrides = {
-        "h2d_bps": args.h2d_gbps and args.h2d_gbps * GB,
-        "ram_bps": args.ram_gbps and args.ram_gbps * GB,
-        "gpu_flops": args.gpu_tflops and args.gpu_tflops * 1e12,
-        "cpu_flops": args.cpu_tflops and args.cpu_tflops * 1e12,
-        "cpu_bf16_flops": args.cpu_bf16_tflops and args.cpu_bf16_tflops * 1e12,
-    }
-    from dataclasses import replace
-
-    machine = replace(machine, **{k: v for k, v in overrides.items() if v})
+    machine, sources = measure_rates(machine, given, probe_cpu=this_cpu, probe_gpu=this_gpu)
+    if disk_bps is not None and "disk_read_bps" not in given:
+        sources["disk_read_bps"] = "measured under the store"
+    sources = {k: f"assumed; {RATE_FLAGS[k]} states yours" if v == "assumed" else v for k, v in sources.items()}
     work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens, stance_tokens=args.stance_tokens)
     print(
         f"model: {args.preset or args.store} ({config.num_layers} layers, hidden {config.hidden_size}); "
@@ -168,10 +190,9 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(
         f"machine: GPU {machine.gpu_bytes / GB:.0f} GB, RAM {machine.ram_bytes / GB:.0f} GB, "
-        f"disk {machine.disk_read_bps / GB:.1f} GB/s ({disk_source}), host-to-GPU {machine.h2d_bps / GB:.0f} GB/s, "
-        f"CPU {machine.cores} cores, {machine.cpu_flops / 1e12:.2g} TFLOP/s fp32"
-        + (f", {machine.cpu_bf16_flops / 1e12:.2g} bf16" if machine.cpu_bf16 else ", no native bf16")
+        f"CPU {machine.cores} cores, {machine.compute_threads} compute thread(s)"
     )
+    print(f"rates: {describe_rates(machine, sources)}")
     try:
         result = plan(
             config,
@@ -241,22 +262,43 @@ def add_engine_commands(model_sub: Any) -> None:
         "--prompt-tokens", type=int, default=512, help="longest prompt, BOS included (default: %(default)s)"
     )
     pl.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
-    pl.add_argument("--gpu-gb", type=float, default=0.0, help="GPU memory, GB (0 = CPU only)")
-    pl.add_argument("--ram-gb", type=float, help="RAM, GB (default: this machine's)")
+    pl.add_argument(
+        "--gpu-gb",
+        type=float,
+        help="GPU memory, GB (0 = CPU only; default: this machine's GPU, none on a machine given by --ram-gb)",
+    )
+    pl.add_argument(
+        "--ram-gb", type=float, help="RAM of another machine, GB (default: this machine's, its rates measured)"
+    )
     pl.add_argument("--budget-gb", type=float, help="RAM the run may use, GB (default: all)")
     pl.add_argument(
         "--disk-gbps", type=float, help="disk sequential read, GB/s (default: measured with --store, else 3)"
     )
-    pl.add_argument("--h2d-gbps", type=float, help="host-to-GPU copy bandwidth, GB/s (default 12)")
+    pl.add_argument(
+        "--h2d-gbps",
+        type=float,
+        help="host-to-GPU copy bandwidth, GB/s (default: measured on this machine's GPU, else 12)",
+    )
     pl.add_argument(
         "--ram-gbps",
         type=float,
-        help="CPU memory bandwidth, GB/s (default 10): decides whether a decode step attends over a KV cache "
+        help="CPU memory read bandwidth, GB/s (default: measured on this machine, else 10): bounds a small batch's "
+        "decode step over RAM-homed layers, and decides whether a decode step attends over a KV cache "
         "in RAM there (FlexGen's CPU attention) or copies it to the GPU",
     )
-    pl.add_argument("--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default 30)")
-    pl.add_argument("--cpu-tflops", type=float, help="sustained CPU fp32 TFLOP/s (default 0.5)")
-    pl.add_argument("--cpu-bf16-tflops", type=float, help="sustained CPU bf16 TFLOP/s (default 1.0)")
+    pl.add_argument(
+        "--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default: measured on this machine's GPU, else 30)"
+    )
+    pl.add_argument(
+        "--cpu-tflops",
+        type=float,
+        help="sustained CPU fp32 TFLOP/s on all cores (default: measured on this machine, else 0.5)",
+    )
+    pl.add_argument(
+        "--cpu-bf16-tflops",
+        type=float,
+        help="sustained CPU bf16 TFLOP/s on all cores (default: measured where this CPU has native bf16, else 1.0)",
+    )
     pl.add_argument(
         "--cpu-bf16", choices=["yes", "no"], help="the CPU has native bf16 (default: as this machine's CPU)"
     )

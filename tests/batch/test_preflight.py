@@ -37,6 +37,15 @@ def test_a_good_setup_passes_every_check(benv):
     ]
     assert _failed(checks) == set()
     assert _by_name(checks)["templates"].ok is True and _by_name(checks)["memory"].ok is True
+    # The night's plan comes with the rates it was made with, measured at the threads it computes with.
+    memory = _by_name(checks)["memory"].message
+    threads = re.search(r"\n\s+(\d+) compute thread\(s\)", memory)
+    assert threads is not None
+    assert re.search(
+        rf"rates: disk [\d.]+ GB/s \((measured under the store|assumed[^)]*)\), RAM read [\d.]+ GB/s "
+        rf"\(measured at {threads[1]} threads?\), CPU fp32 [\d.]+ TFLOP/s \(measured at {threads[1]} ",
+        memory,
+    )
 
 
 @SQLITE_ONLY
@@ -155,6 +164,7 @@ def test_a_layer_pass_longer_than_the_stall_timeout_is_refused(benv):
     # batch.stall_timeout would see every batch killed mid-prefill and retried until it fails.
     check = _by_name(preflight(benv.config(batch={"stall_timeout": 1e-9})))["memory"]
     assert check.ok is False and "batch.stall_timeout" in check.message and "one layer" in check.message
+    assert "rates: disk" in check.message  # the estimate's rates, and where they came from
 
 
 @SQLITE_ONLY

@@ -140,6 +140,9 @@ def test_a_night_plans_with_the_disk_measured_under_its_store(tmp_path: Path) ->
     assert runtime.store_read_bps(big) == measured  # measured once per process
     settings = runtime.ModelSettings(vocab=tmp_path / "v", store=big)
     assert runtime.machine_for(settings).disk_read_bps == measured
+    assert runtime.night_machine(settings)[1]["disk_read_bps"] == "measured under the store"
+    too_small = runtime.ModelSettings(vocab=tmp_path / "v", store=tiny)
+    assert runtime.night_machine(too_small)[1]["disk_read_bps"] == "assumed; the store's files are too small to measure"
     # Weights pinned in RAM are read from disk once: the plan does not need the disk's rate.
     in_ram = runtime.ModelSettings(vocab=tmp_path / "v", store=big, home="ram")
     default = runtime.Machine(ram_bytes=1).disk_read_bps

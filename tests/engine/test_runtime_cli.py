@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from robot_llm.llm import rates
 from robot_llm.llm.cli import main
 from robot_llm.llm.generate import SamplingParams
 from robot_llm.llm.machine import cpu_has_native_bf16
@@ -99,6 +101,42 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     assert "refused" in out and "GB/s (assumed; --disk-gbps states yours)" in out
     assert main([*args, "--dtype", "int4"]) == 0
     assert "weights stored as int4" in capsys.readouterr().out
+
+
+def test_plan_command_measures_this_machine_and_given_rates_win(capsys: pytest.CaptureFixture[str]) -> None:
+    probes = (rates.cpu_gemm_flops, rates.ram_read_bps, rates.gpu_rates)
+    for probe in probes:
+        probe.cache_clear()
+    # Another machine (--ram-gb): its rates are assumed, and nothing of this one is measured.
+    assert main(["model", "plan", "--preset", "yalm-100b", "--ram-gb", "256", "--dtype", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU fp32 0.5 TFLOP/s (assumed; --cpu-tflops states yours)" in out
+    assert "RAM read 10.0 GB/s (assumed; --ram-gbps states yours)" in out
+    assert [probe.cache_info().currsize for probe in probes] == [0, 0, 0]
+    # This machine's CPU with another GPU (--gpu-gb): the CPU measured, the GPU's rates assumed, not probed.
+    assert main(["model", "plan", "--preset", "yalm-100b", "--gpu-gb", "8", "--dtype", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 30 TFLOP/s (assumed; --gpu-tflops states yours)" in out
+    assert "host-to-GPU 12.0 GB/s (assumed; --h2d-gbps states yours)" in out
+    assert rates.gpu_rates.cache_info().currsize == 0
+
+    # This machine: measured at the threads its plan computes with; given flags win over the measurement.
+    def threads(out: str) -> str:
+        planned = re.search(r"CPU \d+ cores, (\d+) compute thread\(s\)", out)
+        assert planned is not None and f"\n{planned[1]} compute thread(s)\n" in out  # the plan's own count
+        return planned[1]
+
+    flags = ["--cpu-tflops", "0.3", "--ram-gbps", "7"]
+    assert main(["model", "plan", "--preset", "yalm-100b", "--dtype", "int4", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "RAM read 7.0 GB/s (given)" in out and "CPU fp32 0.3 TFLOP/s (given)" in out
+    if cpu_has_native_bf16():
+        assert re.search(rf"bf16 [\d.]+ TFLOP/s \(measured at {threads(out)} threads?[,)]", out)
+    assert main(["model", "plan", "--preset", "yalm-100b", "--dtype", "int4"]) == 0
+    out = capsys.readouterr().out
+    n = threads(out)
+    assert re.search(rf"RAM read [\d.]+ GB/s \(measured at {n} threads?\)", out)
+    assert re.search(rf"CPU fp32 [\d.]+ TFLOP/s \(measured at {n} threads?[,)]", out)
 
 
 def test_the_stream_engine_reports_liveness_after_every_layer(tiny_dir: Path, stores: dict[str, Path]) -> None:

@@ -283,6 +283,7 @@ def test_convert_command_reports_the_split_and_refuses_all_int4_without_int4(
     assert "layer matrices: 11 int4, 3 int8 (int8: the GGUF file keeps them at more than 5 bits" in out
     # model plan --store plans the store's own weights (before: fp16 unless --dtype said otherwise).
     plan_args = ["--prompts", "2", "--prompt-tokens", "8", "--max-new-tokens", "4", "--stance-tokens", "0"]
+    plan_args += ["--ram-gb", "8", "--cores", "2"]  # a described machine: nothing of this one is measured
     assert main(["model", "plan", "--store", str(tmp_path / "s"), *plan_args]) == 0
     assert "weights stored as int4" in capsys.readouterr().out
     assert main([*args[:-1], "fp16", "--all-int4"]) != 0
