@@ -17,8 +17,10 @@ bash scripts/install.sh --dev --deepspeed-ops
 lint=0
 "$VENV/bin/ruff" check . || lint=$?
 status=0
-# A test that hangs fails after 15 minutes instead of holding the run until CI gives up.
-"$VENV/bin/pytest" --timeout=900 --durations=15 "$@" || status=$?
+# A test that hangs fails after 15 minutes instead of holding the run until CI gives up. One worker
+# per core, at most 4 (pytest-xdist): most tests compute on one thread (the model tests set torch's
+# threads to 1, the subprocesses OMP_NUM_THREADS=1), so two cores run the suite in about half the time.
+"$VENV/bin/pytest" --timeout=900 --durations=15 -n auto --maxprocesses=4 "$@" || status=$?
 if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure" >&2
     exit 1

@@ -116,7 +116,9 @@ class DemoRun:
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
-    """``robot-llm demo`` exactly as the README writes it, in an empty folder, once per session.
+    """``robot-llm demo`` exactly as the README writes it, in an empty folder, once per session
+    (per worker under ``pytest -n``: xdist's ``loadgroup`` cannot pin its users to one worker on
+    pytest 9.2, whose node ids it no longer rewrites, so a second worker may run it again).
 
     It is the slowest command there is (a real model): test_demo checks what it printed and
     stored and runs it again; test_readme runs strategies/README.md's commands on its database.

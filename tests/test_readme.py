@@ -211,6 +211,7 @@ def _run_blocks(path: Path, folder: Path, demo: DemoRun) -> int:
     return ran
 
 
+@pytest.mark.slow
 def test_every_readme_block_runs(reader_folder: Path, demo_run: DemoRun) -> None:
     # At least this many runnable commands and snippets in each.
     assert _run_blocks(README, reader_folder, demo_run) >= 10
