@@ -184,12 +184,12 @@ def _memory(config: AppConfig) -> Check:
     m = config.model
     shape = model_shape(config)
     settings = model_settings(config)
-    layer_sizes = None
+    layer_sizes, int8_share = None, 0.0
     if m.store is not None:  # the runtime reads the store whenever one is set
         from robot_llm.llm.store import read_manifest
 
         manifest = read_manifest(m.store)
-        weight_dtype, layer_sizes = manifest.dtype, manifest.layer_bytes()
+        weight_dtype, layer_sizes, int8_share = manifest.dtype, manifest.layer_bytes(), manifest.int8_share()
     else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
         weight_dtype = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
@@ -198,7 +198,7 @@ def _memory(config: AppConfig) -> Check:
     machine, sources = night_machine(settings)
     rates = f"rates: {describe_rates(machine, sources)}"
     try:
-        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype, machine, layer_sizes)
+        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype, machine, layer_sizes, int8_share)
     except PlanError as exc:
         return Check("memory", False, f"the model does not fit: {exc}".replace("\n", " "))
     if chosen.batch_size < m.max_batch_size:

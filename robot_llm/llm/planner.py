@@ -117,6 +117,7 @@ class Plan:
     threads: int = 1
     stance_seconds: float = 0.0
     attention_home: Literal["compute", "kv"] = "compute"
+    int8_share: float = 0.0
 
     @property
     def kv(self) -> tuple[Literal["device", "cpu"], str]:
@@ -137,7 +138,8 @@ class Plan:
     def describe(self) -> str:
         """Human-readable plan (what ``robot-llm model plan`` prints)."""
         lines = [
-            f"compute on {self.device} in {self.compute_dtype}, weights stored as {self.weight_dtype}",
+            f"compute on {self.device} in {self.compute_dtype}, weights stored as {self.weight_dtype}"
+            + (f" ({self.int8_share:.0%} of the layer matrices' parameters int8)" if self.int8_share else ""),
             f"batch size {self.batch_size} ({self.num_batches} batches of the {self.work.num_prompts} prompts), "
             f"prefill micro-batch {self.micro_batch}",
             f"weights homed in {self.weight_home}"
@@ -252,6 +254,7 @@ def plan(
     weight_home: Home | None = None,
     kv_dtype: str | None = None,
     layer_sizes: Sequence[int] | None = None,
+    int8_share: float = 0.0,
 ) -> Plan:
     """The fastest placement that fits; raises :class:`PlanError` when none does.
 
@@ -267,10 +270,14 @@ def plan(
     ``layer_sizes`` are the stored bytes of each transformer layer of a converted store
     (:meth:`robot_llm.llm.store.Manifest.layer_bytes`: an int4 store of a GGUF file keeps
     some matrices int8); by default every layer has :func:`layer_bytes` of ``weight_dtype``.
+    ``int8_share`` is the share of the layers' matrix parameters such an int4 store keeps int8
+    (:meth:`robot_llm.llm.store.Manifest.int8_share`): they are timed on int8's kernels and row limit.
     """
     sizes = tuple(layer_sizes) if layer_sizes is not None else (layer_bytes(cfg, weight_dtype),) * cfg.num_layers
     if len(sizes) != cfg.num_layers:
         raise PlanError(f"{len(sizes)} layer sizes for a model of {cfg.num_layers} layers")
+    if not 0 <= int8_share <= 1 or (int8_share and weight_dtype != "int4"):
+        raise PlanError(f"an int8 share of {int8_share} for {weight_dtype} weights (only an int4 store has one)")
     if work.num_prompts < 1 or work.prompt_tokens < 1 or work.max_new_tokens < 0:
         raise PlanError(f"nothing to plan for {work}")
     total_tokens = work.prompt_tokens + work.max_new_tokens
@@ -296,7 +303,9 @@ def plan(
     for home, kv_home, kvd in itertools.product(homes, kv_homes, kv_dtypes):
         candidate = None
         for batch in _descending(cap_batch):
-            candidate = _try(cfg, work, machine, sizes, weight_dtype, cdtype, home, (kv_home, kvd), batch, ram, gpu)
+            candidate = _try(
+                cfg, work, machine, sizes, weight_dtype, cdtype, home, (kv_home, kvd), batch, ram, gpu, int8_share
+            )
             if isinstance(candidate, Plan):
                 break
         if isinstance(candidate, Plan):
@@ -324,16 +333,43 @@ def _descending(cap: int) -> list[int]:
     return sizes
 
 
+def _matrix_shares(weight_dtype: str, int8_share: float) -> dict[str, float]:
+    """Share of a layer's matrix parameters per stored dtype (an int4 store may keep some matrices int8)."""
+    if weight_dtype != "int4" or not int8_share:
+        return {weight_dtype: 1.0}
+    return {d: share for d, share in (("int4", 1 - int8_share), ("int8", int8_share)) if share}
+
+
 def _kernel_sized(
     cfg: ModelConfig, work: Work, machine: Machine, sizes: tuple[int, ...], p: Plan, ram: int, gpu: int
 ) -> Plan:
-    """``p``, or batches small enough for the fused int4/int8 CPU kernels' decode steps where that is faster."""
-    limit = FUSED_MAX_ROWS.get(p.weight_dtype)
-    if machine.has_gpu or p.compute_dtype != "bf16" or limit is None or p.batch_size <= limit:
+    """``p``, or batches small enough for the fused int4/int8 CPU kernels' decode steps where that is faster
+    (each stored dtype's row limit is tried: a mixed int4 store's int8 matrices have a lower one)."""
+    if machine.has_gpu or p.compute_dtype != "bf16":
         return p
-    even = math.ceil(work.num_prompts / math.ceil(work.num_prompts / limit))
-    small = _try(cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
-    return small if isinstance(small, Plan) and small.total_seconds < p.total_seconds else p
+    best = p
+    for dtype in _matrix_shares(p.weight_dtype, p.int8_share):
+        limit = FUSED_MAX_ROWS.get(dtype)
+        if limit is None or p.batch_size <= limit:
+            continue
+        even = math.ceil(work.num_prompts / math.ceil(work.num_prompts / limit))
+        small = _try(
+            cfg,
+            work,
+            machine,
+            sizes,
+            p.weight_dtype,
+            p.compute_dtype,
+            p.weight_home,
+            p.kv,
+            even,
+            ram,
+            gpu,
+            p.int8_share,
+        )
+        if isinstance(small, Plan) and small.total_seconds < best.total_seconds:
+            best = small
+    return best
 
 
 def _rebalance(
@@ -343,11 +379,15 @@ def _rebalance(
     lo, hi = p.batch_size, min(cap, 2 * p.batch_size - 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        got = _try(cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, mid, ram, gpu)
+        got = _try(
+            cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, mid, ram, gpu, p.int8_share
+        )
         lo, hi = (mid, hi) if isinstance(got, Plan) else (lo, mid - 1)
     batches = math.ceil(work.num_prompts / lo)
     even = math.ceil(work.num_prompts / batches)
-    final = _try(cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu)
+    final = _try(
+        cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu, p.int8_share
+    )
     return final if isinstance(final, Plan) else p
 
 
@@ -363,10 +403,12 @@ def _try(
     batch: int,
     ram_cap: int,
     gpu_cap: int,
+    int8_share: float = 0.0,
 ) -> Plan | str:
     """The plan for exactly this batch with the KV cache ``kv`` = (home, dtype), or why it does not fit.
 
-    ``sizes`` are the stored bytes of each layer: a slot holds the largest, a home the ones it homes.
+    ``sizes`` are the stored bytes of each layer: a slot holds the largest, a home the ones it homes;
+    ``int8_share`` of an int4 store's matrix parameters are int8.
     """
     kv_home, kv_dtype = kv
     L, c = cfg.num_layers, DTYPE_BYTES[cdtype]
@@ -437,7 +479,7 @@ def _try(
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
     memory["disk"] = {"weight store": sum(sizes) + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    timing = _Timing(cfg, machine, sizes, converts, cdtype, ram_layers, kv, kv_elem, weight_dtype)
+    timing = _Timing(cfg, machine, sizes, converts, cdtype, ram_layers, kv, kv_elem, weight_dtype, int8_share)
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
     stance = timing.pass_seconds(batch, T, slots) if T else 0.0
@@ -467,6 +509,7 @@ def _try(
         threads=machine.compute_threads,
         stance_seconds=stance,
         attention_home=attention_home,
+        int8_share=int8_share,
     )
 
 
@@ -483,6 +526,7 @@ class _Timing:
     kv: tuple[Literal["device", "cpu"], str]
     kv_elem_bytes: float
     weight_dtype: str = "fp16"
+    int8_share: float = 0.0
 
     def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
         """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
@@ -491,15 +535,16 @@ class _Timing:
         params = layer_params(cfg)
         rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
         rows = batch * tokens
-        matmuls = 2 * rows * params / rate
         fused = not m.has_gpu and self.weight_dtype in FUSED_RATES and self.dtype == "bf16"
-        if fused and rows <= FUSED_MAX_ROWS[self.weight_dtype]:  # torch's fused kernels read the stored bytes
-            values_per_s, flops = FUSED_RATES[self.weight_dtype]
-            matmuls = params * (1 / values_per_s + 2 * rows / flops) / m.compute_threads
-        elif fused and self.weight_dtype == "int8":  # the codes widened once per pass, then a bf16 GEMM
-            matmuls += params / (INT8_WIDEN_ELEMS_PER_S * m.compute_threads)
-        elif self.converts and not m.has_gpu:  # dequantized by the reader (or, fused, once by the compute thread)
-            matmuls += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        if fused:  # each stored dtype's share of the parameters takes that dtype's own path
+            shares = _matrix_shares(self.weight_dtype, self.int8_share)
+            matmuls = sum(
+                self._fused_path_seconds(dtype, share * params, rows, rate) for dtype, share in shares.items()
+            )
+        else:
+            matmuls = 2 * rows * params / rate
+            if self.converts and not m.has_gpu:  # dequantized by the reader
+                matmuls += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         compute = matmuls + 4 * rows * slots * q_width / rate
         kv_values = 2 * batch * slots * kv_width
         if tokens == 1:
@@ -513,6 +558,17 @@ class _Timing:
             max(size / ram_bps, size / m.disk_read_bps if i >= self.ram_layers else 0.0, compute)
             for i, size in enumerate(self.layer_sizes)
         )
+
+    def _fused_path_seconds(self, dtype: str, params: float, rows: int, rate: float) -> float:
+        """Matrix seconds of ``params`` stored as ``dtype`` (int4/int8) with bf16 activations on the CPU."""
+        threads = self.machine.compute_threads
+        if rows <= FUSED_MAX_ROWS[dtype]:  # torch's fused kernels read the stored bytes
+            values_per_s, flops = FUSED_RATES[dtype]
+            return params * (1 / values_per_s + 2 * rows / flops) / threads
+        # Past the kernel's row limit, a bf16 GEMM: int8 codes widened once per pass (a copy), int4 ones
+        # dequantized once by the compute thread.
+        widen = INT8_WIDEN_ELEMS_PER_S if dtype == "int8" else DEQUANT_ELEMS_PER_S
+        return 2 * rows * params / rate + params / (widen * threads)
 
 
 def decode_attention(

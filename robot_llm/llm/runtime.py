@@ -210,7 +210,14 @@ class LoadedModel:
         )
         work = Work(count, prompt_tokens, new_tokens, shared)
         manifest = model.store.manifest
-        job = plan_run(settings, self.config, work, manifest.dtype, layer_sizes=manifest.layer_bytes())
+        job = plan_run(
+            settings,
+            self.config,
+            work,
+            manifest.dtype,
+            layer_sizes=manifest.layer_bytes(),
+            int8_share=manifest.int8_share(),
+        )
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
         model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
         model.attention_home = job.attention_home
@@ -292,10 +299,12 @@ def plan_run(
     weight_dtype: str,
     machine: Machine | None = None,
     layer_sizes: Sequence[int] | None = None,
+    int8_share: float = 0.0,
 ) -> Plan:
     """The plan for ``work`` on this machine (``machine``: as :func:`machine_for` gives it) under the settings'
     budgets and pins (raises PlanError). ``layer_sizes``: a store's bytes per layer
-    (:meth:`~robot_llm.llm.store.Manifest.layer_bytes`; an int4 store may keep some matrices int8)."""
+    (:meth:`~robot_llm.llm.store.Manifest.layer_bytes`; an int4 store may keep some matrices int8), and
+    ``int8_share`` the share of its matrix parameters that are (:meth:`~robot_llm.llm.store.Manifest.int8_share`)."""
     return plan(
         config,
         work,
@@ -307,6 +316,7 @@ def plan_run(
         weight_home=None if settings.home == "auto" else settings.home,
         kv_dtype=settings.kv_dtype,
         layer_sizes=layer_sizes,
+        int8_share=int8_share,
     )
 
 
@@ -391,7 +401,12 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
     store = Store(store_dir)
     # Refuse now what cannot fit; otherwise open the engine exactly as planned.
     night = plan_run(
-        settings, config, night_work(settings, config), store.manifest.dtype, layer_sizes=store.manifest.layer_bytes()
+        settings,
+        config,
+        night_work(settings, config),
+        store.manifest.dtype,
+        layer_sizes=store.manifest.layer_bytes(),
+        int8_share=store.manifest.int8_share(),
     )
     log.info("the night's plan:\n%s", night.describe())
     _set_threads(night.threads)

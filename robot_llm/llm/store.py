@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,16 +175,31 @@ class Manifest:
         """Sum of all file sizes."""
         return sum(f.size for f in self.files)
 
-    def matrix_counts(self) -> dict[str, int]:
-        """Quantized layer matrices per dtype, e.g. ``{"int4": 27, "int8": 99}`` (empty for a float store)."""
-        counts: dict[str, int] = {}
+    def _quantized_matrices(self) -> Iterator[tuple[str, int]]:
+        """(stored dtype, parameters) of each quantized layer matrix."""
         for kind, index, shapes in module_plan(self.config):
             int8_keys = self.int8_tensors.get(file_name(kind, index), ())
             for key, shape in shapes.items():
                 quantized = matrix_dtype(self.dtype, kind, key, shape, int8_keys)
                 if quantized is not None:
-                    counts[quantized] = counts.get(quantized, 0) + 1
+                    yield quantized, math.prod(shape)
+
+    def matrix_counts(self) -> dict[str, int]:
+        """Quantized layer matrices per dtype, e.g. ``{"int4": 27, "int8": 99}`` (empty for a float store)."""
+        counts: dict[str, int] = {}
+        for quantized, _ in self._quantized_matrices():
+            counts[quantized] = counts.get(quantized, 0) + 1
         return counts
+
+    def int8_share(self) -> float:
+        """Share of the layer matrices' parameters an int4 store keeps int8 (0.0 for any other store): the
+        planner times them on int8's path (:func:`robot_llm.llm.planner.plan`)."""
+        if not self.int8_tensors:
+            return 0.0
+        params: dict[str, int] = {}
+        for quantized, n in self._quantized_matrices():
+            params[quantized] = params.get(quantized, 0) + n
+        return params.get("int8", 0) / sum(params.values())
 
     def layer_bytes(self) -> list[int]:
         """Payload bytes of each transformer layer's file, in order (what the planner plans a store with)."""

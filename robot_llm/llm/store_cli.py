@@ -132,7 +132,7 @@ def _plan(args: argparse.Namespace) -> int:
     from robot_llm.llm.rates import describe_rates, measure_rates
 
     config: ModelConfig
-    weight_dtype, layer_sizes = args.dtype or "fp16", None
+    weight_dtype, layer_sizes, int8_share = args.dtype or "fp16", None, 0.0
     if args.preset:
         config = HF_PRESETS[args.preset] if args.preset in HF_PRESETS else YalmConfig.preset(args.preset)
     elif args.store:
@@ -141,7 +141,7 @@ def _plan(args: argparse.Namespace) -> int:
         manifest = read_manifest(args.store)
         config = manifest.config
         if args.dtype is None:  # the store's own bytes per layer (an int4 store may keep some matrices int8)
-            weight_dtype, layer_sizes = manifest.dtype, manifest.layer_bytes()
+            weight_dtype, layer_sizes, int8_share = manifest.dtype, manifest.layer_bytes(), manifest.int8_share()
     else:
         raise RobotLLMError("give --preset NAME or --store DIR")
     given = {
@@ -200,6 +200,7 @@ def _plan(args: argparse.Namespace) -> int:
             machine,
             weight_dtype=weight_dtype,
             layer_sizes=layer_sizes,
+            int8_share=int8_share,
             max_batch_size=args.max_batch_size,
             memory_budget_bytes=int(args.budget_gb * GB) if args.budget_gb else None,
         )

@@ -243,3 +243,51 @@ def test_cpu_int4_night_of_a_few_batches_runs_them_at_the_kernels_size_when_that
     values_per_s, flops = FUSED_RATES["int4"]
     matmuls = YALM.num_layers * layer_params(YALM) * (1 / values_per_s + 2 * 30 / flops) / machine.compute_threads
     assert matmuls < chosen.decode_seconds < 1.05 * matmuls
+
+
+def test_a_mixed_int4_store_times_its_int8_matrices_on_int8s_own_path() -> None:
+    # An int4 store of a GGUF file keeps some matrices int8: their share of the parameters is timed with int8's
+    # kernel and row limit (10), the rest with int4's (48). Same bytes per layer: only the time model differs.
+    # bf16 GEMMs slow enough that widened int8 costs more than int4's kernel at 32 rows (at the default 1 TFLOP/s
+    # it costs a little less), fast enough that 32 rows still beat 4 batches of 8 within int8's limit.
+    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8, ram_bps=400 * GB, cpu_bf16_flops=0.6e12)
+    sizes = [layer_bytes(YALM, "int4")] * YALM.num_layers
+    pinned = dict(weight_dtype="int4", compute_dtype="bf16", weight_home="ram", kv_dtype="bf16", layer_sizes=sizes)
+    params, share, threads = YALM.num_layers * layer_params(YALM), 0.25, machine.compute_threads
+
+    def fused(dtype: str, rows: int) -> float:
+        values_per_s, flops = FUSED_RATES[dtype]
+        return share * params * (1 / values_per_s + 2 * rows / flops) / threads
+
+    rows = 32
+    assert FUSED_MAX_ROWS["int8"] < rows <= FUSED_MAX_ROWS["int4"]
+    work = Work(rows, 64, 16)
+    int4 = plan(YALM, work, machine, **pinned)
+    assert plan(YALM, work, machine, **pinned, int8_share=0.0) == int4  # nothing int8: today's numbers
+    mixed = plan(YALM, work, machine, **pinned, int8_share=share)
+    assert (mixed.batch_size, int4.batch_size) == (rows, rows)
+    # Past int8's limit its codes are widened (a copy) and multiplied densely in bf16, here slower than int4's kernel.
+    widened = share * params * (2 * rows / machine.cpu_rate("bf16") + 1 / (INT8_WIDEN_ELEMS_PER_S * threads))
+    assert widened > fused("int4", rows)
+    assert mixed.decode_seconds - int4.decode_seconds == pytest.approx(widened - fused("int4", rows), rel=1e-6)
+    # Within int8's limit both take their fused kernels; int8's reads and multiplies slower.
+    small = Work(FUSED_MAX_ROWS["int8"], 64, 16)
+    gap = plan(YALM, small, machine, **pinned, int8_share=share).decode_seconds
+    gap -= plan(YALM, small, machine, **pinned).decode_seconds
+    assert gap == pytest.approx(fused("int8", small.num_prompts) - fused("int4", small.num_prompts), rel=1e-6)
+    assert gap > 0
+    # What model plan prints says the store is mixed.
+    assert "weights stored as int4 (25% of the layer matrices' parameters int8)" in mixed.describe()
+    assert "parameters int8" not in int4.describe()
+    for dtype, bad in (("int4", 1.5), ("int4", -0.1), ("int8", 0.25), ("fp16", 0.25)):
+        with pytest.raises(PlanError, match="int8 share"):
+            plan(YALM, work, machine, **{**pinned, "weight_dtype": dtype, "layer_sizes": None}, int8_share=bad)
+
+
+def test_a_mixed_store_may_take_batches_within_int8s_row_limit() -> None:
+    # The kernel-sized retry tries each stored dtype's row limit: a mixed store's int8 one too.
+    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8, ram_bps=400 * GB, cpu_bf16_flops=0.05e12)
+    pinned = dict(weight_dtype="int4", compute_dtype="bf16", weight_home="ram", kv_dtype="bf16")
+    work = Work(40, 8, 256)  # long decodes: the step's cost decides
+    assert plan(YALM, work, machine, **pinned).batch_size == 40  # all int4: its kernel takes 40 rows
+    assert plan(YALM, work, machine, **pinned, int8_share=0.9).batch_size <= FUSED_MAX_ROWS["int8"]

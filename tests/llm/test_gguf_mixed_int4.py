@@ -12,6 +12,7 @@ store of the same file (the dequantised model) far closer than an all-int4 store
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +238,15 @@ def test_sizes_and_the_planner_follow_the_per_tensor_choice(converted: dict[str,
     assert planned.memory["disk"]["weight store"] == sum(sizes) + 2 * (2 * VOCAB * HIDDEN + HIDDEN)
     disk = plan(manifest.config, work, machine, weight_dtype="int4", layer_sizes=sizes, weight_home="disk")
     assert disk.memory["ram"]["staging slots"] == 2 * sizes[0]  # two slots of the largest layer
+    # The int8 matrices' share of the parameters, which the planner times on int8's own kernel.
+    layer_shapes = [manifest.config.layer_shapes(i) for i in range(LAYERS)]
+    int8 = sum(np.prod(layer_shapes[int(name[6:9])][k]) for name, keys in WANT_INT8.items() for k in keys)
+    assert manifest.int8_share() == int8 / (LAYERS * sum(r * c for r, c in SHAPES.values())) > 0
+    assert read_manifest(converted["all"]).int8_share() == 0.0
+    fast_ram = replace(machine, ram_bps=1e15)  # compute, not reading the tiny layers, bounds a step
+    kwargs = dict(weight_dtype="int4", compute_dtype="bf16", layer_sizes=sizes, weight_home="ram")
+    mixed = plan(manifest.config, work, fast_ram, int8_share=manifest.int8_share(), **kwargs)
+    assert mixed.decode_seconds > plan(manifest.config, work, fast_ram, **kwargs).decode_seconds
 
 
 def test_an_interrupted_conversion_resumes_with_the_same_choice(
@@ -285,6 +295,6 @@ def test_convert_command_reports_the_split_and_refuses_all_int4_without_int4(
     plan_args = ["--prompts", "2", "--prompt-tokens", "8", "--max-new-tokens", "4", "--stance-tokens", "0"]
     plan_args += ["--ram-gb", "8", "--cores", "2"]  # a described machine: nothing of this one is measured
     assert main(["model", "plan", "--store", str(tmp_path / "s"), *plan_args]) == 0
-    assert "weights stored as int4" in capsys.readouterr().out
+    assert "weights stored as int4 (17% of the layer matrices' parameters int8)" in capsys.readouterr().out
     assert main([*args[:-1], "fp16", "--all-int4"]) != 0
     assert "--all-int4 goes with --dtype int4" in capsys.readouterr().err
