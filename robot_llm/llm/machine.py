@@ -25,8 +25,10 @@ class Machine:
     ``cpu_flops`` is the sustained fp32 GEMM rate on all ``cores``, ``cpu_bf16_flops``
     the bf16 one where the CPU has native bf16 (``cpu_bf16``; AVX512-BF16 or AMX),
     else unused; the planner charges ``compute_threads / cores`` of them. ``ram_bps``
-    is how fast the compute threads read weights out of RAM. ``threads`` is how many
-    intra-op threads compute gets (0 = all ``cores``).
+    is how fast the compute threads read weights out of RAM through a one-row fp32 GEMM,
+    ``ram_bf16_bps`` through a bf16 one (torch's bf16 one-row GEMM reads slower; 0 = as
+    ``ram_bps``, e.g. for a machine described by its RAM rate alone). ``threads`` is how
+    many intra-op threads compute gets (0 = all ``cores``).
     """
 
     ram_bytes: int
@@ -38,6 +40,7 @@ class Machine:
     cpu_bf16_flops: float = 1.0e12
     cpu_bf16: bool = False
     ram_bps: float = 10.0 * GB
+    ram_bf16_bps: float = 0.0
     cores: int = 1
     threads: int = 0
     label: str = ""
@@ -55,6 +58,11 @@ class Machine:
     def cpu_rate(self, dtype: str) -> float:
         """Sustained CPU GEMM rate in ``dtype`` (fp16 has no fast CPU path: fp32's rate at best)."""
         return self.cpu_bf16_flops if dtype == "bf16" and self.cpu_bf16 else self.cpu_flops
+
+    def ram_rate(self, dtype: str) -> float:
+        """Bytes/s at which a one-row GEMM in ``dtype`` reads its weight out of RAM (fp32's rate unless bf16's
+        was measured or given)."""
+        return self.ram_bf16_bps if dtype == "bf16" and self.ram_bf16_bps else self.ram_bps
 
 
 def with_label(machine: Machine, label: str) -> Machine:

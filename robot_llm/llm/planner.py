@@ -552,8 +552,10 @@ class _Timing:
         if self.kv[1] in KV_QUANTIZED and not m.has_gpu:
             compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
         # A RAM-homed layer crosses the host link to a GPU; on the CPU the cores still read it from RAM,
-        # which bounds a small batch's step (counting it as free made batch 1 look as fast as any).
-        ram_bps = m.h2d_bps if m.has_gpu else m.ram_bps
+        # which bounds a small batch's step (counting it as free made batch 1 look as fast as any): through
+        # a GEMM in the compute dtype (torch's one-row bf16 GEMM reads slower than fp32's), unless the fused
+        # kernels or a widening copy read the int4/int8 codes (their rates are in ``compute``).
+        ram_bps = m.h2d_bps if m.has_gpu else m.ram_bps if fused else m.ram_rate(self.dtype)
         return sum(
             max(size / ram_bps, size / m.disk_read_bps if i >= self.ram_layers else 0.0, compute)
             for i, size in enumerate(self.layer_sizes)

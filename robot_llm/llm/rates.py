@@ -7,9 +7,12 @@ The planner (:mod:`robot_llm.llm.planner`) prices a pass with a few rates of
   passes that compute-bound a night are prefill and the stance pass, whose GEMMs have
   micro-batch x tokens rows (hundreds to thousands); a decode step's few rows are bounded by
   reading the weights instead (below). So the GEMM probe has many rows.
-* ``ram_bps`` for the compute threads reading a RAM-homed layer: the floor under a small
-  batch's decode step (and, on a GPU machine, attending over a KV cache kept in RAM). So the
-  RAM probe reads a matrix larger than the caches through a one-row GEMM, as a decode step does.
+* ``ram_rate(dtype)`` for the compute threads reading a RAM-homed layer: the floor under a small
+  batch's decode step (and, on a GPU machine, ``ram_bps`` for attending over a KV cache kept in
+  RAM). So the RAM probe reads a matrix larger than the caches through a one-row GEMM, as a
+  decode step does, in fp32 (``ram_bps``) and, where bf16 is native, in bf16 (``ram_bf16_bps``):
+  torch's one-row bf16 GEMM reads slower at 1 thread (here: fp32 23.5 GB/s, bf16 16.6 GB/s; about
+  equal at 2 threads).
 * ``h2d_bps`` for a layer (or the KV cache) crossing from pinned host slots to the GPU, and
   ``gpu_flops`` for the GPU's GEMMs (fp16, the GPU's compute dtype).
 
@@ -115,14 +118,16 @@ def gemm_flops(
     return 2 * rows * inner * outer * per_s
 
 
-def read_bps(nbytes: int = PROBE_BYTES, *, threads: int | None = None, seconds: float = PROBE_SECONDS) -> float:
-    """Bytes/s at which the compute threads read an fp32 matrix of ``nbytes`` out of RAM: a one-row GEMM over
-    it, as a batch-1 decode step reads a layer (a plain reduction reads faster than any step does)."""
+def read_bps(
+    nbytes: int = PROBE_BYTES, dtype: str = "fp32", *, threads: int | None = None, seconds: float = PROBE_SECONDS
+) -> float:
+    """Bytes/s at which the compute threads read a ``dtype`` matrix of ``nbytes`` out of RAM: a one-row GEMM
+    over it, as a batch-1 decode step reads a layer (a plain reduction reads faster than any step does)."""
     import torch
 
-    width = 4096
-    w = torch.ones(max(1, nbytes // (4 * width)), width)
-    x = torch.ones(1, width)
+    dt, width = getattr(torch, _DTYPES[dtype]), 4096
+    w = torch.ones(max(1, nbytes // (dt.itemsize * width)), width, dtype=dt)
+    x = torch.ones(1, width, dtype=dt)
     with intra_op_threads(threads):
         per_s = _calls_per_second(lambda: torch.nn.functional.linear(x, w), lambda: None, seconds)
     return w.numel() * w.element_size() * per_s
@@ -159,9 +164,10 @@ def cpu_gemm_flops(dtype: str, threads: int) -> float | None:
 
 
 @functools.cache
-def ram_read_bps(threads: int) -> float | None:
-    """The RAM read rate at ``threads`` intra-op threads (:func:`read_bps`); None without torch. Once per process."""
-    return read_bps(threads=threads) if _torch_present() else None
+def ram_read_bps(dtype: str, threads: int) -> float | None:
+    """The RAM read rate of a one-row GEMM in ``dtype`` at ``threads`` intra-op threads (:func:`read_bps`); None
+    without torch. Measured once per process per (dtype, threads)."""
+    return read_bps(dtype=dtype, threads=threads) if _torch_present() else None
 
 
 @functools.cache
@@ -186,7 +192,7 @@ def gpu_rates(
 # --------------------------------------------------------------------------- the machine with its rates
 
 #: Machine fields that are rates, in the order they are printed.
-RATE_FIELDS = ("disk_read_bps", "ram_bps", "cpu_flops", "cpu_bf16_flops", "h2d_bps", "gpu_flops")
+RATE_FIELDS = ("disk_read_bps", "ram_bps", "cpu_flops", "cpu_bf16_flops", "ram_bf16_bps", "h2d_bps", "gpu_flops")
 
 
 def _threads_label(threads: int) -> str:
@@ -202,10 +208,11 @@ def measure_rates(
 ) -> tuple[Machine, dict[str, str]]:
     """``machine`` with its rates, and where each came from (by field: ``given``, ``measured ...``, ``assumed``).
 
-    ``given`` rates (by field name) win. The CPU's GEMM rates (bf16 only where it is native) and RAM
-    read rate are measured here with ``probe_cpu``, at ``machine.compute_threads``; the GPU's copy and
+    ``given`` rates (by field name) win. The CPU's GEMM and RAM read rates (fp32, and bf16 where it is
+    native) are measured here with ``probe_cpu``, at ``machine.compute_threads``; the GPU's copy and
     GEMM rates with ``probe_gpu`` where the machine has a GPU. The rest stay the defaults, assumed.
     The disk's rate is the caller's (it is measured under a store): labelled assumed unless given.
+    A given ``ram_bps`` stands for every dtype: bf16's read is then not measured (nor printed).
 
     The planner charges CPU compute at ``cpu_rate(dtype) * compute_threads / cores``: a CPU rate measured
     at ``t`` threads is stored as ``rate * cores / t``, so that the planner gets back the measured rate at
@@ -223,9 +230,10 @@ def measure_rates(
             rate = cpu_gemm_flops(dtype, threads) if wanted and field not in given else None
             if rate is not None:
                 measured[field], sources[field] = rate * scale, scaled
-        ram = ram_read_bps(threads) if "ram_bps" not in given else None
-        if ram is not None:
-            measured["ram_bps"], sources["ram_bps"] = ram, label
+        for field, dtype, wanted in (("ram_bps", "fp32", True), ("ram_bf16_bps", "bf16", machine.cpu_bf16)):
+            ram = ram_read_bps(dtype, threads) if wanted and not {"ram_bps", field} & given.keys() else None
+            if ram is not None:
+                measured[field], sources[field] = ram, label
     if probe_gpu and machine.has_gpu and not {"h2d_bps", "gpu_flops"} <= given.keys():
         gpu = gpu_rates()
         if gpu is not None:
@@ -255,6 +263,8 @@ def describe_rates(machine: Machine, sources: Mapping[str, str]) -> str:
         if machine.cpu_bf16
         else "no native bf16",
     ]
+    if machine.ram_bf16_bps:  # else bf16 reads at the RAM read rate above
+        parts.append(f"RAM read in bf16 {machine.ram_bf16_bps / 1e9:.1f} GB/s{src('ram_bf16_bps')}")
     if machine.has_gpu:
         parts.append(f"host-to-GPU {machine.h2d_bps / 1e9:.1f} GB/s{src('h2d_bps')}")
         parts.append(f"GPU {machine.gpu_flops / 1e12:.3g} TFLOP/s{src('gpu_flops')}")

@@ -25,6 +25,7 @@ RATE_FLAGS = {
     "ram_bps": "--ram-gbps",
     "cpu_flops": "--cpu-tflops",
     "cpu_bf16_flops": "--cpu-bf16-tflops",
+    "ram_bf16_bps": "--ram-gbps",  # unmeasured, bf16 reads at the one RAM rate
     "h2d_bps": "--h2d-gbps",
     "gpu_flops": "--gpu-tflops",
 }

@@ -51,9 +51,11 @@ def test_the_probes_run_at_the_asked_threads_and_put_the_count_back(monkeypatch:
     other = 1 if before > 1 else 2
     seen = _threads_seen(monkeypatch)
     assert _positive(rates.gemm_flops(64, 256, 256, "fp32", threads=other))
-    assert _positive(rates.read_bps(1 << 20, threads=other))
-    assert _positive(rates.cpu_gemm_flops("fp32", other)) and _positive(rates.ram_read_bps(other))
-    assert seen == [other] * 4
+    assert _positive(rates.read_bps(1 << 20, threads=other)) and _positive(
+        rates.read_bps(1 << 20, "bf16", threads=other)
+    )
+    assert _positive(rates.cpu_gemm_flops("fp32", other)) and _positive(rates.ram_read_bps("bf16", other))
+    assert seen == [other] * 5
     assert torch.get_num_threads() == before
 
 
@@ -78,13 +80,20 @@ def test_measured_rates_given_rates_and_their_labels() -> None:
     # Stored for all cores; the planner's share of them (compute_threads / cores) is what was measured.
     assert got.cpu_flops == pytest.approx(fp32 * 2, rel=1e-12)
     assert sources["cpu_flops"] == "measured at 1 thread, scaled to 2 cores"
-    assert got.ram_bps == rates.ram_read_bps(1) and sources["ram_bps"] == "measured at 1 thread"
+    assert got.ram_bps == rates.ram_read_bps("fp32", 1) and sources["ram_bps"] == "measured at 1 thread"
+    line = rates.describe_rates(got, sources)
     if native:
         bf16 = rates.cpu_gemm_flops("bf16", 1)
         assert bf16 is not None and got.cpu_bf16_flops == pytest.approx(bf16 * 2, rel=1e-12)
         assert sources["cpu_bf16_flops"] == "measured at 1 thread, scaled to 2 cores"
+        # The RAM read in bf16 too (torch's one-row bf16 GEMM reads slower), not scaled: it is per thread count.
+        assert got.ram_bf16_bps == rates.ram_read_bps("bf16", 1) and got.ram_rate("bf16") == got.ram_bf16_bps
+        assert sources["ram_bf16_bps"] == "measured at 1 thread"
+        assert f"RAM read in bf16 {got.ram_bf16_bps / 1e9:.1f} GB/s (measured at 1 thread)" in line
     else:
         assert got.cpu_bf16_flops == default.cpu_bf16_flops and sources["cpu_bf16_flops"] == "assumed"
+        assert got.ram_bf16_bps == 0 and got.ram_rate("bf16") == got.ram_bps and "in bf16" not in line
+    assert got.ram_rate("fp32") == got.ram_bps
     # No GPU on this machine: its rates stay the defaults, and the disk is the caller's.
     assert (got.h2d_bps, got.gpu_flops, got.disk_read_bps) == (
         default.h2d_bps,
@@ -98,6 +107,9 @@ def test_measured_rates_given_rates_and_their_labels() -> None:
     got, sources = rates.measure_rates(machine, given)
     assert (got.cpu_flops, got.ram_bps, got.disk_read_bps) == (0.3e12, 7e9, 2e9)
     assert {sources[k] for k in given} == {"given"}
+    # A given RAM rate stands for every dtype: bf16's read is not measured against it, nor printed.
+    assert got.ram_bf16_bps == 0 and got.ram_rate("bf16") == 7e9 and sources["ram_bf16_bps"] == "assumed"
+    assert "in bf16" not in rates.describe_rates(got, sources)
     assert sources["cpu_bf16_flops"] == ("measured at 1 thread, scaled to 2 cores" if native else "assumed")
 
     # A machine described, not this one: nothing measured.
@@ -125,8 +137,8 @@ def test_a_night_plans_with_the_rates_measured_at_its_threads(tmp_path: Path) ->
     assert machine.compute_threads == 1 and machine.gpu_bytes == 0
     assert sources["cpu_flops"].startswith("measured at 1 thread") and sources["ram_bps"] == "measured at 1 thread"
     assert sources["disk_read_bps"] == "assumed; the weights are read once, into RAM"
-    fp32, ram = rates.cpu_gemm_flops("fp32", 1), rates.ram_read_bps(1)
-    assert ram is not None and fp32 is not None
+    fp32 = rates.cpu_gemm_flops("fp32", 1)
+    assert fp32 is not None
 
     # The planner's formulas give back what was measured. Prefill of 256 tokens is compute-bound: each layer
     # costs (2 rows params + 4 rows slots q_width) / rate, the rate being cpu_rate * compute_threads / cores.
@@ -137,7 +149,9 @@ def test_a_night_plans_with_the_rates_measured_at_its_threads(tmp_path: Path) ->
     for dtype, measured in (("fp32", fp32), ("bf16", rates.cpu_gemm_flops("bf16", 1))):
         if dtype == "bf16" and not machine.cpu_bf16:
             continue
-        assert measured is not None
+        # Each compute dtype reads a RAM-homed layer at the rate measured in that dtype.
+        ram = rates.ram_read_bps(dtype, 1)
+        assert measured is not None and ram is not None
         p = plan(cfg, work, machine, weight_dtype=dtype, compute_dtype=dtype, weight_home="ram", kv_dtype="fp32")
         assert p.threads == 1 and p.compute_dtype == dtype
         assert layer_bytes(cfg, dtype) / ram < flops / L / measured  # compute, not the RAM read, bounds prefill
@@ -161,5 +175,5 @@ def test_a_night_measures_once_per_process(tmp_path: Path, monkeypatch: pytest.M
     first = machine_for(settings)
     assert machine_for(settings) == first and night_machine(settings)[0] == first
     assert len(calls) == (2 if first.cpu_bf16 else 1)  # fp32 (and bf16 where native), once each
-    assert rates.ram_read_bps.cache_info().misses == 1
+    assert rates.ram_read_bps.cache_info().misses == (2 if first.cpu_bf16 else 1)  # fp32 (and bf16), once each
     assert rates.gpu_rates.cache_info().currsize == 0  # a CPU night never touches the GPU
