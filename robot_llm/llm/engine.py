@@ -398,7 +398,8 @@ class StreamingModel:
                     self.on_layer()
             if self.cuda:
                 assert self._current.free is not None
-                self._current.free.record()
+                # On the compute device's stream: a bare record() takes the current device's (cuda:0 under cuda:1).
+                self._current.free.record(torch.cuda.current_stream(self.device))
             if self._pool is None and i + 1 < cfg.num_layers:
                 self._prefetched = self._request(i + 1)
         if self._pool is None:
