@@ -51,6 +51,9 @@ PROCESS_BASE_BYTES = int(0.28 * GiB)
 CUDA_HOST_BYTES = int(1.5 * GiB)
 #: CUDA context and allocator slack on the GPU.
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)
+#: A staging slot's bytes beyond its layer's payload: the file's header and O_DIRECT's alignment (the engine
+#: reads whole files into :func:`~robot_llm.llm.store_layout.aligned_buffer` memory).
+SLOT_HEADER_BYTES = 64 << 10
 #: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
 DEQUANT_ELEMS_PER_S = 1.0e9
 #: torch's fused int4/int8 CPU kernels (bf16 activations, no dequantization), per thread: a call on a matrix of
@@ -212,6 +215,12 @@ def layer_bytes(cfg: ModelConfig, weight_dtype: str, group_size: int = DEFAULT_I
         else:
             total += int8_bytes((shape[0], shape[1]))
     return total
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory a pinned buffer of ``nbytes`` takes: torch's caching host allocator rounds every pinned
+    allocation up to a power of two (a YaLM-100B fp16 layer slot of 2.35 GiB pins 4 GiB)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -428,7 +437,8 @@ def _try(
     if home == "ram":
         ram["weights (RAM home)"] = sum(sizes)
     else:
-        ram["staging slots"] = 2 * lb
+        # Pinned on CUDA, where each slot takes the power of two above it.
+        ram["staging slots"] = 2 * (pinned_bytes(lb + SLOT_HEADER_BYTES) if cuda else lb)
     host_embedding = 0 if embedding_is_head(cfg) or not cuda else embedding_params(cfg) * c
     compute_tier["resident modules"] = resident_params(cfg) * c - host_embedding
     if host_embedding:

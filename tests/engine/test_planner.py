@@ -17,6 +17,7 @@ from robot_llm.llm.planner import (
     Work,
     layer_bytes,
     layer_params,
+    pinned_bytes,
     plan,
 )
 from robot_llm.llm.quant import FUSED_MAX_ROWS
@@ -62,6 +63,16 @@ def test_small_gpu_streams_from_disk_with_kv_in_ram() -> None:
     assert 0 < p.ram_layers < YALM.num_layers
     assert p.memory["ram"]["weights (RAM part)"] == p.ram_layers * layer_bytes(YALM, "fp16")
     assert 1 <= p.micro_batch <= p.batch_size <= 300 and _fits(p)
+
+
+def test_pinned_staging_slots_are_planned_as_torch_allocates_them() -> None:
+    # On CUDA the engine's two staging slots are pinned, and torch's caching host allocator rounds each up
+    # to a power of two: a 2.35 GiB fp16 YaLM-100B layer pins 4 GiB per slot (8 GiB, not 4.7, of RAM).
+    gpu = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB)
+    assert plan(YALM, JOB, gpu, weight_home="disk").memory["ram"]["staging slots"] == 2 * 4 * 2**30
+    cpu = plan(YALM, JOB, replace(gpu, gpu_bytes=0), weight_home="disk")  # not pinned on the CPU: as stored
+    assert cpu.memory["ram"]["staging slots"] == 2 * layer_bytes(YALM, "fp16")
+    assert [pinned_bytes(n) for n in (1, 4096, 4097, 2**32)] == [1, 4096, 8192, 2**32]
 
 
 def test_model_that_fits_in_ram_is_homed_there() -> None:
