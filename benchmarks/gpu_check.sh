@@ -6,8 +6,12 @@
 # 1. the yalm-tiny fixture through every engine on CUDA: fp32 (<= 1e-4), fp16 (fp16 tolerance,
 #    docs/yalm-model.md §11), the int8 store, RAM and disk homes (pinned host slots, copy stream);
 # 2. DeepSpeed ZeRO-3 with fp16 on CUDA, offload to cpu and nvme (pinned staging buffers);
-# 3. decode attention where a KV cache in RAM lives (FlexGen's CPU attention) against copying it up;
-# 4. the throughput comparison of benchmarks/offload.py (--quick), now computing on the GPU.
+# 3. decode attention where a KV cache in RAM lives (FlexGen's CPU attention) against copying it up,
+#    with the cache in fp16, int8 and int4;
+# 4. a night's path on the GPU: runtime.open_model (GPU rates probed, the plan applied: auto, and a split
+#    home with an int8 KV cache) generates and scores like the CPU's fp32 reference;
+# 5. benchmarks/offload.py --quick on this machine: its engine rows pin device=cpu (they do not compute on
+#    the GPU); its DeepSpeed rows run on DeepSpeed's CUDA accelerator.
 # Budget: under 8 minutes on one GPU. Exits non-zero at the first failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +76,7 @@ print(f"ok: {len(pointers)} buffers reused, {model.stats.read_bandwidth / 1e6:.0
       f"{100 * model.stats.io_hidden_fraction:.0f}% of I/O hidden")
 EOF
 
-step "FlexGen's CPU attention on cuda: a KV cache in RAM attended there matches one copied up"
+step "FlexGen's CPU attention on cuda: a KV cache in RAM (fp16, int8, int4) attended there matches one copied up"
 "$PY" - "$WORK" <<'EOF'
 import sys
 from pathlib import Path
@@ -83,16 +87,56 @@ from robot_llm.llm.engine import StreamingModel
 
 store = Path(sys.argv[1]) / "tiny-store"
 ids = torch.randint(5, 600, (4, 8))
-logits = {}
-for home in ("compute", "kv"):
-    model = StreamingModel(store, home="ram", device="cuda", dtype="fp16", kv_home="cpu", attention_home=home)
-    cache = model.new_cache(4, 40)
-    first = model.forward(ids, cache)
-    logits[home] = [first[:, -1]] + [model.forward(torch.full((4, 1), 7 + s), cache)[:, -1] for s in range(8)]
-    model.close()
-diff = max(float((a - b).abs().max()) for a, b in zip(logits["compute"], logits["kv"]))
-print(f"max |logit difference| over 8 decode steps: {diff:.4f}")
-assert diff <= 0.05, diff
+for kv_dtype in (None, "int8", "int4"):
+    logits = {}
+    for home in ("compute", "kv"):
+        model = StreamingModel(
+            store, home="ram", device="cuda", dtype="fp16", kv_home="cpu", kv_dtype=kv_dtype, attention_home=home
+        )
+        cache = model.new_cache(4, 40)
+        first = model.forward(ids, cache)
+        logits[home] = [first[:, -1]] + [model.forward(torch.full((4, 1), 7 + s), cache)[:, -1] for s in range(8)]
+        model.close()
+    diff = max(float((a - b).abs().max()) for a, b in zip(logits["compute"], logits["kv"]))
+    print(f"KV {kv_dtype or 'fp16'} in RAM: max |logit difference| over 8 decode steps: {diff:.4f}")
+    assert diff <= 0.05, (kv_dtype, diff)
+EOF
+
+step "a night on cuda: open_model plans the GPU (rates probed), generates and scores like the CPU's fp32 reference"
+"$PY" - "$FIXTURE" "$WORK" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from robot_llm.llm.generate import SamplingParams
+from robot_llm.llm.runtime import ModelSettings, open_model
+
+fixture, work = Path(sys.argv[1]), Path(sys.argv[2])
+vocab = fixture / "vocab" / "voc_tiny.sp"
+prompts = [p["text"] for p in json.loads((fixture / "expected.json").read_text(encoding="utf-8"))["prompts"]]
+params = SamplingParams(max_new_tokens=6, greedy=True)
+labels = [" выросла", " упала"]
+cpu = open_model(
+    ModelSettings(vocab=vocab, backend="memory", checkpoint=fixture / "weights", device="cpu", dtype="fp32")
+)
+want, want_scores = [c.token_ids for c in cpu.generate(prompts, params)], cpu.score(prompts[0], labels)
+cpu.close()
+for pins in ({}, {"home": "split", "kv_dtype": "int8"}):
+    night = open_model(ModelSettings(vocab=vocab, store=work / "tiny-store", max_batch_size=4, **pins))
+    model = night.model
+    assert model.device.type == "cuda" and model.dtype == torch.float16, (model.device, model.dtype)
+    got = [c.token_ids for c in night.generate(prompts, params)]
+    scores = night.score(prompts[0], labels)
+    night.close()
+    same = sum(a == b for a, b in zip(got, want))
+    diff = max(abs(a - b) for a, b in zip(scores, want_scores))
+    print(
+        f"{pins or 'planned'}: home {model.home} ({model.ram_layers} layers in RAM), KV {model.kv_dtype} on "
+        f"{model.kv_device}; {same} of {len(want)} greedy continuations as the CPU's; scores differ by {diff:.4f}"
+    )
+    assert all(1 <= len(t) <= params.max_new_tokens for t in got) and diff <= 0.1, (got, scores, want_scores)
 EOF
 
 step "throughput: benchmarks/offload.py --quick"
