@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from pathlib import Path
 
 #: Requests in flight by default (fio's knee on NVMe and virtio disks is 16-32).
@@ -71,6 +71,9 @@ def read_span(fd: int, view: memoryview, start: int, pool: Executor | None = Non
         return _pread_full(fd, view, start)
     step = chunk_size(length, depth)
     futures = [pool.submit(_pread_full, fd, view[pos : pos + step], start + pos) for pos in range(0, length, step)]
+    # Every request ends before any error is raised: the caller then closes ``fd``, and a request still in
+    # flight would read whatever file reuses that number into a buffer a retry is already filling.
+    wait(futures)
     return sum(f.result() for f in futures)
 
 
