@@ -6,14 +6,16 @@ compute the embedding, each layer and the head. Transformer layers live in their
 and pass through two preallocated slots: while layer ``l`` computes for every
 row of the batch, a background thread reads layer ``l+1`` into the other slot
 (pinned host memory, then a copy stream into a device slot when computing on
-CUDA). Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
+CUDA). There are two such threads, so a layer's reads join the disk's queue
+while the layer before still has requests in flight; what follows a read runs
+one layer at a time. Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
 the family as they were read (:class:`~robot_llm.llm.quant.PackedInt4`,
 :class:`~robot_llm.llm.quant.PackedInt8`): :func:`robot_llm.llm.family.linear`
 runs torch's fused kernels on them at decode batch sizes, so nothing is
 dequantized; a call with more rows than the kernel is worth (a prefill; int8
 from 11 rows) makes the matrix dense once in a compute buffer. Otherwise (fp32
 compute on the CPU, or CUDA) quantized and mixed-dtype layers are converted into
-compute-dtype buffers: on the CPU by the reader thread, one set per slot, so
+compute-dtype buffers: on the CPU by a reader thread, one set per slot, so
 dequantization overlaps compute like the read does; on CUDA on the GPU right
 before use, from the bytes copied up. Slots and buffers are allocated once
 and reused for every layer and every step, so memory does not grow with the
@@ -27,6 +29,7 @@ so :mod:`robot_llm.llm.generate` runs on it unchanged.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -210,7 +213,12 @@ class StreamingModel:
         self._next = 0
         self._prefetched: _Slot | None = None
         self._current = self.slots[0]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-reader") if prefetch else None
+        # Two reader threads: the next layer's reads join the disk pool's queue while the last requests of
+        # the layer before are still in flight, so the disk never waits at a file's end for the queue to
+        # refill. All that follows a read (the GPU copy, conversions, stats) runs one layer at a time.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="layer-reader") if prefetch else None
+        self._after_read = threading.Lock()
+        self._read_busy_until = 0.0
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     # ------------------------------------------------------------------ buffers
@@ -247,37 +255,39 @@ class StreamingModel:
     # ------------------------------------------------------------------ streaming
 
     def _fill(self, slot: _Slot, layer: int) -> int:
-        """Bring ``layer`` into ``slot`` (runs on the reader thread when prefetching).
+        """Bring ``layer`` into ``slot`` (runs on a reader thread when prefetching).
 
         On the CPU the slot ends with the layer's compute-dtype weights in ``slot.params``.
         """
         layout, ram = self.layouts[layer], self.ram[layer]
         if ram is not None and not self.cuda:
             # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
-            slot.params = self._to_compute(layout, ram, slot.buffers)
+            with self._after_read:
+                slot.params = self._to_compute(layout, ram, slot.buffers)
             return 0
         started = time.perf_counter()
         size = layout.data_size
-        if ram is None:
-            slot.offset = self._read_layer(layer, slot)
-            assert slot.host is not None
-            source = slot.host
-        else:
-            slot.offset = 0
-            source = ram
-        if self.cuda:
-            assert self._copy_stream is not None and slot.device is not None and slot.free is not None
-            with torch.cuda.stream(self._copy_stream):
-                # The slot may still feed kernels queued for the layer it held before.
-                self._copy_stream.wait_event(slot.free)
-                end = slot.offset + size
-                slot.device[:end].copy_(source[:end], non_blocking=True)
-            self._copy_stream.synchronize()
-        self.stats.read_seconds += time.perf_counter() - started
-        self.stats.bytes_read += size
-        self.stats.layers_read += 1
-        if not self.cuda:
-            slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
+        offset = self._read_layer(layer, slot) if ram is None else 0
+        source = slot.host if ram is None else ram
+        assert source is not None
+        with self._after_read:
+            slot.offset = offset
+            if self.cuda:
+                assert self._copy_stream is not None and slot.device is not None and slot.free is not None
+                with torch.cuda.stream(self._copy_stream):
+                    # The slot may still feed kernels queued for the layer it held before.
+                    self._copy_stream.wait_event(slot.free)
+                    end = slot.offset + size
+                    slot.device[:end].copy_(source[:end], non_blocking=True)
+                self._copy_stream.synchronize()
+            done = time.perf_counter()
+            # Consecutive layers' reads overlap: the time the reader worked on this one counts once.
+            self.stats.read_seconds += max(0.0, done - max(started, self._read_busy_until))
+            self._read_busy_until = done
+            self.stats.bytes_read += size
+            self.stats.layers_read += 1
+            if not self.cuda:
+                slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
         return size
 
     def _read_layer(self, layer: int, slot: _Slot) -> int:
@@ -301,7 +311,8 @@ class StreamingModel:
                     raise LayerReadError(
                         f"{path}: reading layer {layer} failed {READ_ATTEMPTS} times, last: {exc}"
                     ) from exc
-                self.stats.read_retries += 1
+                with self._after_read:
+                    self.stats.read_retries += 1
                 log.warning("%s: reading layer %d failed (%s); retry %d in %.2fs", path, layer, exc, attempt, delay)
                 time.sleep(delay)
                 delay, attempt = delay * 2, attempt + 1

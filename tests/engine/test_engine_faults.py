@@ -122,3 +122,37 @@ def test_generation_after_a_failed_batch_matches_a_fresh_engine(
         assert torch.equal(model.forward(ids, None, pad), expected)
     finally:
         model.close()
+
+
+def test_the_next_layer_is_read_while_the_read_before_it_stalls(
+    stores: dict[str, Path], reference: Yalm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two reader threads: a slow read of one layer does not hold up the next layer's (so the disk's
+    # queue does not drain at every file's end); the engine stays exact afterwards.
+    model = StreamingModel(stores["fp16"], device="cpu", prefetch=True)
+    first, second = model.paths[0], model.paths[1]
+    release = threading.Event()
+    finished: list[Path] = []
+    real = engine_module.read_into
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> int:
+        if Path(path) == first:
+            release.wait(30)
+        offset = real(path, *args, **kwargs)
+        finished.append(Path(path))
+        return offset
+
+    monkeypatch.setattr(engine_module, "read_into", reader)
+    try:
+        stalled, _ = model._request(0), model._request(1)
+        deadline = time.monotonic() + 30
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finished == [second]
+        assert stalled.ready is not None and not stalled.ready.done()
+        release.set()
+        assert _max_diff(model, reference) <= 1e-4
+        assert finished[:2] == [second, first]
+    finally:
+        release.set()
+        model.close()
