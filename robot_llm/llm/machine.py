@@ -15,7 +15,13 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from robot_llm.errors import RobotLLMError
+
 GB = 1e9
+
+
+class GPUError(RobotLLMError):
+    """CUDA is there but the GPU cannot be asked for its memory (busy, exclusive-process mode, broken driver)."""
 
 
 @dataclass(frozen=True)
@@ -103,18 +109,50 @@ def free_cores(cores: int, load: float | None = None) -> int:
     return max(1, min(cores, round(cores - load)))
 
 
+def usable_gpu_bytes(free: int, total: int, reserved: int) -> int:
+    """The GPU memory this process can use: what is free (a desktop or browser on the same GPU holds the
+    rest) plus what this process's torch already holds (``reserved``: our own model when a night re-plans
+    with it loaded), never more than ``total``."""
+    return max(0, min(total, free + reserved))
+
+
+def gpu_error(exc: BaseException, device: str = "cuda") -> GPUError:
+    """The one-line error for a GPU that cannot be asked for its memory (``exc``: what CUDA raised)."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return GPUError(
+        f"the GPU ({device}) cannot be used: {first}; another process may hold it (exclusive-process mode) "
+        "or its driver is broken: free or fix it, or set model.device: cpu"
+    )
+
+
+def cuda_usable_bytes() -> int:
+    """This process's usable GPU memory (:func:`usable_gpu_bytes`) on the current CUDA device; 0 without CUDA.
+    Raises :class:`GPUError` where CUDA is there but cannot be asked."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        reserved = torch.cuda.memory_reserved(device)
+    except RuntimeError as exc:  # all CUDA-capable devices are busy or unavailable, a driver error...
+        raise gpu_error(exc) from exc
+    return usable_gpu_bytes(free, total, reserved)
+
+
 def detect_machine(disk_read_bps: float | None = None, *, gpu: bool = True) -> Machine:
-    """This machine: RAM from the OS, GPU memory from torch when CUDA is present (and ``gpu``), CPU flags,
+    """This machine: RAM from the OS, the GPU memory this process can use when CUDA is present (and ``gpu``;
+    :func:`cuda_usable_bytes`, which raises :class:`GPUError` for a GPU that cannot be asked), CPU flags,
     free cores. Its rates are the defaults until measured (:func:`robot_llm.llm.rates.measure_rates`)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu_bytes = 0
-    try:
-        import torch
-
-        if gpu and torch.cuda.is_available():
-            gpu_bytes = torch.cuda.mem_get_info()[1]
-    except ImportError:
-        gpu_bytes = 0
+    if gpu:
+        try:
+            gpu_bytes = cuda_usable_bytes()
+        except ImportError:
+            gpu_bytes = 0
     kwargs = {"disk_read_bps": disk_read_bps} if disk_read_bps else {}
     cores = usable_cores()
     return Machine(

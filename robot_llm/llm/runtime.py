@@ -231,6 +231,9 @@ class LoadedModel:
             close()
 
 
+#: Where the GPU's rates come from when they are not probed (``doctor``, ``model plan``).
+GPU_RATES_ASSUMED = "assumed; the night measures it"
+
 #: A store file smaller than this measures the disk's latency, not its bandwidth: the default rate stays.
 PROBE_MIN_BYTES = 64 << 20
 #: The probe reads about this much of the file (0.2 s at 3 GB/s; YaLM-100B's largest file is 2.6 GB).
@@ -252,24 +255,29 @@ def store_read_bps(store: Path) -> float | None:
     return bps
 
 
-def night_machine(settings: ModelSettings) -> tuple[Machine, dict[str, str]]:
+def night_machine(settings: ModelSettings, *, probe_gpu: bool = True) -> tuple[Machine, dict[str, str]]:
     """This machine as the settings let the run use it (device, GPU budget, threads), with its rates measured,
     and where each rate came from (:func:`robot_llm.llm.rates.measure_rates`).
 
-    A stream run's disk rate is measured under its store (:func:`store_read_bps`); the CPU's GEMM and RAM
-    read rates at the threads the night computes with, and a GPU's copy and GEMM rates where it uses one.
-    Every probe runs once per process.
+    Its GPU memory is what this process can use (free plus what its torch holds,
+    :func:`robot_llm.llm.machine.cuda_usable_bytes`), capped by ``gpu_memory_budget_bytes``; the planner's
+    headroom applies to that once. Device ``cpu`` never touches CUDA; a GPU that cannot be asked raises
+    :class:`robot_llm.llm.machine.GPUError`. A stream run's disk rate is measured under its store
+    (:func:`store_read_bps`); the CPU's GEMM and RAM read rates at the threads the night computes with, and a
+    GPU's copy and GEMM rates where it uses one, unless ``probe_gpu`` is off (``doctor``: its ~320 MiB could
+    push a running night out of GPU memory), then they are assumed. Every probe runs once per process.
     """
     store = settings.store if settings.backend == "stream" and settings.home != "ram" else None
     disk = store_read_bps(store) if store is not None else None
-    machine = detect_machine(disk)
-    if settings.device == "cpu":
-        machine = replace(machine, gpu_bytes=0)
-    elif settings.gpu_memory_budget_bytes is not None and machine.has_gpu:
+    machine = detect_machine(disk, gpu=settings.device != "cpu")
+    if settings.gpu_memory_budget_bytes is not None and machine.has_gpu:
         machine = replace(machine, gpu_bytes=min(machine.gpu_bytes, settings.gpu_memory_budget_bytes))
     if settings.threads:
         machine = replace(machine, threads=settings.threads)
-    machine, sources = measure_rates(machine)
+    machine, sources = measure_rates(machine, probe_gpu=probe_gpu)
+    if not probe_gpu and machine.has_gpu:
+        for field in ("h2d_bps", "gpu_flops"):
+            sources[field] = GPU_RATES_ASSUMED
     if disk is not None:
         sources["disk_read_bps"] = "measured under the store"
     elif store is not None:

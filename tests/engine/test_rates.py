@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from robot_llm.errors import RobotLLMError
 from robot_llm.llm import rates
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.machine import Machine, cpu_has_native_bf16
+from robot_llm.llm.machine import GPUError, Machine, cpu_has_native_bf16, usable_gpu_bytes
 from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
 from robot_llm.llm.runtime import ModelSettings, machine_for, night_machine
 
@@ -177,3 +179,64 @@ def test_a_night_measures_once_per_process(tmp_path: Path, monkeypatch: pytest.M
     assert len(calls) == (2 if first.cpu_bf16 else 1)  # fp32 (and bf16 where native), once each
     assert rates.ram_read_bps.cache_info().misses == (2 if first.cpu_bf16 else 1)  # fp32 (and bf16), once each
     assert rates.gpu_rates.cache_info().currsize == 0  # a CPU night never touches the GPU
+
+
+# --------------------------------------------------------------------------- the GPU memory a night may use
+
+GiB = 1 << 30
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, free: int, total: int, reserved: int) -> None:
+    """A CUDA device as torch reports it (no GPU here): ``free`` of ``total`` bytes, ``reserved`` by this process."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+
+
+def test_a_night_may_use_the_free_gpu_memory_plus_its_own() -> None:
+    # An 8 GiB GPU whose desktop holds 1.5 GiB: 6.5 GiB free, nothing of ours yet.
+    assert usable_gpu_bytes(int(6.5 * GiB), 8 * GiB, 0) == int(6.5 * GiB)
+    # Re-planned with our model loaded (5 GiB reserved by our torch): ours counts back as usable.
+    assert usable_gpu_bytes(int(1.5 * GiB), 8 * GiB, 5 * GiB) == int(6.5 * GiB)
+    assert usable_gpu_bytes(8 * GiB, 8 * GiB, 1 * GiB) == 8 * GiB  # never more than the GPU has
+
+
+def test_the_night_machine_sees_usable_gpu_memory_capped_by_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_cuda(monkeypatch, free=int(1.5 * GiB), total=8 * GiB, reserved=5 * GiB)
+    settings = ModelSettings(vocab=tmp_path / "v", store=tmp_path, home="ram", threads=1)
+    got, sources = night_machine(settings, probe_gpu=False)
+    assert got.gpu_bytes == int(6.5 * GiB)
+    assert sources["gpu_flops"] == sources["h2d_bps"] == "assumed; the night measures it"
+    budget = replace(settings, gpu_memory_budget_bytes=4 * GiB)
+    assert night_machine(budget, probe_gpu=False)[0].gpu_bytes == 4 * GiB
+    roomy = replace(settings, gpu_memory_budget_bytes=7 * GiB)  # a budget above what is usable: what is usable
+    assert night_machine(roomy, probe_gpu=False)[0].gpu_bytes == int(6.5 * GiB)
+    assert rates.gpu_rates.cache_info().currsize == 0
+
+
+def test_a_gpu_that_cannot_be_asked_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    busy = "CUDA error: all CUDA-capable devices are busy or unavailable\nCUDA kernel errors might be reported..."
+
+    def raising(device: object = None) -> tuple[int, int]:
+        raise RuntimeError(busy)
+
+    _fake_cuda(monkeypatch, 0, 0, 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", raising)
+    settings = ModelSettings(vocab=tmp_path / "v", store=tmp_path, home="ram", threads=1)
+    with pytest.raises(GPUError) as caught:
+        night_machine(settings)
+    message = str(caught.value)
+    assert "\n" not in message and isinstance(caught.value, RobotLLMError)
+    assert message.startswith("the GPU (cuda) cannot be used: CUDA error: all CUDA-capable devices are busy")
+    assert "model.device: cpu" in message
+    assert rates.gpu_rates.cache_info().currsize == 0
+
+    # A night pinned to the CPU does not touch CUDA at all.
+    def touched() -> bool:
+        raise AssertionError("CUDA asked on a CPU night")
+
+    monkeypatch.setattr(torch.cuda, "is_available", touched)
+    assert night_machine(replace(settings, device="cpu"))[0].gpu_bytes == 0
