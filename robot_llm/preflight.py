@@ -194,8 +194,9 @@ def _memory(config: AppConfig) -> Check:
         weight_dtype = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
         settings = replace(settings, home="ram")
-    # The machine as the night sees it: its rates measured as the night measures them (once per process).
-    machine, sources = night_machine(settings)
+    # The machine as the night sees it: its rates measured as the night measures them (once per process), except
+    # the GPU's: probing them allocates on the GPU, which could push a night running there out of its memory.
+    machine, sources = night_machine(settings, probe_gpu=False)
     rates = f"rates: {describe_rates(machine, sources)}"
     try:
         chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype, machine, layer_sizes, int8_share)

@@ -131,6 +131,7 @@ def _plan(args: argparse.Namespace) -> int:
     from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
     from robot_llm.llm.planner import PlanError, Work, plan
     from robot_llm.llm.rates import describe_rates, measure_rates
+    from robot_llm.llm.runtime import GPU_RATES_ASSUMED
 
     config: ModelConfig
     weight_dtype, layer_sizes, int8_share = args.dtype or "fp16", None, 0.0
@@ -179,10 +180,22 @@ def _plan(args: argparse.Namespace) -> int:
             cores=args.cores,
             **({"disk_read_bps": disk_bps} if disk_bps else {}),
         )
-    machine, sources = measure_rates(machine, given, probe_cpu=this_cpu, probe_gpu=this_gpu)
+    # The GPU's rates are not probed here (the night probes them): the probe's allocation could push a night
+    # running on this GPU out of its memory. They are assumed, and labelled so.
+    machine, sources = measure_rates(machine, given, probe_cpu=this_cpu, probe_gpu=False)
     if disk_bps is not None and "disk_read_bps" not in given:
         sources["disk_read_bps"] = "measured under the store"
-    sources = {k: f"assumed; {RATE_FLAGS[k]} states yours" if v == "assumed" else v for k, v in sources.items()}
+    night = {"h2d_bps", "gpu_flops"} if this_gpu and machine.has_gpu else set()
+    sources = {
+        k: (
+            f"{GPU_RATES_ASSUMED}, {RATE_FLAGS[k]} states yours"
+            if k in night
+            else f"assumed; {RATE_FLAGS[k]} states yours"
+        )
+        if v == "assumed"
+        else v
+        for k, v in sources.items()
+    }
     work = Work(args.prompts, args.prompt_tokens, args.max_new_tokens, stance_tokens=args.stance_tokens)
     print(
         f"model: {args.preset or args.store} ({config.num_layers} layers, hidden {config.hidden_size}); "

@@ -181,3 +181,39 @@ def test_preflight_writes_no_rows(benv):
     with benv.engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM runs").scalar_one() == 0
         assert conn.exec_driver_sql("SELECT count(*) FROM generation_requests").scalar_one() == 0
+
+
+def _fake_gpu(monkeypatch, mem_get_info):
+    """A CUDA device as torch reports it (no GPU here); ``mem_get_info`` answers for it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+
+
+@SQLITE_ONLY
+def test_doctor_does_not_probe_the_gpu_a_night_may_be_running_on(benv, monkeypatch):
+    from robot_llm.llm import rates
+
+    rates.gpu_rates.cache_clear()
+    _fake_gpu(monkeypatch, lambda device=None: (6 << 30, 8 << 30))
+    check = _by_name(preflight(benv.config(model={"device": "auto"})))["memory"]
+    assert check.ok is True, check.message
+    assert "host-to-GPU 12.0 GB/s (assumed; the night measures it)" in check.message
+    assert "GPU 30 TFLOP/s (assumed; the night measures it)" in check.message
+    assert rates.gpu_rates.cache_info().currsize == 0  # the probe (~320 MiB on the GPU) never ran
+
+
+@SQLITE_ONLY
+def test_a_gpu_that_cannot_be_asked_fails_the_memory_check_in_one_line(benv, monkeypatch):
+    def busy(device=None):
+        raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+
+    _fake_gpu(monkeypatch, busy)
+    check = _by_name(preflight(benv.config(model={"device": "auto"})))["memory"]
+    assert check.ok is False and "\n" not in check.message
+    assert check.message.startswith("the GPU (cuda) cannot be used: CUDA error: all CUDA-capable devices are busy")
+    # Pinned to the CPU (as this suite's config is), the night and doctor never ask CUDA.
+    assert _by_name(preflight(benv.config()))["memory"].ok is True

@@ -162,3 +162,21 @@ def test_the_stream_engine_reports_liveness_after_every_layer(tiny_dir: Path, st
     assert len(forwards) == 3
     assert len(beats) == layers * 2 + 1 + 2 * (layers + 1)
     assert model.on_layer is None
+
+
+def test_plan_command_on_this_gpu_assumes_its_rates(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A GPU here (there is none: torch answers as a desktop's 8 GiB GPU would, 6 GiB of it free). Planning for it
+    # must not probe it: a night may be running there, and the probe's ~320 MiB could push it out.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 8 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    rates.gpu_rates.cache_clear()
+    assert main(["model", "plan", "--preset", "yalm-100b", "--dtype", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "machine: GPU 6 GB" in out  # what is free, not the 8.6 GB the GPU has
+    assert "GPU 30 TFLOP/s (assumed; the night measures it, --gpu-tflops states yours)" in out
+    assert "host-to-GPU 12.0 GB/s (assumed; the night measures it, --h2d-gbps states yours)" in out
+    assert rates.gpu_rates.cache_info().currsize == 0
