@@ -24,6 +24,8 @@ class ModelConfig(Protocol):
     """What every family's config provides (see :class:`YalmConfig` for a complete example)."""
 
     family: ClassVar[str]
+    #: The compute dtype on a GPU under ``dtype: auto``: where the GPU has native bf16, and where it has not.
+    gpu_dtypes: ClassVar[tuple[str, str]]
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -77,6 +79,8 @@ class YalmConfig:
     layernorm_epsilon: float = 1e-5
 
     family: ClassVar[str] = "yalm"
+    #: YaLM-100B was released and computes in fp16 (the original inference is fp16 throughout).
+    gpu_dtypes: ClassVar[tuple[str, str]] = ("fp16", "fp16")
 
     def __post_init__(self) -> None:
         for name in (

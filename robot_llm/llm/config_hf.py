@@ -114,6 +114,8 @@ class LlamaConfig:
     sliding_window_size: int | None = None
 
     family: ClassVar[str] = "llama"
+    #: Llama was trained in bf16; fp16 where the GPU lacks it.
+    gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp16")
 
     def __post_init__(self) -> None:
         _check_positive(self, _SIZES)
@@ -214,6 +216,8 @@ class Gemma3Config:
     attn_logit_softcapping: float | None = None
 
     family: ClassVar[str] = "gemma3"
+    #: Gemma 3's activations exceed fp16's range (65504): bf16, else fp32, never fp16.
+    gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp32")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))

@@ -44,6 +44,8 @@ from robot_llm.llm.config import embedding_is_head
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
 from robot_llm.llm.family import Params, Resident, family_of, prepare_step, resolve_dtype
 from robot_llm.llm.kv_cache import KVCache
+from robot_llm.llm.machine import gpu_has_native_bf16
+from robot_llm.llm.planner import gpu_compute_dtype
 from robot_llm.llm.quant import PackedInt4, PackedInt8
 from robot_llm.llm.store import Store
 from robot_llm.llm.store_layout import SCALE_SUFFIX, FileLayout, StoreError, aligned_buffer, direct_span, read_into
@@ -161,8 +163,8 @@ class StreamingModel:
         self.family = family_of(cfg)
         self.device = resolve_device(device)
         self.cuda = self.device.type == "cuda"
-        if dtype is None:
-            dtype = "fp16" if self.cuda else "fp32"
+        if dtype is None:  # as the planner's auto: the family's GPU dtype, fp32 on the CPU
+            dtype = gpu_compute_dtype(cfg, gpu_has_native_bf16(self.device)) if self.cuda else "fp32"
         self.dtype = resolve_dtype(dtype)
         self.home = home
         self.kv_device = self.device if kv_home == "device" else torch.device("cpu")

@@ -34,7 +34,8 @@ class Machine:
     is how fast the compute threads read weights out of RAM through a one-row fp32 GEMM,
     ``ram_bf16_bps`` through a bf16 one (torch's bf16 one-row GEMM reads slower; 0 = as
     ``ram_bps``, e.g. for a machine described by its RAM rate alone). ``threads`` is how
-    many intra-op threads compute gets (0 = all ``cores``).
+    many intra-op threads compute gets (0 = all ``cores``). ``gpu_bf16``: the GPU computes bf16
+    natively (compute capability 8.0 or newer; :func:`gpu_has_native_bf16`).
     """
 
     ram_bytes: int
@@ -45,6 +46,7 @@ class Machine:
     cpu_flops: float = 0.5e12
     cpu_bf16_flops: float = 1.0e12
     cpu_bf16: bool = False
+    gpu_bf16: bool = False
     ram_bps: float = 10.0 * GB
     ram_bf16_bps: float = 0.0
     cores: int = 1
@@ -87,6 +89,22 @@ def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
             flags = set(line.partition(":")[2].split())
             return bool(flags & {"avx512_bf16", "amx_bf16"})
     return False
+
+
+def gpu_has_native_bf16(device: object = None) -> bool:
+    """True when the CUDA GPU ``device`` (default: the current one) computes bf16 natively, not emulated;
+    False without CUDA or on any error."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        if device is not None:
+            with torch.cuda.device(device):
+                return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except Exception:  # no CUDA, an old torch, a driver error: assume no native bf16
+        return False
 
 
 def usable_cores() -> int:
@@ -153,11 +171,13 @@ def detect_machine(disk_read_bps: float | None = None, *, gpu: bool = True) -> M
             gpu_bytes = cuda_usable_bytes()
         except ImportError:
             gpu_bytes = 0
+    gpu_bf16 = gpu_bytes > 0 and gpu_has_native_bf16()
     kwargs = {"disk_read_bps": disk_read_bps} if disk_read_bps else {}
     cores = usable_cores()
     return Machine(
         ram_bytes=ram,
         gpu_bytes=gpu_bytes,
+        gpu_bf16=gpu_bf16,
         cpu_bf16=cpu_has_native_bf16(),
         cores=cores,
         threads=free_cores(cores),

@@ -18,6 +18,7 @@ Pure Python: importing it does not import torch.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from robot_llm.llm.quant import (
     int8_bytes,
     kv_bits_per_value,
 )
+
+log = logging.getLogger(__name__)
 
 GiB = 2**30
 GB = 1e9
@@ -271,10 +274,11 @@ def plan(
     machine's RAM); ``headroom`` is the usable share of each tier.
     ``weight_home`` forces a home instead of trying all three (``split``: the
     first layers in RAM, as many as fit next to the batch, the rest on disk);
-    ``compute_dtype`` None or ``"auto"`` means fp16 on a GPU, and on the CPU
-    bf16 where it is native (:attr:`Machine.cpu_bf16`), else fp32 (never fp16:
-    CPUs have no fast fp16 GEMM). ``kv_dtype`` pins the KV cache's dtype;
-    None or ``"auto"`` tries the compute dtype, int8 and int4 (compressed,
+    ``compute_dtype`` None or ``"auto"`` means on a GPU the family's dtype
+    (:func:`gpu_compute_dtype`: YaLM fp16; Llama bf16 where the GPU has it natively, else
+    fp16; Gemma 3 bf16, else fp32, never fp16), and on the CPU bf16 where it is native
+    (:attr:`Machine.cpu_bf16`), else fp32 (never fp16: CPUs have no fast fp16 GEMM).
+    ``kv_dtype`` pins the KV cache's dtype; None or ``"auto"`` tries the compute dtype, int8 and int4 (compressed,
     :mod:`robot_llm.llm.kvquant`) and keeps the fastest, the least compressed on a tie.
     ``layer_sizes`` are the stored bytes of each transformer layer of a converted store
     (:meth:`robot_llm.llm.store.Manifest.layer_bytes`: an int4 store of a GGUF file keeps
@@ -296,7 +300,9 @@ def plan(
             f"exceeds the model's {cfg.max_position_embeddings} positions"
         )
     auto = compute_dtype in (None, "auto")
-    cdtype = auto_compute_dtype(machine) if auto else str(compute_dtype)
+    cdtype = auto_compute_dtype(machine, cfg) if auto else str(compute_dtype)
+    if machine.has_gpu:
+        warn_gpu_dtype(cfg, cdtype)
     if cdtype not in DTYPE_BYTES:
         raise PlanError(f"unknown compute dtype {compute_dtype!r}; use one of {', '.join(DTYPE_BYTES)} or auto")
     ram = int((memory_budget_bytes or machine.ram_bytes) * headroom)
@@ -329,11 +335,29 @@ def plan(
     return best
 
 
-def auto_compute_dtype(machine: Machine) -> str:
-    """fp16 on a GPU; on the CPU bf16 where it is native, else fp32."""
+def auto_compute_dtype(machine: Machine, cfg: ModelConfig) -> str:
+    """On a GPU the family's dtype (:func:`gpu_compute_dtype`); on the CPU bf16 where it is native, else fp32."""
     if machine.has_gpu:
-        return "fp16"
+        return gpu_compute_dtype(cfg, machine.gpu_bf16)
     return "bf16" if machine.cpu_bf16 else "fp32"
+
+
+def gpu_compute_dtype(cfg: ModelConfig, native_bf16: bool) -> str:
+    """The dtype ``cfg``'s family computes in on a GPU with (or without) native bf16
+    (:attr:`~robot_llm.llm.config.ModelConfig.gpu_dtypes`): YaLM fp16 (as released); Llama bf16, else fp16;
+    Gemma 3 bf16, else fp32 (its activations overflow fp16)."""
+    with_bf16, without = cfg.gpu_dtypes
+    return with_bf16 if native_bf16 else without
+
+
+def warn_gpu_dtype(cfg: ModelConfig, dtype: str) -> None:
+    """Log a warning when ``dtype`` is pinned on a GPU for a family that overflows in it (Gemma 3 in fp16)."""
+    if dtype == "fp16" and "fp16" not in cfg.gpu_dtypes:
+        log.warning(
+            "computing %s in fp16 on the GPU: its activations exceed fp16's range (65504) and overflow to "
+            "inf/NaN logits; use dtype bf16 (or fp32 where the GPU lacks bf16), or auto",
+            cfg.family,
+        )
 
 
 def _descending(cap: int) -> list[int]:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import PRESETS, ModelConfig, YalmConfig
 from robot_llm.llm.machine import Machine, detect_machine
-from robot_llm.llm.planner import Plan, Work, auto_compute_dtype, plan
+from robot_llm.llm.planner import Plan, Work, auto_compute_dtype, gpu_compute_dtype, plan, warn_gpu_dtype
 from robot_llm.llm.rates import measure_rates
 
 if TYPE_CHECKING:
@@ -378,7 +378,13 @@ def open_model(settings: ModelSettings) -> LoadedModel:
         device = "cuda" if machine.has_gpu else "cpu"
     dtype = settings.dtype
     if dtype == "auto":
-        dtype = "fp16" if device == "cuda" else auto_compute_dtype(replace(machine, gpu_bytes=0))
+        dtype = (
+            gpu_compute_dtype(config, machine.gpu_bf16)
+            if device == "cuda"
+            else auto_compute_dtype(replace(machine, gpu_bytes=0), config)
+        )
+    elif device == "cuda":
+        warn_gpu_dtype(config, dtype)
     _set_threads(machine.compute_threads)
     if settings.backend == "deepspeed":
         from robot_llm.llm.backends.deepspeed import DeepSpeedModel

@@ -171,11 +171,12 @@ def _plan(args: argparse.Namespace) -> int:
     if this_cpu:
         machine = detect_machine(disk_bps, gpu=this_gpu)
         if not this_gpu:
-            machine = replace(machine, gpu_bytes=int(args.gpu_gb * GB))
+            machine = replace(machine, gpu_bytes=int(args.gpu_gb * GB), gpu_bf16=args.gpu_bf16 != "no")
     else:
         machine = Machine(
             ram_bytes=int(args.ram_gb * GB),
             gpu_bytes=int((args.gpu_gb or 0) * GB),
+            gpu_bf16=args.gpu_bf16 != "no",
             cpu_bf16=cpu_has_native_bf16() if args.cpu_bf16 is None else args.cpu_bf16 == "yes",
             cores=args.cores,
             **({"disk_read_bps": disk_bps} if disk_bps else {}),
@@ -316,6 +317,12 @@ def add_engine_commands(model_sub: Any) -> None:
     )
     pl.add_argument(
         "--cpu-bf16", choices=["yes", "no"], help="the CPU has native bf16 (default: as this machine's CPU)"
+    )
+    pl.add_argument(
+        "--gpu-bf16",
+        choices=["yes", "no"],
+        help="a GPU given by --gpu-gb has native bf16 (compute capability 8.0+; default: yes): Llama and Gemma 3 "
+        "compute in bf16 there, else Llama in fp16 and Gemma 3 in fp32 (YaLM always fp16)",
     )
     pl.add_argument(
         "--cores", type=int, default=8, help="CPU cores of a machine given by --ram-gb (default: %(default)s)"

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from robot_llm.llm.config import PRESETS
-from robot_llm.llm.machine import Machine, cpu_has_native_bf16, free_cores
+from robot_llm.llm.config_hf import HF_PRESETS
+from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
 from robot_llm.llm.planner import (
     FUSED_RATES,
     GB,
     INT8_WIDEN_ELEMS_PER_S,
     PlanError,
     Work,
+    auto_compute_dtype,
+    gpu_compute_dtype,
     layer_bytes,
     layer_params,
     pinned_bytes,
@@ -107,6 +111,78 @@ def test_cpu_compute_dtype_is_bf16_where_native_and_never_fp16() -> None:
     # bf16's native GEMM rate is what the estimate uses.
     slow = plan(YALM, work, Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cpu_bf16_flops=0.25e12))
     assert slow.prefill_seconds > plan(YALM, work, bf16_cpu).prefill_seconds
+
+
+LLAMA, GEMMA = HF_PRESETS["llama-3.1-70b"], HF_PRESETS["gemma-3-270m"]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "with_bf16", "without"), [(YALM, "fp16", "fp16"), (LLAMA, "bf16", "fp16"), (GEMMA, "bf16", "fp32")]
+)
+def test_gpu_compute_dtype_follows_the_family_and_the_gpus_bf16(cfg, with_bf16: str, without: str) -> None:
+    # YaLM computes as released (fp16); Llama was trained in bf16; Gemma 3 overflows fp16, so never fp16.
+    gpu = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(24 * GB))
+    assert auto_compute_dtype(replace(gpu, gpu_bf16=True), cfg) == gpu_compute_dtype(cfg, True) == with_bf16
+    assert auto_compute_dtype(gpu, cfg) == gpu_compute_dtype(cfg, False) == without
+    # The CPU's rule is the family's alike: bf16 where native, else fp32 (the GPU's bf16 plays no part).
+    cpu = Machine(ram_bytes=int(64 * GB), gpu_bf16=True)
+    assert auto_compute_dtype(cpu, cfg) == "fp32"
+    assert auto_compute_dtype(replace(cpu, cpu_bf16=True), cfg) == "bf16"
+    if cfg is GEMMA:
+        assert "fp16" not in {gpu_compute_dtype(cfg, native) for native in (True, False)}
+
+
+def test_a_gemma_plan_on_a_gpu_computes_in_bf16_or_fp32_and_its_memory_follows() -> None:
+    work = Work(64, 512, 128)
+    gpu = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(24 * GB))
+    bf16 = plan(GEMMA, work, replace(gpu, gpu_bf16=True), kv_dtype="auto")
+    fp32 = plan(GEMMA, work, gpu, kv_dtype="auto")
+    assert (bf16.device, bf16.compute_dtype, fp32.compute_dtype) == ("cuda", "bf16", "fp32")
+    pinned = plan(GEMMA, work, gpu, compute_dtype="bf16", kv_dtype="auto")
+    assert pinned.batch_size == bf16.batch_size  # the same placement, only the dtype differs
+    # fp32 doubles the GPU's resident modules and the fp16 store's conversion buffers against bf16.
+    for item in ("resident modules", "compute buffers"):
+        assert fp32.memory["gpu"][item] == 2 * bf16.memory["gpu"][item] > 0
+    # A pinned compute dtype wins over the family's on the GPU as it always did.
+    assert plan(GEMMA, work, gpu, compute_dtype="bf16").compute_dtype == "bf16"
+
+
+def test_yalm_plans_on_a_gpu_stay_fp16_whatever_the_gpus_bf16() -> None:
+    for machine in (
+        Machine(ram_bytes=int(64 * GB), gpu_bytes=int(8 * GB), disk_read_bps=3.5 * GB),
+        Machine(ram_bytes=int(256 * GB), gpu_bytes=int(24 * GB), disk_read_bps=3.5 * GB),
+    ):
+        for dtype in ("fp16", "int4"):
+            old, new = (
+                plan(YALM, JOB, machine, weight_dtype=dtype),
+                plan(YALM, JOB, replace(machine, gpu_bf16=True), weight_dtype=dtype),
+            )
+            assert old.compute_dtype == "fp16" and old.describe() == new.describe()
+
+
+def test_fp16_pinned_for_gemma_on_a_gpu_warns_of_the_overflow(caplog: pytest.LogCaptureFixture) -> None:
+    work = Work(8, 64, 16)
+    gpu = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(24 * GB), gpu_bf16=True)
+    with caplog.at_level(logging.WARNING, logger="robot_llm.llm.planner"):
+        assert plan(GEMMA, work, gpu, compute_dtype="fp16").compute_dtype == "fp16"  # a warning, not an error
+    assert any("gemma3" in r.message and "65504" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="robot_llm.llm.planner"):
+        plan(GEMMA, work, gpu)  # auto: bf16, no warning
+        plan(GEMMA, work, Machine(ram_bytes=int(64 * GB)), compute_dtype="fp16")  # the CPU: not the GPU's risk
+        plan(YALM, work, Machine(ram_bytes=int(512 * GB), gpu_bytes=int(80 * GB)), compute_dtype="fp16")
+        plan(LLAMA, work, Machine(ram_bytes=int(512 * GB), gpu_bytes=int(80 * GB)), compute_dtype="fp16")
+    assert not caplog.records
+
+
+def test_gpu_bf16_is_false_without_cuda() -> None:
+    # No GPU here (CPU-only torch): detection answers False, never raises.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert gpu_has_native_bf16() is False and gpu_has_native_bf16("cuda:0") is False
+    assert detect_machine().gpu_bf16 is False
 
 
 def test_stance_scoring_and_logits_are_counted() -> None:

@@ -103,6 +103,18 @@ def test_plan_command_prints_a_plan_or_refuses(capsys: pytest.CaptureFixture[str
     assert "weights stored as int4" in capsys.readouterr().out
 
 
+def test_plan_command_gives_a_described_gpu_native_bf16_unless_told(capsys: pytest.CaptureFixture[str]) -> None:
+    machine = ["--gpu-gb", "8", "--ram-gb", "64", "--prompts", "8"]
+    for preset, flags, dtype in (
+        ("gemma-3-270m", [], "bf16"),
+        ("gemma-3-270m", ["--gpu-bf16", "no"], "fp32"),
+        ("yalm-100b", [], "fp16"),
+        ("yalm-100b", ["--gpu-bf16", "no"], "fp16"),
+    ):
+        assert main(["model", "plan", "--preset", preset, *machine, *flags]) == 0
+        assert f"compute on cuda in {dtype}," in capsys.readouterr().out
+
+
 def test_plan_command_measures_this_machine_and_given_rates_win(capsys: pytest.CaptureFixture[str]) -> None:
     probes = (rates.cpu_gemm_flops, rates.ram_read_bps, rates.gpu_rates)
     for probe in probes:
