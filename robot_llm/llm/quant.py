@@ -57,6 +57,10 @@ _MIN_STEP = 2.0**-14
 #: Values dequantized per pass (at least one block of 64 rows): the byte temporaries stay in the cache
 #: (measured here: 0.32 G values/s into bf16 at 256 Ki values per pass, 0.22 at 4 Mi).
 _PASS_VALUES = 1 << 18
+#: ... and on a GPU, where each pass is a dozen kernel launches: in CPU-sized passes a YaLM-100B layer would
+#: take about 1,650 of them (some 15,000 launches, more time launching than working); 2^24 values keep each
+#: byte temporary at 8 MiB and the float one (a matrix whose columns are padded) at 32 MiB in fp16.
+_GPU_PASS_VALUES = 1 << 24
 #: Rows of a call, per stored dtype, above which a quantized matrix is made dense once and multiplied by a
 #: bf16 GEMM: the fused kernels' cost grows with every row while the GEMM's barely does. Measured here (1 thread,
 #: bf16, 8192x2048 / 5460x1024 / 1024x2730): int4 fused 1.2 / 0.8 / 0.4 ms at 1 row, 20 / 5.8 / 3.1 ms at 32,
@@ -246,7 +250,9 @@ def quantize_int4(weight: Tensor, group_size: int = DEFAULT_INT4_GROUP) -> tuple
     return packed, scales_and_zeros.contiguous()
 
 
-def dequantize_int4_into(codes: Tensor, scales_and_zeros: Tensor, out: Tensor) -> Tensor:
+def dequantize_int4_into(
+    codes: Tensor, scales_and_zeros: Tensor, out: Tensor, pass_values: int | None = None
+) -> Tensor:
     """Write the weights of ``(codes, scales_and_zeros)`` into the preallocated float ``out [N, K]``; return it.
 
     Plain torch ops on any device: the bytes of a few row blocks are transposed
@@ -256,7 +262,8 @@ def dequantize_int4_into(codes: Tensor, scales_and_zeros: Tensor, out: Tensor) -
     stored scale and zero cast to ``out``'s dtype (exact in bf16; a mixed-dtype
     broadcast is several times slower). Blocks of 64 rows are done a few at a time, so the byte
     temporaries stay small; padded columns, and the last block when ``N`` is not
-    a multiple of 64, go through a float temporary of one pass.
+    a multiple of 64, go through a float temporary of one pass. A pass covers about ``pass_values``
+    values (default: :data:`_PASS_VALUES` on the CPU, :data:`_GPU_PASS_VALUES` elsewhere).
     """
     import torch
 
@@ -266,7 +273,9 @@ def dequantize_int4_into(codes: Tensor, scales_and_zeros: Tensor, out: Tensor) -
     blocks = codes.view(np_ // INT4_BLOCK, kp, 32).transpose(1, 2)  # [blocks, 32, Kp]: byte j of rows j, j + 32
     scale = scales_and_zeros[..., 0].to(out.dtype).t()  # [Np, Kp / group]
     zero = scales_and_zeros[..., 1].to(out.dtype).t()
-    per_pass = max(1, _PASS_VALUES // (INT4_BLOCK * kp))  # blocks of 64 rows at a time
+    if pass_values is None:
+        pass_values = _PASS_VALUES if out.device.type == "cpu" else _GPU_PASS_VALUES
+    per_pass = max(1, pass_values // (INT4_BLOCK * kp))  # blocks of 64 rows at a time
 
     def fill(first: int, count: int, dense: Tensor) -> None:
         """Blocks ``first .. first + count - 1`` into ``dense``, a contiguous float ``[count * 64, Kp]``."""

@@ -61,6 +61,17 @@ def test_int4_codes_are_the_kernel_layout(shape: tuple[int, int], group: int) ->
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+def test_int4_dequantized_in_a_gpu_sized_pass_equals_cpu_sized_passes(shape: tuple[int, int]) -> None:
+    # A GPU dequantizes a whole matrix in a few passes (kernel launches cost more than the work); the
+    # result must not depend on how the 64-row blocks are grouped into passes, padded rows and columns too.
+    codes, scales_and_zeros = quantize_int4(_weight(shape, 3), 32)
+    one_block = dequantize_int4_into(codes, scales_and_zeros, torch.empty(shape, dtype=torch.float16), 1)
+    whole = dequantize_int4_into(codes, scales_and_zeros, torch.empty(shape, dtype=torch.float16), 1 << 24)
+    assert torch.equal(one_block, whole)
+    assert torch.equal(whole, dequantize_int4_into(codes, scales_and_zeros, torch.empty(shape, dtype=torch.float16)))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_round_trip_is_within_half_a_step(shape: tuple[int, int], dtype: torch.dtype) -> None:
     w = _weight(shape, 1)
