@@ -293,7 +293,7 @@ def add_engine_commands(model_sub: Any) -> None:
     pl.add_argument(
         "--h2d-gbps",
         type=float,
-        help="host-to-GPU copy bandwidth, GB/s (default: measured on this machine's GPU, else 12)",
+        help="host-to-GPU copy bandwidth, GB/s (default 12; a night measures its GPU's)",
     )
     pl.add_argument(
         "--ram-gbps",
@@ -302,9 +302,7 @@ def add_engine_commands(model_sub: Any) -> None:
         "decode step over RAM-homed layers, and decides whether a decode step attends over a KV cache "
         "in RAM there (FlexGen's CPU attention) or copies it to the GPU",
     )
-    pl.add_argument(
-        "--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default: measured on this machine's GPU, else 30)"
-    )
+    pl.add_argument("--gpu-tflops", type=float, help="sustained GPU TFLOP/s (default 30; a night measures its GPU's)")
     pl.add_argument(
         "--cpu-tflops",
         type=float,
