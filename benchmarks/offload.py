@@ -222,7 +222,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         load_s = time.perf_counter() - started
         model = loaded.model
         # The plan _open_stream applied (the same inputs plan the same); checked against the engine it opened.
-        used = plan_run(settings, cfg, night_work(settings, cfg), store.manifest.dtype)
+        used = plan_run(settings, cfg, night_work(settings, cfg), store.manifest)
         assert model.ram_layers == (used.ram_layers if used.weight_home != "disk" else 0), (model.ram_layers, used)
         assert used.batch_size == spec["batch"], (used.batch_size, spec["batch"])  # the parent planned the same
         extra = {
@@ -357,7 +357,7 @@ def benchmark(
             # The night's batches are the plan's (its 32 prompts in batches of the planned size), as a night's are.
             store = Store(row["store"])
             settings = night_settings(row, budget)
-            planned = plan_run(settings, store.config, night_work(settings, store.config), store.manifest.dtype)
+            planned = plan_run(settings, store.config, night_work(settings, store.config), store.manifest)
             label = f"engine {dtype} planned in {budget / 2**30:.2f} GiB, batch {planned.batch_size}"
             specs[key] = row | {"label": label, "batch": planned.batch_size}
     for dtype in ("fp32", "bf16") if "bf16" in stores else ("fp32",):

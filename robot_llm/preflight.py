@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
     from robot_llm.config import AppConfig
+    from robot_llm.llm.store import Manifest
 
 __all__ = ["Check", "PreflightError", "doctor", "format_checks", "preflight", "require_preflight"]
 
@@ -184,14 +185,13 @@ def _memory(config: AppConfig) -> Check:
     m = config.model
     shape = model_shape(config)
     settings = model_settings(config)
-    layer_sizes, int8_share = None, 0.0
-    if m.store is not None:  # the runtime reads the store whenever one is set
+    weights: str | Manifest
+    if m.store is not None:  # the runtime reads the store whenever one is set (its own bytes per layer)
         from robot_llm.llm.store import read_manifest
 
-        manifest = read_manifest(m.store)
-        weight_dtype, layer_sizes, int8_share = manifest.dtype, manifest.layer_bytes(), manifest.int8_share()
+        weights = read_manifest(m.store)
     else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
-        weight_dtype = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
+        weights = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
         settings = replace(settings, home="ram")
     # The machine as the night sees it: its rates measured as the night measures them (once per process), except
@@ -199,7 +199,7 @@ def _memory(config: AppConfig) -> Check:
     machine, sources = night_machine(settings, probe_gpu=False)
     rates = f"rates: {describe_rates(machine, sources)}"
     try:
-        chosen = plan_run(settings, shape, night_work(settings, shape), weight_dtype, machine, layer_sizes, int8_share)
+        chosen = plan_run(settings, shape, night_work(settings, shape), weights, machine)
     except PlanError as exc:
         return Check("memory", False, f"the model does not fit: {exc}".replace("\n", " "))
     if chosen.batch_size < m.max_batch_size:

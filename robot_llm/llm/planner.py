@@ -386,20 +386,7 @@ def _kernel_sized(
         if limit is None or p.batch_size <= limit:
             continue
         even = math.ceil(work.num_prompts / math.ceil(work.num_prompts / limit))
-        small = _try(
-            cfg,
-            work,
-            machine,
-            sizes,
-            p.weight_dtype,
-            p.compute_dtype,
-            p.weight_home,
-            p.kv,
-            even,
-            ram,
-            gpu,
-            p.int8_share,
-        )
+        small = _try_batch(cfg, work, machine, sizes, p, even, ram, gpu)
         if isinstance(small, Plan) and small.total_seconds < best.total_seconds:
             best = small
     return best
@@ -412,16 +399,21 @@ def _rebalance(
     lo, hi = p.batch_size, min(cap, 2 * p.batch_size - 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        got = _try(
-            cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, mid, ram, gpu, p.int8_share
-        )
+        got = _try_batch(cfg, work, machine, sizes, p, mid, ram, gpu)
         lo, hi = (mid, hi) if isinstance(got, Plan) else (lo, mid - 1)
     batches = math.ceil(work.num_prompts / lo)
     even = math.ceil(work.num_prompts / batches)
-    final = _try(
-        cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, even, ram, gpu, p.int8_share
-    )
+    final = _try_batch(cfg, work, machine, sizes, p, even, ram, gpu)
     return final if isinstance(final, Plan) else p
+
+
+def _try_batch(
+    cfg: ModelConfig, work: Work, machine: Machine, sizes: tuple[int, ...], p: Plan, batch: int, ram: int, gpu: int
+) -> Plan | str:
+    """:func:`_try` with ``p``'s choices (dtypes, homes, int8 share) at another batch size."""
+    return _try(
+        cfg, work, machine, sizes, p.weight_dtype, p.compute_dtype, p.weight_home, p.kv, batch, ram, gpu, p.int8_share
+    )
 
 
 def _try(

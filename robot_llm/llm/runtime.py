@@ -39,6 +39,7 @@ from robot_llm.llm.rates import measure_rates
 if TYPE_CHECKING:
     from robot_llm.llm.generate import Completion, SamplingParams
     from robot_llm.llm.scoring import Followup
+    from robot_llm.llm.store import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -209,15 +210,7 @@ class LoadedModel:
             threads=torch.get_num_threads(),
         )
         work = Work(count, prompt_tokens, new_tokens, shared)
-        manifest = model.store.manifest
-        job = plan_run(
-            settings,
-            self.config,
-            work,
-            manifest.dtype,
-            layer_sizes=manifest.layer_bytes(),
-            int8_share=manifest.int8_share(),
-        )
+        job = plan_run(settings, self.config, work, model.store.manifest)
         model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
         model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
         model.attention_home = job.attention_home
@@ -304,15 +297,16 @@ def plan_run(
     settings: ModelSettings,
     config: ModelConfig,
     work: Work,
-    weight_dtype: str,
+    weights: str | Manifest,
     machine: Machine | None = None,
-    layer_sizes: Sequence[int] | None = None,
-    int8_share: float = 0.0,
 ) -> Plan:
     """The plan for ``work`` on this machine (``machine``: as :func:`machine_for` gives it) under the settings'
-    budgets and pins (raises PlanError). ``layer_sizes``: a store's bytes per layer
-    (:meth:`~robot_llm.llm.store.Manifest.layer_bytes`; an int4 store may keep some matrices int8), and
-    ``int8_share`` the share of its matrix parameters that are (:meth:`~robot_llm.llm.store.Manifest.int8_share`)."""
+    budgets and pins (raises PlanError). ``weights``: the stored dtype, or a converted store's manifest, whose
+    own bytes per layer and int8 share are planned (an int4 store of a GGUF file may keep some matrices int8)."""
+    if isinstance(weights, str):
+        weight_dtype, layer_sizes, int8_share = weights, None, 0.0
+    else:
+        weight_dtype, layer_sizes, int8_share = weights.dtype, weights.layer_bytes(), weights.int8_share()
     return plan(
         config,
         work,
@@ -414,14 +408,7 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
             convert(settings.checkpoint, store_dir, dtype="fp16", config=config)
     store = Store(store_dir)
     # Refuse now what cannot fit; otherwise open the engine exactly as planned.
-    night = plan_run(
-        settings,
-        config,
-        night_work(settings, config),
-        store.manifest.dtype,
-        layer_sizes=store.manifest.layer_bytes(),
-        int8_share=store.manifest.int8_share(),
-    )
+    night = plan_run(settings, config, night_work(settings, config), store.manifest)
     log.info("the night's plan:\n%s", night.describe())
     _set_threads(night.threads)
     model = StreamingModel(
