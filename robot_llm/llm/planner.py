@@ -5,7 +5,7 @@ and the machine (GPU memory, RAM, bandwidths), :func:`plan` enumerates the
 placements the engine supports (weights in RAM or on disk; KV cache on the
 compute device or in RAM), finds for each the largest batch whose every tier
 fits, estimates the run time with a per-layer max(I/O, compute) model (the
-engine overlaps the two) and returns the fastest. Nothing fits -> :class:`PlanError`
+engine overlaps the two; :mod:`robot_llm.llm.plan_timing`) and returns the fastest. Nothing fits -> :class:`PlanError`
 with the reason, before any weight is read.
 
 The memory model follows what :class:`robot_llm.llm.engine.StreamingModel`
@@ -27,6 +27,7 @@ from typing import Literal
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, Shapes, embedding_is_head
 from robot_llm.llm.machine import Machine
+from robot_llm.llm.plan_timing import FUSED_RATES, PassTiming, decode_attention, matrix_shares
 from robot_llm.llm.quant import (
     DEFAULT_INT4_GROUP,
     FUSED_MAX_ROWS,
@@ -57,16 +58,6 @@ CUDA_CONTEXT_BYTES = int(0.8 * GiB)
 #: A staging slot's bytes beyond its layer's payload: the file's header and O_DIRECT's alignment (the engine
 #: reads whole files into :func:`~robot_llm.llm.store_layout.aligned_buffer` memory).
 SLOT_HEADER_BYTES = 64 << 10
-#: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
-DEQUANT_ELEMS_PER_S = 1.0e9
-#: torch's fused int4/int8 CPU kernels (bf16 activations, no dequantization), per thread: a call on a matrix of
-#: ``V`` values and ``r`` rows takes ``V / values_per_s + 2 r V / flops``. Fitted to 8192x2048 here (AVX512-BF16,
-#: 1 thread): int4 0.91 ms at 1 row, 13.3 ms at 32; int8 1.32 ms and 19.6 ms (fp32 dense: 4.2 ms and 22 ms).
-FUSED_RATES = {"int4": (33e9, 84e9), "int8": (23e9, 57e9)}
-#: int8 codes widened to bf16 per second per thread (a plain copy; measured 3.8-5 G here) when a pass has more
-#: rows than the int8 kernel is worth (:data:`~robot_llm.llm.quant.FUSED_MAX_ROWS`): then a bf16 GEMM follows.
-INT8_WIDEN_ELEMS_PER_S = 4.0e9
-
 Home = Literal["ram", "disk", "split"]
 
 
@@ -366,13 +357,6 @@ def _descending(cap: int) -> list[int]:
     return sizes
 
 
-def _matrix_shares(weight_dtype: str, int8_share: float) -> dict[str, float]:
-    """Share of a layer's matrix parameters per stored dtype (an int4 store may keep some matrices int8)."""
-    if weight_dtype != "int4" or not int8_share:
-        return {weight_dtype: 1.0}
-    return {d: share for d, share in (("int4", 1 - int8_share), ("int8", int8_share)) if share}
-
-
 def _kernel_sized(
     cfg: ModelConfig, work: Work, machine: Machine, sizes: tuple[int, ...], p: Plan, ram: int, gpu: int
 ) -> Plan:
@@ -381,7 +365,7 @@ def _kernel_sized(
     if machine.has_gpu or p.compute_dtype != "bf16":
         return p
     best = p
-    for dtype in _matrix_shares(p.weight_dtype, p.int8_share):
+    for dtype in matrix_shares(p.weight_dtype, p.int8_share):
         limit = FUSED_MAX_ROWS.get(dtype)
         if limit is None or p.batch_size <= limit:
             continue
@@ -505,7 +489,9 @@ def _try(
     memory = {"gpu": gpu, "ram": ram} if cuda else {"ram": ram}
     memory["disk"] = {"weight store": sum(sizes) + resident_params(cfg) * 2}
     capacity = {"ram": ram_cap, **({"gpu": gpu_cap} if cuda else {})}
-    timing = _Timing(cfg, machine, sizes, converts, cdtype, ram_layers, kv, kv_elem, weight_dtype, int8_share)
+    timing = PassTiming(
+        cfg, machine, layer_params(cfg), sizes, converts, cdtype, ram_layers, kv, kv_elem, weight_dtype, int8_share
+    )
     prefill = timing.pass_seconds(batch, P, P)
     decode = timing.pass_seconds(batch, 1, mean_slots)
     stance = timing.pass_seconds(batch, T, slots) if T else 0.0
@@ -537,90 +523,3 @@ def _try(
         attention_home=attention_home,
         int8_share=int8_share,
     )
-
-
-@dataclass(frozen=True)
-class _Timing:
-    """Per-pass time model: every layer takes max(its I/O, its compute); the engine overlaps the two."""
-
-    cfg: ModelConfig
-    machine: Machine
-    layer_sizes: tuple[int, ...]
-    converts: bool
-    dtype: str
-    ram_layers: int
-    kv: tuple[Literal["device", "cpu"], str]
-    kv_elem_bytes: float
-    weight_dtype: str = "fp16"
-    int8_share: float = 0.0
-
-    def pass_seconds(self, batch: int, tokens: int, slots: float) -> float:
-        """One forward pass of ``batch`` rows of ``tokens`` new tokens attending to ``slots`` positions."""
-        cfg, m = self.cfg, self.machine
-        q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        params = layer_params(cfg)
-        rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
-        rows = batch * tokens
-        fused = not m.has_gpu and self.weight_dtype in FUSED_RATES and self.dtype == "bf16"
-        if fused:  # each stored dtype's share of the parameters takes that dtype's own path
-            shares = _matrix_shares(self.weight_dtype, self.int8_share)
-            matmuls = sum(
-                self._fused_path_seconds(dtype, share * params, rows, rate) for dtype, share in shares.items()
-            )
-        else:
-            matmuls = 2 * rows * params / rate
-            if self.converts and not m.has_gpu:  # dequantized by the reader
-                matmuls += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
-        compute = matmuls + 4 * rows * slots * q_width / rate
-        kv_values = 2 * batch * slots * kv_width
-        if tokens == 1:
-            compute += decode_attention(cfg, m, self.kv, self.kv_elem_bytes, batch, slots)[1]
-        if self.kv[1] in KV_QUANTIZED and not m.has_gpu:
-            compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
-        # A RAM-homed layer crosses the host link to a GPU; on the CPU the cores still read it from RAM,
-        # which bounds a small batch's step (counting it as free made batch 1 look as fast as any): through
-        # a GEMM in the compute dtype (torch's one-row bf16 GEMM reads slower than fp32's), unless the fused
-        # kernels or a widening copy read the int4/int8 codes (their rates are in ``compute``).
-        ram_bps = m.h2d_bps if m.has_gpu else m.ram_bps if fused else m.ram_rate(self.dtype)
-        return sum(
-            max(size / ram_bps, size / m.disk_read_bps if i >= self.ram_layers else 0.0, compute)
-            for i, size in enumerate(self.layer_sizes)
-        )
-
-    def _fused_path_seconds(self, dtype: str, params: float, rows: int, rate: float) -> float:
-        """Matrix seconds of ``params`` stored as ``dtype`` (int4/int8) with bf16 activations on the CPU."""
-        threads = self.machine.compute_threads
-        if rows <= FUSED_MAX_ROWS[dtype]:  # torch's fused kernels read the stored bytes
-            values_per_s, flops = FUSED_RATES[dtype]
-            return params * (1 / values_per_s + 2 * rows / flops) / threads
-        # Past the kernel's row limit, a bf16 GEMM: int8 codes widened once per pass (a copy), int4 ones
-        # dequantized once by the compute thread.
-        widen = INT8_WIDEN_ELEMS_PER_S if dtype == "int8" else DEQUANT_ELEMS_PER_S
-        return 2 * rows * params / rate + params / (widen * threads)
-
-
-def decode_attention(
-    cfg: ModelConfig,
-    m: Machine,
-    kv: tuple[Literal["device", "cpu"], str],
-    kv_elem_bytes: float,
-    batch: int,
-    slots: float,
-) -> tuple[Literal["compute", "kv"], float]:
-    """Where a decode step attends over a KV cache in RAM on a GPU machine, and the seconds per layer it adds.
-
-    Copying the cache up costs its (compressed) bytes over the host link. Attending in RAM
-    (FlexGen's CPU attention) reads them once, dequantizes them, writes and reads them
-    again as fp32 and does the score FLOPs on the cores; only ``q`` and the output move.
-    The engine does the cheaper one. Anywhere else attention runs with the weights: 0 s.
-    """
-    kv_home, kv_dtype = kv
-    if not (m.has_gpu and kv_home == "cpu"):
-        return "compute", 0.0
-    kv_values = 2 * batch * slots * cfg.num_key_value_heads * cfg.head_dim
-    move = kv_values * kv_elem_bytes / m.h2d_bps
-    flops = 4 * batch * slots * cfg.num_attention_heads * cfg.head_dim
-    here = (kv_values * (kv_elem_bytes + 2 * 4)) / m.ram_bps + flops / m.cpu_flops
-    if kv_dtype in KV_QUANTIZED:
-        here += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
-    return ("kv", here) if here < move else ("compute", move)

@@ -11,10 +11,9 @@ import pytest
 from robot_llm.llm.config import PRESETS
 from robot_llm.llm.config_hf import HF_PRESETS
 from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
+from robot_llm.llm.plan_timing import FUSED_RATES, INT8_WIDEN_ELEMS_PER_S
 from robot_llm.llm.planner import (
-    FUSED_RATES,
     GB,
-    INT8_WIDEN_ELEMS_PER_S,
     PlanError,
     Work,
     auto_compute_dtype,
