@@ -240,8 +240,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         from robot_llm.llm.engine import StreamingModel
 
+        if not spec.get("verify", True):  # the A/B row: as if every file were verified already
+            store.verified.update(store.entries)
         model = StreamingModel(store, home=spec["home"], device="cpu", dtype=spec["dtype"])
     model.forward(torch.tensor([[5, 6]]))  # untimed warm-up: allocator, kernels, first reads
+    if spec.get("verify", True):
+        # A night verifies each streamed file on its first pass: that pass belongs in the timed work.
+        store.verified.difference_update(f"layer_{i:03d}.safetensors" for i in range(cfg.num_layers))
+        store.verify_seconds, store.verified_bytes = 0.0, 0
     drop_page_cache([store.path / f.name for f in store.manifest.files])
     if spec["kind"] == "deepspeed":
         drop_page_cache(model.swap_files())
@@ -252,6 +258,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     result |= extra
     if spec["kind"] != "deepspeed":
         result |= {"read_bps": model.stats.read_bandwidth, "io_hidden": model.stats.io_hidden_fraction}
+        result |= {"verify_s": store.verify_seconds, "verified_bytes": store.verified_bytes}
     model.close()
     return result
 
@@ -259,9 +266,18 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     """One configuration in a fresh process (its own peak RSS, its own torch/DeepSpeed state)."""
     log(f"{spec['label']} ...")
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"benchmark child failed (exit {out.returncode}): {spec['label']}")
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:  # e.g. DeepSpeed's async-I/O op without libaio: this row, not the benchmark
+        sys.stderr.write(out.stderr)
+        lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+        reason = lines[-1].strip() if lines else f"exit {out.returncode}"
+        log(f"{spec['label']}: could not run: {reason}")
+        return {"failed": reason}
+    sys.stderr.write(out.stderr)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     if "seconds" in result:
         log(
@@ -333,6 +349,13 @@ def benchmark(
                 "batch": b,
                 "prompts": b,
             }
+    # The same cold-disk rows without checksum verification: what verifying the first pass costs (A/B).
+    for b in size["batches"]:
+        if f"fp32_b{b}" in specs:
+            specs[f"fp32_b{b}_noverify"] = specs[f"fp32_b{b}"] | {
+                "label": f"engine fp32 store, disk, batch {b}, unverified",
+                "verify": False,
+            }
     # The same model held in RAM by our engine: the bound a cold-disk row is measured against, per dtype.
     for dtype in (d for d in ("fp32", "bf16", "int4") if f"{d}_b32" in specs):
         held = {"label": f"engine {dtype} held in RAM, batch 32", "home": "ram"}
@@ -385,16 +408,22 @@ def benchmark(
         for key, spec in specs.items():
             label = spec["label"] + (f" (round {round_ + 1} of {repeat})" if repeat > 1 else "")
             probe = run_child(spec | {"kind": "probe", "store": str(stores["fp32"]), "label": f"{label}: probe"})
-            tries[key].append(run_child(spec | {"label": label}) | probe)
+            tries[key].append(probe if "failed" in probe else run_child(spec | {"label": label}) | probe)
     runs = {}
-    for key, results in tries.items():
+    failed: dict[str, str] = {}
+    for key, all_results in tries.items():
+        results = [r for r in all_results if "failed" not in r]
+        if not results:
+            failed[key] = all_results[0]["failed"]
+            continue
         runs[key] = min(results, key=lambda r: r["seconds"]) | {
             "spread": max(r["seconds"] for r in results) / min(r["seconds"] for r in results),
             "peak_rss": max(r["peak_rss"] for r in results),
         }
     shutil.rmtree(work / "nvme", ignore_errors=True)
+    specs = {k: v for k, v in specs.items() if k in runs}
     if rows is not None:
-        result = report(cfg, specs, runs, threads)
+        result = report(cfg, specs, runs, threads, failed)
         print(f"total benchmark time {time.perf_counter() - started:.0f} s")
         return result
     nights = {}
@@ -402,8 +431,11 @@ def benchmark(
         shape = {"prompt": 0, "new": N, "batch": night_batch, "prompts": 2 * night_batch, "threads": threads}
         spec = shape | {"label": f"night, {label}", "kind": kind, "store": str(stores["fp32"])}
         nights[label] = run_child(spec | {"vocab": str(_vocabulary(work))})
-    result = report(cfg, specs, runs, threads)
+    result = report(cfg, specs, runs, threads, failed)
     for label, r in nights.items():
+        if "failed" in r:
+            print(f"night, {label}: could not run: {r['failed']}")
+            continue
         print(
             f"night, {label}: {r['theses']} theses in {r['batches']} batches, {r['generation_passes']} generation + "
             f"{r['stance_passes']} stance weight passes ({r['passes_per_thesis']:.2f} per thesis, "
@@ -411,6 +443,9 @@ def benchmark(
             f"{r['bytes_streamed_per_thesis'] / 2**20:.0f} MiB streamed per thesis, {r['seconds']:.1f} s"
         )
     now, before = nights["stance from the cache (now)"], nights["stance re-prefilled (before)"]
+    if "failed" in now or "failed" in before:
+        print(f"total benchmark time {time.perf_counter() - started:.0f} s")
+        return result
     result |= {
         "passes_per_thesis": round(now["passes_per_thesis"], 3),
         "stance_passes_per_batch": round(now["stance_passes_per_batch"], 3),
@@ -429,9 +464,48 @@ def _vocabulary(work: Path) -> Path:
     return Path(vocabulary(work))
 
 
-def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], threads: int) -> dict:
+def hash_rate() -> float:
+    """Bytes/s of the store checksum (XXH3-64) on one core of this CPU, best of three over 256 MiB."""
+    import os
+
+    import xxhash
+
+    data = os.urandom(256 << 20)
+    best = math.inf
+    for _ in range(3):
+        started = time.perf_counter()
+        xxhash.xxh3_64_hexdigest(data)
+        best = min(best, time.perf_counter() - started)
+    return len(data) / best
+
+
+def cpu_line() -> str:
+    """The CPU's vector features and the load average (timings on a shared machine need both)."""
+    import os
+
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "sha_ni")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"cpu: {os.cpu_count()} cores, {' '.join(f for f in wanted if f in flags) or 'no AVX2'}; load average {load}"
+
+
+def report(
+    cfg: YalmConfig,
+    specs: dict[str, dict[str, Any]],
+    runs: dict[str, dict[str, Any]],
+    threads: int,
+    failed: dict[str, str] | None = None,
+) -> dict:
     L, params = cfg.num_layers, layer_params(cfg)
     ram = detect_machine().ram_bytes
+    print(cpu_line())
     print(
         f"model: {L} layers, hidden {cfg.hidden_size}, {params / 1e6:.1f} M parameters per layer; "
         f"{threads} intra-op thread(s) in every row; the stance of every row scored inside the timed work"
@@ -504,11 +578,47 @@ def report(cfg: YalmConfig, specs: dict[str, dict[str, Any]], runs: dict[str, di
     ratio("int4_b32_vs_fp32_b32", "int4_b32", "fp32_b32")
     steps = {k: round(runs[k]["step_s"] / runs[k]["roofline_s"], 2) for k in runs if not k.startswith("ds_")}
     rss = {k: round(r["peak_rss"] / r["estimate"], 2) for k, r in runs.items() if r["estimate"]}
+    for key, reason in (failed or {}).items():
+        print(f"{key}: could not run: {reason}")
+    verification = _verification(runs)
     print("headline ratios (fresh processes only): " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
     print("decode step / roofline: " + ", ".join(f"{k} {v}x" for k, v in steps.items()))
     print("peak RSS / planner estimate: " + ", ".join(f"{k} {v}x" for k, v in rss.items()))
     spread = {k: round(r["spread"], 2) for k, r in runs.items()}
-    return {"ratios": ratios, "step_vs_roofline": steps, "rss_vs_estimate": rss, "spread": spread, "threads": threads}
+    return {
+        "ratios": ratios,
+        "step_vs_roofline": steps,
+        "rss_vs_estimate": rss,
+        "spread": spread,
+        "threads": threads,
+        "verification": verification,
+        "failed_rows": failed or {},
+    }
+
+
+def _verification(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """What checksumming the first pass costs: its hashing time over the row's time, and the A/B ratio."""
+    rate = hash_rate()
+    out: dict[str, float] = {"hash_gbps": round(rate / 1e9, 2)}
+    parts = []
+    for key in sorted(k for k in runs if k.endswith("_noverify")):
+        verified, plain = runs.get(key.removesuffix("_noverify")), runs[key]
+        if verified is None:
+            continue
+        share = verified["verify_s"] / verified["seconds"]
+        slowdown = verified["seconds"] / plain["seconds"] - 1
+        out[f"{key.removesuffix('_noverify')}_hash_share"] = round(share, 4)
+        out[f"{key.removesuffix('_noverify')}_vs_unverified"] = round(slowdown, 4)
+        parts.append(
+            f"{key.removesuffix('_noverify')}: {verified['verified_bytes'] / 2**20:.0f} MiB hashed in "
+            f"{verified['verify_s']:.3f} s = {100 * share:.2f}% of its {verified['seconds']:.1f} s "
+            f"(on the reader thread, beside compute); {100 * slowdown:+.1f}% against the unverified row"
+        )
+    print(
+        f"checksums (xxh3-64, each file once, on the first pass): {rate / 1e9:.2f} GB/s on one core here; "
+        + "; ".join(parts)
+    )
+    return out
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from robot_llm.clock import aware_utc
 from robot_llm.configured_model import BatchModel, open_configured_model
 from robot_llm.db import error_line
-from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, RobotLLMError
+from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, ModelFault, RobotLLMError
 from robot_llm.request_queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
 from robot_llm.stance import Calibration, StanceResult, StanceSpec, parse_stance_spec, score_stance
+from robot_llm.thesis_check import thesis_problem
 from robot_llm.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -183,6 +184,8 @@ def _run_batch(
             for (req, _, spec), c in zip(group, completions, strict=True):
                 stances.append(score_stance(model, req.prompt, c, spec, calibration) if spec is not None else None)
                 on_progress()
+        except ModelFault:  # damaged weights or NaN: every batch would fail the same way
+            raise
         except Exception as exc:  # the model's failure is this batch's, not the run's
             if len(group) > 1:
                 log.warning("batch of %d failed (%s); running its requests one by one", len(group), error_line(exc))
@@ -191,34 +194,37 @@ def _run_batch(
                 errors[group[0][0].id] = f"{type(exc).__name__}: {exc}"
             continue
         seconds = time.monotonic() - started
-        for (req, params, _), c, st in zip(group, completions, stances, strict=True):
+        for (req, params, spec), c, st in zip(group, completions, stances, strict=True):
             new_tokens += c.new_token_count
-            rows.append(
-                {
-                    "request_id": req.id,
-                    "ticker": req.ticker,
-                    "template_name": req.template_name,
-                    "template_version": req.template_version,
-                    "text": c.text,
-                    "stance": st.stance if st else None,
-                    "stance_label": st.label if st else None,
-                    "score": st.score if st else None,
-                    "label_logprobs": st.label_logprobs if st else {},
-                    "model_id": model.model_id,
-                    "params": req.params,
-                    "seed": params.seed,
-                    "prompt_sha256": req.prompt_sha256,
-                    "prompt_tokens": c.prompt_token_count,
-                    "completion_tokens": c.new_token_count,
-                    "finish_reason": c.finish_reason,
-                    # Rows of a batch are computed together: each carries its batch's time.
-                    "generation_seconds": seconds,
-                    "news_ids": req.news_ids,
-                    "signal_ids": req.signal_ids,
-                    "as_of": req.as_of,
-                    "valid_until": req.valid_until,
-                }
-            )
+            row = {
+                "request_id": req.id,
+                "ticker": req.ticker,
+                "template_name": req.template_name,
+                "template_version": req.template_version,
+                "text": c.text,
+                "stance": st.stance if st else None,
+                "stance_label": st.label if st else None,
+                "score": st.score if st else None,
+                "label_logprobs": st.label_logprobs if st else {},
+                "model_id": model.model_id,
+                "params": req.params,
+                "seed": params.seed,
+                "prompt_sha256": req.prompt_sha256,
+                "prompt_tokens": c.prompt_token_count,
+                "completion_tokens": c.new_token_count,
+                "finish_reason": c.finish_reason,
+                # Rows of a batch are computed together: each carries its batch's time.
+                "generation_seconds": seconds,
+                "news_ids": req.news_ids,
+                "signal_ids": req.signal_ids,
+                "as_of": req.as_of,
+                "valid_until": req.valid_until,
+            }
+            problem = thesis_problem(row, asks_stance=spec is not None)
+            if problem is None:
+                rows.append(row)
+            else:
+                errors[req.id] = problem
     return rows, errors, new_tokens
 
 
@@ -254,6 +260,7 @@ def run_queue(
     queue = RequestQueue(config, engine, worker_id, as_of)
     tally = Tally()
     try:
+        queue.take_over()
         total = queue.remaining()
     except SQLAlchemyError as exc:
         raise BatchError(f"database error before the run started: {error_line(exc)}") from None
@@ -292,6 +299,7 @@ def _work(
     blocked_by: str | None = None
     status, error = "ok", None
     drained = crashed = False
+    fault: ModelFault | None = None
     in_flight: list[int] = []
     try:
         while not stop.is_set():
@@ -316,6 +324,8 @@ def _work(
             in_flight = []
             watchdog.progress([])
             bar.update(tally, total, tally.handled - before)
+        if not drained and not in_flight and queue.remaining() == 0:
+            drained = True  # the stop came with the last batch: the night is complete, not aborted
         if not drained:
             status, error = "aborted", "stopped on request (signal); the rest of the queue waits for the next run"
         elif tally.failed:
@@ -327,6 +337,10 @@ def _work(
             )
     except SQLAlchemyError as exc:
         status, error, crashed = "failed", f"database error: {error_line(exc)}", True
+    except ModelFault as exc:
+        status, error, crashed = "failed", str(exc), True
+        fault = exc
+        _release(queue, in_flight)
     except BaseException as exc:
         status, error, crashed = "failed", f"{type(exc).__name__}: {exc}", True
         _release(queue, in_flight)
@@ -344,6 +358,11 @@ def _work(
                     f"{tally.done} thesis(es) are stored, but the end of run #{run_id} could not be recorded: "
                     f"{error_line(exc)}"
                 ) from None
+    if fault is not None:
+        raise BatchError(
+            f"{error}; nothing of the batch in flight was stored and its requests wait for a rerun "
+            f"({tally.done} thesis(es) stored earlier by this run are intact)"
+        ) from fault
     if crashed:
         raise BatchError(
             f"{error}; {tally.done} thesis(es) stored by this run are intact; "

@@ -60,11 +60,38 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from robot_llm.batch import run_queue, summary_line
     from robot_llm.clock import parse_as_of
 
     config, engine = _open(args)
     as_of = parse_as_of(args.as_of, config.tz) if args.as_of else None
+    return _work_queue(args, config, engine, as_of)
+
+
+def _redo(args: argparse.Namespace) -> int:
+    from robot_llm.clock import parse_as_of
+    from robot_llm.redo import queue_redo
+
+    config, engine = _open(args)
+    as_of = parse_as_of(args.as_of, config.tz)
+    try:
+        result = queue_redo(engine, as_of, args.ticker)
+    except BaseException:
+        engine.dispose()
+        raise
+    local = as_of.astimezone(config.tz).strftime("%Y-%m-%d %H:%M %Z")
+    print(
+        f"redo of night {local}: {len(result.queued)} request(s) queued again as new rows "
+        f"({', '.join(f'{t} {n} #{k}' for t, n, k in result.queued)}); the earlier theses stay in the history"
+    )
+    if args.queue_only:
+        engine.dispose()
+        return 0
+    return _work_queue(args, config, engine, as_of)
+
+
+def _work_queue(args: argparse.Namespace, config: AppConfig, engine: Any, as_of: Any) -> int:
+    from robot_llm.batch import run_queue, summary_line
+
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -133,7 +160,8 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), ensure_ascii=False, indent=1))
     else:
         print(format_report(report, config))
-    return 0
+    # Like doctor: 1 when the nights lack theses (stuck or failed requests, empty or non-finite theses).
+    return 1 if report.health.troubled else 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -160,7 +188,27 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     run.add_argument("--as-of", help="work only this night's requests (ISO 8601); default: every valid request")
     run.add_argument("--worker-id", help="lease owner name (default: host:pid:random)")
     run.add_argument("--skip-preflight", action="store_true", help="start without running the preflight checks")
+    run.add_argument(
+        "--config-stdin",
+        action="store_true",
+        help="read the configuration by value from stdin (as the daemon hands it to its generation child); "
+        "-c only names its file in messages",
+    )
     run.set_defaults(handler=_run)
+
+    redo = batch_sub.add_parser(
+        "redo",
+        parents=[common],
+        help="generate a finished night's theses again (new rows, committed now; the old ones stay in the history)",
+    )
+    redo.add_argument("--as-of", required=True, help="the night's cut-off, ISO 8601 (no offset: the config's timezone)")
+    redo.add_argument("--ticker", action="append", help="only this instrument (repeatable; default: every one)")
+    redo.add_argument(
+        "--queue-only", action="store_true", help="queue the requests again; a later batch run works them"
+    )
+    redo.add_argument("--worker-id", help="lease owner name (default: host:pid:random)")
+    redo.add_argument("--skip-preflight", action="store_true", help="start without running the preflight checks")
+    redo.set_defaults(handler=_redo, config_stdin=False)
 
     status = batch_sub.add_parser("status", parents=[common], help="per night: pending/running/done/failed, leases")
     status.add_argument("--nights", type=int, default=7, help="how many recent nights to show (default: %(default)s)")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from robot_llm import __version__
-from robot_llm.errors import RobotLLMError
+from robot_llm.errors import RobotLLMError, closed_pipe, missing_extra
 from robot_llm.logs import add_log_file, setup_logging
 
 if TYPE_CHECKING:
@@ -26,19 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("robot_llm")
 
 Handler = Callable[[argparse.Namespace], int]
-
-# Optional dependencies and the extra that installs each (pyproject.toml), for the one-line
-# error a command gives when it needs one that is not installed.
-EXTRAS: dict[str, str] = {
-    "torch": "model",
-    "deepspeed": "model",
-    "safetensors": "model",
-    "numpy": "model",
-    "psycopg": "postgres",
-    "pandas": "pandas",
-    "plotly": "report",
-    "freqtrade": "freqtrade",
-}
 
 # Modules that contribute subcommands; each has ``register(subparsers, common)``.
 # Imported lazily (only when the parser is built) and kept free of torch at import time.
@@ -93,23 +80,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_app_config(args: argparse.Namespace) -> AppConfig:
-    """Load and validate the config named by ``-c``, and apply its ``logging`` section.
+    """Load and validate the config named by ``-c`` (or, with ``--config-stdin``, the snapshot on stdin).
 
+    Applies its ``logging`` section.
     The terminal keeps the command line's verbosity (a command's output is its answer; -v
     adds log lines); the config's zone dates every line; ``logging.file``, when set, receives
     every command's log lines at the config's level and format.
     """
-    from robot_llm.config import load_config
+    from robot_llm.config import config_from_snapshot, load_config
 
-    config = load_config(args.config)
-    setup_logging(_console_level(args), getattr(args, "log_format", "text"), tz=config.tz)
+    if getattr(args, "config_stdin", False):
+        config = config_from_snapshot(sys.stdin.read(), f"{args.config} (the snapshot on stdin)")
+    else:
+        config = load_config(args.config)
+    setup_logging(console_level(args), getattr(args, "log_format", "text"), tz=config.tz)
     if config.logging.file is not None:
         level = "DEBUG" if (getattr(args, "verbose", 0) or 0) >= 2 else config.logging.level
         add_log_file(level, config.logging.format, config.logging.file, tz=config.tz)
+    if getattr(args, "config_stdin", False):
+        log.info(
+            "config: the daemon's configuration of %s, by value on stdin (the file itself is not read)", args.config
+        )
     return config
 
 
-def _console_level(args: argparse.Namespace) -> int:
+def console_level(args: argparse.Namespace) -> int:
+    """The terminal's log level for the command line's ``-v`` count: warnings, -v info, -vv debug."""
     verbosity = getattr(args, "verbose", 0) or 0
     return logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
 
@@ -128,9 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     verbosity = getattr(args, "verbose", 0) or 0
-    setup_logging(_console_level(args), getattr(args, "log_format", "text"))
+    setup_logging(console_level(args), getattr(args, "log_format", "text"))
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader gone by now is a BrokenPipeError we can still catch
+        return code
+    except BrokenPipeError:
+        return closed_pipe()
     except RobotLLMError as exc:
         if verbosity >= 2:
             log.exception("failed")
@@ -142,12 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
         if verbosity >= 2:
             raise
-        extra = EXTRAS.get((exc.name or "").split(".")[0]) if isinstance(exc, ModuleNotFoundError) else None
+        extra = missing_extra(exc)
         if extra is not None:  # not a bug: an optional part is not installed
-            print(
-                f"error: this command needs {exc.name}, which is not installed: pip install 'robot-llm[{extra}]'",
-                file=sys.stderr,
-            )
+            print(f"error: {extra}", file=sys.stderr)
             return 1
         print(f"error: {type(exc).__name__}: {exc} (run with -vv for the traceback)", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ scalars stay the strings the user wrote and the validators below judge them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -537,6 +538,13 @@ class AppConfig(_Section):
             for ticker in feed.tickers or ():
                 if ticker not in seen:
                     raise _PathError(("feeds", i, "tickers"), f"unknown ticker {ticker!r} (not in instruments)")
+        family = _store_family(self.model.store or self.model.checkpoint)
+        if self.model.backend == "deepspeed" and family not in (None, "yalm"):
+            raise _PathError(
+                ("model", "backend"),
+                f"backend 'deepspeed' runs YaLM only; the weights at {self.model.store or self.model.checkpoint} are "
+                f"a {family} model: use backend 'stream' (or 'memory' for a small one)",
+            )
         return self
 
     @property
@@ -557,6 +565,18 @@ class AppConfig(_Section):
             if feed.name == name:
                 return feed
         raise KeyError(name)
+
+
+def _store_family(weights: Path | None) -> str | None:
+    """The model family a weight store's manifest names (None: no store there, or it cannot be read; doctor says)."""
+    if weights is None:
+        return None
+    try:
+        data = json.loads((weights / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    family = data.get("family", "yalm") if isinstance(data, dict) else None
+    return family if isinstance(family, str) else None
 
 
 class _PathError(ValueError):
@@ -673,3 +693,34 @@ def effective_config(config: AppConfig) -> dict[str, Any]:
         return value
 
     return mask(data)
+
+
+def config_snapshot(config: AppConfig) -> str:
+    """The configuration in force as JSON, every value resolved: what the daemon hands its generation child.
+
+    Secrets are in it (interpolated from the environment), so it travels over a pipe, never
+    through a file.
+    """
+    return json.dumps(
+        {
+            "source": str(config.source) if config.source is not None else None,
+            "config": config.model_dump(mode="json", exclude={"source"}),
+        },
+        ensure_ascii=False,
+    )
+
+
+def config_from_snapshot(text: str, origin: str = "the config snapshot") -> AppConfig:
+    """The :class:`AppConfig` a :func:`config_snapshot` describes, validated again; ConfigError names ``origin``."""
+    try:
+        data = json.loads(text)
+        source = Path(data["source"]) if data.get("source") else None
+        config = AppConfig.model_validate(
+            data["config"], context={"base_dir": source.parent if source is not None else Path.cwd()}
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"{format_path(tuple(e['loc']))}: {_message(e)}" for e in exc.errors())
+        raise ConfigError(f"{origin}: {problems}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{origin}: not a config snapshot ({type(exc).__name__}: {exc})") from None
+    return config.model_copy(update={"source": source})

@@ -40,10 +40,11 @@ from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.interval import IntervalTrigger
+from sqlalchemy import func, select
 
 from robot_llm.clock import cron_trigger, night_as_of, night_cutoff, non_trading_reason, should_catch_up, upcoming_fires
 from robot_llm.daemon_jobs import InFlight, JobOutcome, ingest_feed, ingest_signals, morning_report
-from robot_llm.db import Run, utcnow
+from robot_llm.db import DaemonLease, Run, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.lease import acquire_lease, release_lease, renew_lease
 from robot_llm.nightly import NightlyJob
@@ -90,6 +91,7 @@ class Daemon:
         feed_interval: timedelta | None = None,
         install_signals: bool = True,
         log_format: str = "text",
+        verbosity: int | None = None,
     ) -> None:
         self._config = config
         self._engine = engine
@@ -108,9 +110,12 @@ class Daemon:
         self._in_flight = InFlight()
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
-        self._nightly = NightlyJob(engine, self.host, stop=self._stop, kill_now=self._kill_now, log_format=log_format)
+        self._nightly = NightlyJob(
+            engine, self.host, stop=self._stop, kill_now=self._kill_now, log_format=log_format, verbosity=verbosity
+        )
         self._exit_code = 0
         self.started = threading.Event()
+        self._served_since: datetime | None = None
         #: True when shutdown gave up waiting for a job (the caller should exit hard).
         self.jobs_left_running = False
 
@@ -133,6 +138,8 @@ class Daemon:
         config = self.config
         if self._install_signals:
             self._install_handlers()
+        # Before our lease overwrites it: since when has a daemon served this database (missed nights).
+        self._served_since = self._first_served()
         lease = acquire_lease(
             self._engine, holder=self.holder, host=self.host, pid=self.pid, ttl=config.daemon.lease_ttl
         )
@@ -288,13 +295,24 @@ class Daemon:
             scheduler.modify_job("nightly", next_run_time=datetime.now(config.tz))
         elif not complete and not night_recorded(self._engine, as_of):
             reason = non_trading_reason(config, as_of)
+            served = self._served_since is not None and self._served_since <= as_of
             if reason is not None:
                 reason = f"non-trading day: {reason}"
+            elif not served:  # no daemon ran this schedule then: nothing was missed
+                reason = f"before the first daemon on this database; its cut-off {night_cutoff(config, as_of)} passed"
             else:
                 cutoff = night_cutoff(config, as_of)
                 reason = f"missed while the daemon was down; its cut-off {cutoff.isoformat()} has passed"
             record_skipped(self._engine, as_of, reason, self.host)
-            log.warning("the night of %s was not run: %s", as_of.isoformat(), reason)
+            (log.warning if served else log.info)("the night of %s was not run: %s", as_of.isoformat(), reason)
+
+    def _first_served(self) -> datetime | None:
+        """When a daemon first served this database: its oldest nightly row or the lease a daemon left, if any."""
+        with self._engine.connect() as conn:
+            nightly = conn.execute(select(func.min(Run.started_at)).where(Run.kind == NIGHTLY_KIND)).scalar()
+            lease = conn.execute(select(func.min(DaemonLease.acquired_at))).scalar()
+        known = [t for t in (nightly, lease) if t is not None]
+        return min(known) if known else None
 
     def _describe_jobs(self) -> str:
         now = utcnow()

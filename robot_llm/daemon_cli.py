@@ -42,8 +42,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
 
 
 def _run(args: argparse.Namespace) -> int:
+    from robot_llm.cli import console_level
     from robot_llm.daemon import Daemon
-    from robot_llm.logs import setup_logging
+    from robot_llm.logs import add_log_file, setup_logging
     from robot_llm.migrate import ensure_current
 
     config = load_app_config(args)
@@ -51,13 +52,20 @@ def _run(args: argparse.Namespace) -> int:
     # JSON when either the flag or logging.format in the config asks for it.
     fmt = "json" if "json" in (getattr(args, "log_format", "text"), config.logging.format) else "text"
     level = "DEBUG" if (getattr(args, "verbose", 0) or 0) >= 2 else config.logging.level
-    setup_logging(level=level, fmt=fmt, file=config.logging.file, tz=config.tz)
+    if config.logging.file is None:  # stderr is the daemon's log (the journal under systemd)
+        setup_logging(level=level, fmt=fmt, tz=config.tz)
+    else:  # the file is its log; the terminal shows warnings, more with -v, as for every command
+        setup_logging(level=console_level(args), fmt=fmt, tz=config.tz)
+        add_log_file(level, fmt, config.logging.file, tz=config.tz)
     if level != "DEBUG":
         # APScheduler logs every job start and end at INFO; our own lines say what each job did.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
     engine = open_database(config)
     ensure_current(engine, args.config)
-    daemon = Daemon(config, engine, log_format=fmt)
+    # With a log file the terminal shows the child's warnings (more with -v), as it does the daemon's;
+    # without one, stderr is the daemon's log and the child logs there at the same level.
+    verbosity = (getattr(args, "verbose", 0) or 0) if config.logging.file is not None else None
+    daemon = Daemon(config, engine, log_format=fmt, verbosity=verbosity)
     code = daemon.run()
     if daemon.jobs_left_running:
         # A job that ignored the shutdown would keep the interpreter alive (thread-pool

@@ -229,11 +229,15 @@ class Run(Base):
 
 
 class GenerationRequest(Base):
-    """A rendered prompt waiting for (or done with) the model: the nightly work queue."""
+    """A rendered prompt waiting for (or done with) the model: the nightly work queue.
+
+    One row per (night, instrument, template, redo): a redo of a night adds rows, it never
+    rewrites one, so the history keeps what each attempt produced.
+    """
 
     __tablename__ = "generation_requests"
     __table_args__ = (
-        UniqueConstraint("as_of", "ticker", "template_name"),
+        UniqueConstraint("as_of", "ticker", "template_name", "redo"),
         Index("ix_generation_requests_status_as_of", "status", "as_of"),
     )
 
@@ -256,6 +260,8 @@ class GenerationRequest(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+    #: 0 as planned; each ``batch redo`` of the night queues the request again one higher (a new row).
+    redo: Mapped[int] = mapped_column(default=0, server_default="0")
 
 
 class Thesis(Base):

@@ -256,7 +256,8 @@ def _plan_and_run(
     )
     summary = run_queue(config, engine, as_of=as_of, stop=stopper.event)
     print(f"      generate: {summary_line(summary)}", file=out)
-    return as_of, plan.created, stopper.signum
+    # A stop that came with the last batch stopped nothing: the night is complete.
+    return as_of, plan.created, stopper.signum if summary.stopped else None
 
 
 def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:

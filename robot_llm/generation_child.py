@@ -28,19 +28,28 @@ from robot_llm.watchdog import WATCHDOG_EXIT_CODE
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
 
-__all__ = ["ChildOutcome", "child_env", "generate_command", "supervise_child"]
+__all__ = ["ChildOutcome", "child_env", "generate_command", "start_child", "supervise_child"]
 
 log = logging.getLogger("robot_llm.daemon")
 
 
-def generate_command(config: AppConfig, as_of: datetime, *, log_format: str = "text") -> list[str]:
+def generate_command(
+    config: AppConfig, as_of: datetime, *, log_format: str = "text", verbosity: int | None = None
+) -> list[str]:
     """The command line of the generation child for the night of ``as_of``.
 
-    The child logs in the daemon's format and at its level, so one journal holds both.
+    The child reads its configuration by value on stdin (:func:`start_child` writes the
+    daemon's :func:`~robot_llm.config.config_snapshot` there), never the file: a bad edit
+    on disk changes nothing until a SIGHUP is accepted, and the night runs the config it
+    was planned with. ``-c`` still names the file, for its messages. The child logs in the
+    daemon's format; ``verbosity`` is the daemon's ``-v`` count, so the terminal shows what
+    the daemon's own shows; None (the daemon logs to stderr, no log file) follows
+    ``logging.level``, so one journal holds both at the same level.
     """
     if config.source is None:
-        raise RobotLLMError("the daemon needs a config loaded from a file (the generation child reads it)")
-    verbosity = {"DEBUG": ["-vv"], "INFO": ["-v"]}.get(config.logging.level, [])
+        raise RobotLLMError("the daemon needs a config loaded from a file (its messages name it)")
+    if verbosity is None:
+        verbosity = {"DEBUG": 2, "INFO": 1}.get(config.logging.level, 0)
     return [
         sys.executable,
         "-m",
@@ -49,12 +58,28 @@ def generate_command(config: AppConfig, as_of: datetime, *, log_format: str = "t
         "run",
         "-c",
         str(config.source),
+        "--config-stdin",
         "--as-of",
         aware_utc(as_of, "as_of").isoformat(),
         "--log-format",
         log_format,
-        *verbosity,
+        *(["-" + "v" * min(verbosity, 2)] if verbosity > 0 else []),
     ]
+
+
+def start_child(config: AppConfig, cmd: list[str]) -> subprocess.Popen[bytes]:
+    """Start the generation child ``cmd`` and hand it ``config`` by value on its stdin."""
+    from robot_llm.config import config_snapshot
+
+    # A new session: a Ctrl-C in the daemon's terminal is ours to forward, not the child's to receive.
+    proc = subprocess.Popen(cmd, env=child_env(), start_new_session=True, stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(config_snapshot(config).encode("utf-8"))
+        proc.stdin.close()
+    except OSError as exc:  # it died before reading: its exit status says why
+        log.warning("the generation child (pid %d) did not take its config: %s", proc.pid, exc)
+    return proc
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ def setup_logging(
         old.close()
     root.addHandler(handler)
     root.setLevel(handler.level)
+    _quiet_libraries()
 
 
 def add_log_file(level: int | str, fmt: LogFormat, file: str | os.PathLike[str], *, tz: tzinfo = timezone.utc) -> None:
@@ -109,3 +110,10 @@ def add_log_file(level: int | str, fmt: LogFormat, file: str | os.PathLike[str],
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(min(root.level, handler.level))
+    _quiet_libraries()
+
+
+def _quiet_libraries() -> None:
+    """Alembic's INFO lines (a "setup plugin" line per plugin on every schema check) only at DEBUG (-vv)."""
+    quiet = logging.getLogger().level > logging.DEBUG
+    logging.getLogger("alembic").setLevel(logging.WARNING if quiet else logging.NOTSET)

@@ -20,7 +20,7 @@ from sqlalchemy import update
 
 from robot_llm.clock import night_as_of, night_cutoff, non_trading_reason
 from robot_llm.db import Run, utcnow
-from robot_llm.generation_child import ChildOutcome, child_env, generate_command, supervise_child
+from robot_llm.generation_child import ChildOutcome, generate_command, start_child, supervise_child
 from robot_llm.runs import (
     NIGHTLY_KIND,
     beat_run,
@@ -42,7 +42,10 @@ log = logging.getLogger("robot_llm.daemon")
 
 
 class NightlyJob:
-    """Runs nights for one daemon; ``stop`` and ``kill_now`` are the daemon's shutdown events."""
+    """Runs nights for one daemon; ``stop`` and ``kill_now`` are the daemon's shutdown events.
+
+    ``verbosity`` is handed to the generation child (:func:`~robot_llm.generation_child.generate_command`).
+    """
 
     def __init__(
         self,
@@ -52,8 +55,10 @@ class NightlyJob:
         stop: threading.Event,
         kill_now: threading.Event,
         log_format: str = "text",
+        verbosity: int | None = None,
     ) -> None:
         self._engine = engine
+        self._verbosity = verbosity
         self.host = host
         self._stop = stop
         self._kill_now = kill_now
@@ -133,10 +138,14 @@ class NightlyJob:
             self.night = None
 
     def _run_child(self, config: AppConfig, as_of: datetime, run_id: int) -> ChildOutcome:
-        cmd = generate_command(config, as_of, log_format=self._log_format)
-        log.info("starting the generation child: %s", " ".join(cmd))
-        # A new session: a Ctrl-C in the daemon's terminal is ours to forward, not the child's to receive.
-        proc = subprocess.Popen(cmd, env=child_env(), start_new_session=True)
+        cmd = generate_command(config, as_of, log_format=self._log_format, verbosity=self._verbosity)
+        log.info(
+            "starting the generation child: %s (its config: the daemon's, in force since it was loaded from %s, "
+            "handed over by value on stdin)",
+            " ".join(cmd),
+            config.source,
+        )
+        proc = start_child(config, cmd)
         self.child = proc
         try:
             return supervise_child(

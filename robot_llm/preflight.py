@@ -77,17 +77,29 @@ def _database(config: AppConfig) -> tuple[list[Check], Engine | None]:
     return checks, engine
 
 
+def _queue(engine: Engine) -> Check:
+    """The latest night's health (:mod:`robot_llm.health`): a warning when it lacks theses."""
+    from robot_llm.health import latest_nights, night_health
+
+    nights = latest_nights(engine)
+    if not nights:
+        return Check("queue", None, "no night planned yet")
+    health = night_health(engine, nights)
+    return Check("queue", True, f"night {nights[0].isoformat()}: {health.line()}", warning=health.troubled)
+
+
 def _disk(config: AppConfig, engine: Engine | None) -> Check:
     from sqlalchemy import func, select
     from sqlalchemy.exc import SQLAlchemyError
 
-    from robot_llm.db import GenerationRequest
+    from robot_llm.db import GenerationRequest, error_line
 
     url = config.database.url
     if not url.startswith("sqlite:///") or url == "sqlite:///:memory:":
         return Check("disk", None, "the database is a server: its disk is the server's business")
     folder = Path(url[len("sqlite:///") :]).parent
-    pending = 0
+    pending: int | None = 0
+    counted = ""
     if engine is not None:
         try:
             with engine.connect() as conn:
@@ -98,42 +110,83 @@ def _disk(config: AppConfig, engine: Engine | None) -> Check:
                         .where(GenerationRequest.status.in_(("pending", "running")))
                     ).scalar_one()
                 )
-        except SQLAlchemyError:  # an unmigrated database: the schema check reports it
-            pending = 0
-    need = MIN_FREE_BYTES + pending * THESIS_BYTES
+        except SQLAlchemyError as exc:  # an unmigrated database (the schema check says so), or a full disk
+            pending, counted = None, error_line(exc)
+    need = MIN_FREE_BYTES + (pending or 0) * THESIS_BYTES
     free = shutil.disk_usage(folder).free
     if free < need:
+        work = (
+            f"{pending} pending or running request(s)"
+            if pending is not None
+            else f"the pending requests could not be counted: {counted}"
+        )
         return Check(
             "disk",
             False,
-            f"{folder} has {free / 2**20:.0f} MiB free, the night needs {need / 2**20:.0f} MiB "
-            f"({pending} pending request(s)); free some space",
+            f"{folder} has {free / 2**20:.0f} MiB free, the night needs at least {need / 2**20:.0f} MiB "
+            f"({work}); free some space",
         )
     return Check("disk", True, f"{free / 2**30:.1f} GiB free in {folder}")
 
 
 def _store(store: Path, deep: bool) -> Check:
+    """The store's files: ``deep`` hashes every byte; the default reads headers and sampled blocks.
+
+    The default guarantees every file is present at its manifest size with a header that
+    parses, and that the first and last block of every file, and one more per file chosen
+    by the date (another each day), match their checksums: a damaged header, a truncated or
+    overwritten tail is caught at once; damage elsewhere in a file is caught by the night's
+    first pass, which verifies every block before anything is stored.
+    """
+    from datetime import date
+
+    from robot_llm.llm.checksum import BlockMismatch, check_sampled
     from robot_llm.llm.store import read_manifest, verify
-    from robot_llm.llm.store_layout import StoreError
+    from robot_llm.llm.store_layout import FileLayout, StoreError
 
     try:
         manifest = read_manifest(store)
     except StoreError as exc:
         return Check("weights", False, f"model.store: {exc} (convert with `robot-llm model convert`)")
     problems: list[str] = []
+    read = 0
     if deep:
         problems = verify(store)
     else:
+        spec = manifest.checksums
         for entry in manifest.files:
             path = store / entry.name
             if not path.is_file():
                 problems.append(f"{entry.name}: missing")
-            elif path.stat().st_size != entry.size:
+                continue
+            if path.stat().st_size != entry.size:
                 problems.append(f"{entry.name}: size {path.stat().st_size} != manifest {entry.size}")
+                continue
+            try:
+                FileLayout.read(path)
+                if spec is not None and entry.blocks:
+                    picks = check_sampled(path, entry.blocks, entry.size, spec.block_bytes, date.today().toordinal())
+                    read += sum(min(spec.block_bytes, entry.size - n * spec.block_bytes) for n in picks)
+            except (StoreError, BlockMismatch) as exc:
+                problems.append(str(exc).replace(f"{path}: ", f"{entry.name}: "))
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         return Check("weights", False, f"model.store {store} is damaged: {shown} (convert again to repair)")
-    how = "sha256 verified" if deep else "sizes match the manifest (--deep checks sha256)"
+    if deep:
+        how = "sha256 verified"
+    elif manifest.checksums is None:
+        return Check(
+            "weights",
+            True,
+            f"store {store}: {len(manifest.files)} files, sizes and headers match; its manifest has no block "
+            f"checksums, so nights do not verify its bytes (`robot-llm model verify --record-checksums {store}`)",
+            warning=True,
+        )
+    else:
+        how = (
+            f"sizes and headers match, sampled blocks verified ({read / 2**20:.0f} MiB of "
+            f"{manifest.total_bytes / 2**20:.0f} MiB read; the night verifies every block; --deep checks sha256)"
+        )
     return Check("weights", True, f"store {store}: {len(manifest.files)} files, {how}")
 
 
@@ -303,6 +356,9 @@ def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
     db_checks, engine = _database(config)
     checks.extend(db_checks)
     try:
+        if engine is not None and all(c.ok for c in db_checks):
+            # First: how the latest night stands (stuck, failed, empty...), before what the next one needs.
+            checks.insert(0, _guarded("queue", lambda: _queue(engine)))
         checks.append(_guarded("disk", lambda: _disk(config, engine)))
     finally:
         if engine is not None:

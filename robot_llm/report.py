@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import socket
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import date, datetime, time, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 
 from robot_llm.db import GenerationRequest, Run, Thesis, session_scope, utcnow
+from robot_llm.health import Health, night_health
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -84,6 +85,8 @@ class Report:
     queue: dict[str, int]
     new_tokens: int
     batch_seconds: float
+    #: The health of the nights the day worked on (first line of the report).
+    health: Health = field(default_factory=Health)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -181,6 +184,18 @@ def build_report(config: AppConfig, engine: Engine, day: date) -> Report:
                 .group_by(GenerationRequest.status)
             ).all()
         )
+        worked = list(
+            s.scalars(
+                select(GenerationRequest.as_of)
+                .distinct()
+                .where(
+                    or_(
+                        and_(GenerationRequest.created_at >= start, GenerationRequest.created_at < end),
+                        and_(GenerationRequest.updated_at >= start, GenerationRequest.updated_at < end),
+                    )
+                )
+            )
+        )
     generate = [r for r in lines if r.kind == "generate"]
     return Report(
         day=day,
@@ -192,6 +207,7 @@ def build_report(config: AppConfig, engine: Engine, day: date) -> Report:
         queue={k: int(v) for k, v in sorted(queue.items())},
         new_tokens=sum(int(r.counts.get("new_tokens", 0)) for r in generate),
         batch_seconds=sum(float(r.counts.get("batch_seconds", 0.0)) for r in generate),
+        health=night_health(engine, worked),
     )
 
 
@@ -207,7 +223,11 @@ def format_duration(seconds: float | None) -> str:
 def format_report(report: Report, config: AppConfig) -> str:
     """The report as text for a terminal or an e-mail."""
     tz = config.tz
-    out = [f"robot-llm report for {report.day.isoformat()} ({report.timezone})", ""]
+    nights = f"{report.health.nights} night(s)" if report.health.nights else "no night"
+    out = [
+        f"robot-llm report for {report.day.isoformat()} ({report.timezone}), {nights}: {report.health.line()}",
+        "",
+    ]
     if not report.runs:
         out.append("no runs started that day")
     else:

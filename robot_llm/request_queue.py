@@ -22,6 +22,7 @@ request first, the late thesis is dropped, never stored twice.
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from robot_llm.db import GenerationRequest, Run, Thesis, db_clock, utcnow
 from robot_llm.runs import beat_run, finish_run, process_gone, start_run
+from robot_llm.thesis_check import thesis_problem
 
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
@@ -142,6 +144,17 @@ class RequestQueue:
         self.sqlite = engine.dialect.name == "sqlite"
         self.run_id: int | None = None
 
+    def take_over(self) -> None:
+        """Free the requests of this host's dead workers now, before anything is counted.
+
+        A rerun right after a SIGKILL must see the dead worker's claimed requests as work to
+        do even when nothing else is pending (one batch per night claims them all).
+        """
+        with self.engine.connect() as conn:
+            _begin_write(conn)
+            self._take_over_dead_workers(conn, utcnow())
+            conn.commit()
+
     def remaining(self) -> int:
         with self.engine.connect() as conn:
             return int(
@@ -168,34 +181,54 @@ class RequestQueue:
 
         Without this, an immediate rerun after a SIGKILL would find the dead worker's run
         alive (its last heartbeat is recent) and its requests leased for ``batch.lease``.
-        Runs on other hosts are left to their heartbeat and leases.
+        A run already closed by someone else (the daemon records its killed child as
+        failed) may still hold leases: those are freed too. Runs on other hosts are left to
+        their heartbeat and leases.
         """
         rows = conn.execute(
-            select(Run.id, Run.host, Run.pid, Run.counts).where(
-                Run.kind == "generate", Run.status == "running", Run.id != self.run_id
+            select(Run.id, Run.host, Run.pid, Run.counts, Run.status).where(
+                Run.kind == "generate",
+                Run.id != self.run_id,
+                or_(
+                    Run.status == "running",
+                    # A lease lives at most batch.lease past its owner's last renewal.
+                    and_(Run.host == socket.gethostname(), Run.finished_at >= now - self.config.batch.lease),
+                ),
             )
         ).all()
         for row in rows:
             if not process_gone(row.host, row.pid):
                 continue
-            conn.execute(
-                update(Run)
-                .where(Run.id == row.id, Run.status == "running")
-                .values(
-                    status="aborted",
-                    finished_at=now,
-                    error=f"its worker (pid {row.pid}) is gone (killed or crashed); taken over by {self.worker_id}",
-                )
-            )
-            owner = (row.counts or {}).get("worker_id")
-            if owner:
-                # Claimable at once; the attempt it spent stays counted.
+            if row.status == "running":
                 conn.execute(
-                    update(GenerationRequest)
-                    .where(GenerationRequest.lease_owner == owner, GenerationRequest.status == "running")
-                    .values(lease_expires_at=now - timedelta(seconds=1), updated_at=now)
+                    update(Run)
+                    .where(Run.id == row.id, Run.status == "running")
+                    .values(
+                        status="aborted",
+                        finished_at=now,
+                        error=f"its worker (pid {row.pid}) is gone (killed or crashed); taken over by {self.worker_id}",
+                    )
                 )
-            log.warning("took over the queue of worker run #%s (pid %s on this host is gone)", row.id, row.pid)
+            owner = (row.counts or {}).get("worker_id")
+            if not owner:
+                continue
+            # Claimable at once; the attempt it spent stays counted.
+            freed = conn.execute(
+                update(GenerationRequest)
+                .where(
+                    GenerationRequest.lease_owner == owner,
+                    GenerationRequest.status == "running",
+                    GenerationRequest.lease_expires_at >= now,
+                )
+                .values(lease_expires_at=now - timedelta(seconds=1), updated_at=now)
+            ).rowcount
+            if row.status == "running" or freed:
+                log.warning(
+                    "took over worker run #%s (pid %s on this host is gone): %d claimed request(s) free at once",
+                    row.id,
+                    row.pid,
+                    freed,
+                )
 
     def _other_live_worker(self, conn: Connection, now: datetime) -> str | None:
         window = alive_window(self.config)
@@ -309,6 +342,11 @@ class RequestQueue:
         A thesis another worker already stored for the same request is skipped (``ON
         CONFLICT DO NOTHING`` on the unique ``request_id``) and counted as a duplicate.
         """
+        for row in rows:
+            # The boundary itself refuses what the worker should never have handed over.
+            problem = thesis_problem(row, asks_stance=(row.get("params") or {}).get("stance") is not None)
+            if problem is not None:
+                raise ValueError(f"request #{row['request_id']}: refusing to store an invalid thesis: {problem}")
         table = Thesis.__table__
         if self.sqlite:
             from sqlalchemy.dialects.sqlite import insert

@@ -29,7 +29,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from robot_llm.config import parse_duration
-from robot_llm.errors import RobotLLMError
+from robot_llm.errors import RobotLLMError, run_main
 from robot_llm.forecasts import Forecasts, ForecastsError, parse_moment, to_dataframe
 
 if TYPE_CHECKING:
@@ -238,4 +238,4 @@ def _missing(value: Any) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from robot_llm.errors import RobotLLMError
+from robot_llm.errors import RobotLLMError, run_main
 from robot_llm.forecasts import Forecasts, parse_moment, require_aware
 
 __all__ = ["Decision", "GateParams", "decide", "decide_all", "main"]
@@ -133,4 +133,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

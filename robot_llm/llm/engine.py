@@ -40,15 +40,26 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from robot_llm.errors import ModelFault
+from robot_llm.llm.checksum import DamagedStoreError
 from robot_llm.llm.config import embedding_is_head
 from robot_llm.llm.diskio import DEFAULT_DEPTH, io_pool
 from robot_llm.llm.family import Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.finite import FiniteWatch
 from robot_llm.llm.kv_cache import KVCache
 from robot_llm.llm.machine import gpu_has_native_bf16
 from robot_llm.llm.planner import gpu_compute_dtype
 from robot_llm.llm.quant import PackedInt4, PackedInt8
 from robot_llm.llm.store import Store
-from robot_llm.llm.store_layout import SCALE_SUFFIX, FileLayout, StoreError, aligned_buffer, direct_span, read_into
+from robot_llm.llm.store_layout import (
+    SCALE_SUFFIX,
+    FileLayout,
+    StoreError,
+    aligned_buffer,
+    direct_span,
+    read_into,
+    read_pieces,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +73,7 @@ READ_ATTEMPTS = 4
 READ_BACKOFF_S = 0.05
 
 
-class LayerReadError(StoreError):
+class LayerReadError(StoreError, ModelFault):
     """A layer file stayed unreadable through every retry: that forward pass fails, the engine stays usable."""
 
 
@@ -182,6 +193,7 @@ class StreamingModel:
         self.drop_cache = drop_cache and streams
         self.read_depth = read_depth
         self.stats = StreamStats()
+        self.watch = FiniteWatch()
         # Quantized matrices go to torch's fused CPU kernels as stored (they want bf16 activations).
         self.fused = not self.cuda and self.dtype == torch.bfloat16
         self.rope = self.family.rope(cfg)
@@ -205,7 +217,8 @@ class StreamingModel:
         self.ram: list[Tensor | None] = [None] * cfg.num_layers
         for i in range(self.ram_layers):
             held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
-            read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
+            offset = read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
+            self.store.check_read(self.paths[i].name, read_pieces(self.layouts[i], held, offset))
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
         # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
         # does the fused CPU path, whose quantized matrices are dequantized (if ever) by the compute thread.
@@ -299,7 +312,7 @@ class StreamingModel:
         delay, attempt = READ_BACKOFF_S, 1
         while True:
             try:
-                return read_into(
+                offset = read_into(
                     path,
                     self.layouts[layer],
                     slot.host,
@@ -308,6 +321,14 @@ class StreamingModel:
                     pool=self._io,
                     depth=self.read_depth,
                 )
+                # The first pass hashes every file as it arrives (on this reader thread, beside compute).
+                self.store.check_read(path.name, read_pieces(self.layouts[layer], slot.host, offset))
+                return offset
+            except DamagedStoreError:
+                if attempt > 1:
+                    raise  # read twice, damaged twice: the bytes on disk are wrong, not the read
+                log.warning("%s: its bytes do not match the manifest's checksum; reading it once more", path)
+                attempt += 1
             except (OSError, StoreError) as exc:  # EIO, a short read of a file being rewritten...
                 if attempt == READ_ATTEMPTS:
                     raise LayerReadError(
@@ -394,6 +415,8 @@ class StreamingModel:
         B, T = ids.shape
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
         x = fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device)
+        self.watch.reset()
+        self.watch.note("the embedding", x)
         rows = B if T == 1 or not self.micro_batch else self.micro_batch
         if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
             self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
@@ -409,6 +432,7 @@ class StreamingModel:
                 x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
                 if self.on_layer is not None:
                     self.on_layer()
+            self.watch.note(f"layer {i} ({self.paths[i].name})", x)
             if self.cuda:
                 assert self._current.free is not None
                 # On the compute device's stream: a bare record() takes the current device's (cuda:0 under cuda:1).
@@ -436,6 +460,10 @@ class StreamingModel:
         return logits
 
     __call__ = forward
+
+    def first_nonfinite(self) -> str:
+        """Where the last pass first went non-finite (:func:`robot_llm.llm.finite.check_logits` asks)."""
+        return self.watch.first_bad() or "the output head"
 
     def _drain(self) -> None:
         """Wait for every read in flight; their results are discarded (the stream restarts), errors too."""

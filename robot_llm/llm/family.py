@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.config import ModelConfig, module_plan
+from robot_llm.llm.finite import FiniteWatch
 from robot_llm.llm.kv_cache import KVCache, LayerKV
 from robot_llm.llm.quant import (
     FUSED_MAX_ROWS,
@@ -286,6 +287,7 @@ class InMemoryModel:
         self.device = torch.device(device)
         self.weights = weights.to(self.device, self.dtype)
         self.rope = self.family.rope(cfg)
+        self.watch = FiniteWatch()
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
         """An empty cache on the model's device in the compute dtype."""
@@ -305,8 +307,11 @@ class InMemoryModel:
         B, T = ids.shape
         step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
         x = fam.embed(ids.to(self.device), w.resident, cfg)
+        self.watch.reset()
+        self.watch.note("the embedding", x)
         for i, layer in enumerate(w.layers):
             x = fam.layer(x, layer, cfg, i, step, cache.layer(i) if cache is not None else None)
+            self.watch.note(f"layer {i}", x)
         if cache is not None:
             cache.advance(T)
         if last_only:
@@ -314,6 +319,10 @@ class InMemoryModel:
         return fam.head(x, w.resident, cfg).float().cpu()
 
     __call__ = forward
+
+    def first_nonfinite(self) -> str:
+        """Where the last pass first went non-finite (:func:`robot_llm.llm.finite.check_logits` asks)."""
+        return self.watch.first_bad() or "the output head"
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> Weights:

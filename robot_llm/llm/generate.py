@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.finite import check_logits
 from robot_llm.llm.kv_cache import KVCache
 from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, tree_scores
 from robot_llm.llm.slots import tree_layout
@@ -218,11 +219,12 @@ def _run_batch(
     if shared:
         # The template's common head: one row of KV, computed once, attended by every row.
         prefix = model.new_cache(1, shared)
-        model.forward(torch.tensor([head]), prefix, last_only=True)
+        check_logits(model.forward(torch.tensor([head]), prefix, last_only=True), model)
         if on_step is not None:
             on_step()
         cache.share_prefix(prefix)
     logits = model.forward(ids, cache, last_only=True)[:, -1]
+    check_logits(logits, model)
     if on_step is not None:
         on_step()
     taken = 0
@@ -232,6 +234,8 @@ def _run_batch(
         for b, r in enumerate(rows):
             if not bool(cache.slots.active[b]):
                 continue
+            # Only live rows: a finished row's masked position means nothing.
+            check_logits(logits[b], model)
             r.push(choose_token(logits[b], r.params, r.generator), tokenizer)
             if r.finish is None:
                 continue
@@ -267,6 +271,8 @@ def _run_batch(
         out = model.forward(step, cache, last_only=not (trees or fills))
         if on_step is not None:
             on_step()
+        for b, tree in trees.items():
+            check_logits(out[b, : len(tree.tokens)], model)
         for b, scores in tree_scores(out, trees).items():
             rows[b].followup_logprobs = scores
         freed.extend(trees)
@@ -399,5 +405,7 @@ def _rescore(rows: list[_Row], model: ForwardModel, tokenizer: Tokenizer, batch_
         shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
         cache.layout = tree_layout(len(chunk), steps, shapes, cache.slots)
         out = model.forward(step, cache)
+        for b, tree in trees.items():
+            check_logits(out[b, : len(tree.tokens)], model)
         for b, scores in tree_scores(out, trees).items():
             chunk[b][0].followup_logprobs = scores

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.finite import check_logits
 from robot_llm.llm.tokenizer import Tokenizer
 
 
@@ -155,6 +156,7 @@ def score_pieces(
             ids[b, int(pad[b]) :] = torch.tensor(p + c)
         logits = model.forward(ids, None, pad)
         for b, (p, c) in enumerate(chunk):
+            check_logits(logits[b, int(pad[b]) :], model)
             # Token at sequence index t is predicted by the logits at slot pad + t - 1.
             slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
             scores.append(token_logprobs(logits[b, slots], torch.tensor(c, dtype=torch.long)).tolist())

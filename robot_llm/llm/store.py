@@ -28,18 +28,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from robot_llm.llm.checksum import BLOCK_BYTES, ChecksumSpec, check_pieces, file_digests, manifest_digest
 from robot_llm.llm.config import ModelConfig, ModuleKind, config_from_dict, module_plan
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import DEFAULT_INT4_GROUP, int4_bytes, int4_padded_shape, int8_bytes, int8_padded_width
-from robot_llm.llm.store_layout import SCALE_SUFFIX, FileLayout, StoreError, read_into
+from robot_llm.llm.store_layout import SCALE_SUFFIX, FileLayout, StoreError, read_into, read_pieces
+
+log = logging.getLogger(__name__)
 
 FORMAT = "robot-llm-store/2"
 #: The format before the quantized matrices took the fused kernels' layouts (its float stores still read).
@@ -134,6 +140,8 @@ class StoreFile:
     index: int
     size: int
     sha256: str
+    #: Block digests (:mod:`robot_llm.llm.checksum`); empty in a store converted before they were recorded.
+    blocks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,8 @@ class Manifest:
     files: list[StoreFile] = field(default_factory=list)
     #: int4 store only: the matrices kept int8 instead, file name -> keys (empty: every matrix int4).
     int8_tensors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: How the files' block digests were made; None for a store converted before they were recorded.
+    checksums: ChecksumSpec | None = None
 
     @property
     def quantization(self) -> dict[str, Any] | None:
@@ -216,10 +226,14 @@ class Manifest:
             "group_size": self.group_size,
             "quantization": self.quantization,
             "total_bytes": self.total_bytes,
-            "files": [vars(f) for f in self.files],
+            "files": [{**vars(f), "blocks": list(f.blocks)} if f.blocks else _legacy_entry(f) for f in self.files],
         }
         if self.int8_tensors:
             data["int8_tensors"] = {name: list(keys) for name, keys in self.int8_tensors.items()}
+        if self.checksums is not None:
+            data["checksums"] = self.checksums.to_json()
+        # Last: the manifest's digest of itself, so a damaged byte anywhere in it is caught when it is read.
+        data["manifest_xxh3"] = manifest_digest(data)
         return data
 
     @classmethod
@@ -233,6 +247,11 @@ class Manifest:
             )
         if data.get("format") not in (FORMAT, OLD_FORMAT):
             raise StoreError(f"not a {FORMAT} manifest (format={data.get('format')!r})")
+        recorded = data.get("manifest_xxh3")
+        if recorded is not None and recorded != manifest_digest(data):
+            raise StoreError(
+                "manifest.json does not match its own checksum (it is damaged): restore it, or convert the store again"
+            )
         config = config_from_dict(data["config"], data.get("family", "yalm"))
         int8_tensors = {name: tuple(keys) for name, keys in data.get("int8_tensors", {}).items()}
         check_int8_tensors(config, data["dtype"], int8_tensors)
@@ -240,9 +259,17 @@ class Manifest:
             config=config,
             dtype=data["dtype"],
             group_size=int(data["group_size"]),
-            files=[StoreFile(**f) for f in data["files"]],
+            files=[StoreFile(**{**f, "blocks": tuple(f.get("blocks", ()))}) for f in data["files"]],
             int8_tensors=int8_tensors,
+            checksums=ChecksumSpec.from_json(data["checksums"]) if "checksums" in data else None,
         )
+
+
+def _legacy_entry(f: StoreFile) -> dict[str, Any]:
+    """A file entry of a store without block digests, as it was written before they existed."""
+    entry = vars(f).copy()
+    del entry["blocks"]
+    return entry
 
 
 def read_manifest(store_dir: str | Path) -> Manifest:
@@ -271,27 +298,48 @@ def sha256_file(path: str | Path, chunk: int = 16 << 20) -> str:
 # --------------------------------------------------------------------------- verify
 
 
-def verify(store_dir: str | Path, *, on_file: Callable[[StoreFile, int, int], None] | None = None) -> list[str]:
-    """Check every file against the manifest (presence, size, sha256, tensor shapes).
+def verify(
+    store_dir: str | Path,
+    *,
+    on_file: Callable[[StoreFile, int, int], None] | None = None,
+    record_checksums: bool = False,
+) -> list[str]:
+    """Check every file against the manifest (presence, size, sha256, block checksums, tensor shapes).
 
-    Returns the list of problems found (empty when the store is intact).
+    Returns the list of problems found (empty when the store is intact). With
+    ``record_checksums``, an intact store whose manifest has no block checksums (converted
+    by an older robot-llm) gets them, computed in the same read.
     """
     store = Path(store_dir)
     manifest = read_manifest(store)
     problems: list[str] = []
     plan = {file_name(k, i): (k, shapes) for k, i, shapes in module_plan(manifest.config)}
+    block = manifest.checksums.block_bytes if manifest.checksums is not None else BLOCK_BYTES
+    computed: list[StoreFile] = []
     for n, entry in enumerate(manifest.files, 1):
         path = store / entry.name
         if not path.is_file():
             problems.append(f"{entry.name}: missing")
         elif path.stat().st_size != entry.size:
             problems.append(f"{entry.name}: size {path.stat().st_size} != manifest {entry.size}")
-        elif sha256_file(path) != entry.sha256:
-            problems.append(f"{entry.name}: sha256 mismatch (file corrupted)")
         else:
-            problems.extend(_check_layout(path, manifest, *plan[entry.name]))
+            sha, blocks = file_digests(path, block)
+            computed.append(replace(entry, blocks=tuple(blocks)))
+            if sha != entry.sha256:
+                problems.append(f"{entry.name}: sha256 mismatch (file corrupted)")
+            elif entry.blocks and tuple(blocks) != entry.blocks:
+                problems.append(f"{entry.name}: block checksums do not match the manifest (file or manifest damaged)")
+            else:
+                problems.extend(_check_layout(path, manifest, *plan[entry.name]))
         if on_file is not None:
             on_file(entry, n, len(manifest.files))
+    if record_checksums and not problems and manifest.checksums is None:
+        from robot_llm.llm.store_writer import write_json_atomic
+
+        write_json_atomic(
+            store / MANIFEST, replace(manifest, files=computed, checksums=ChecksumSpec(block_bytes=block)).to_json()
+        )
+        log.info("%s: block checksums recorded in the manifest", store)
     return problems
 
 
@@ -324,6 +372,53 @@ class Store:
         self.manifest = read_manifest(self.path)
         self.config = self.manifest.config
         self.layouts = {f.name: FileLayout.read(self.path / f.name) for f in self.manifest.files}
+        self.entries = {f.name: f for f in self.manifest.files}
+        #: Files whose bytes were checked against their block digests since the store was opened.
+        self.verified: set[str] = set()
+        #: Seconds spent hashing, and the bytes hashed (the benchmark reports the cost).
+        self.verify_seconds = 0.0
+        self.verified_bytes = 0
+        self._verify_lock = threading.Lock()
+        if not self.checksummed:
+            log.warning(
+                "%s: the manifest records no block checksums (converted by an older robot-llm): its files are not "
+                "verified as they are read; `robot-llm model verify --record-checksums %s` checks their sha256 "
+                "and records them",
+                self.path,
+                self.path,
+            )
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether the manifest has block digests for every file (reads are then verified)."""
+        return self.manifest.checksums is not None and all(f.blocks for f in self.manifest.files)
+
+    def check_read(self, name: str, pieces: list[tuple[int, memoryview]]) -> None:
+        """Verify a file's bytes just read (``(file offset, bytes)`` covering it) the first time it is read.
+
+        Raises :class:`~robot_llm.llm.checksum.DamagedStoreError` naming the file and the bytes
+        when they differ from the manifest's digests; later reads of a verified file are not
+        hashed again (the night's first pass checks every byte).
+        """
+        spec = self.manifest.checksums
+        if spec is None or name in self.verified:
+            return
+        entry = self.entries[name]
+        if not entry.blocks:
+            return
+        started = time.perf_counter()
+        check_pieces(name, entry.blocks, pieces, entry.size, spec.block_bytes)
+        with self._verify_lock:
+            self.verify_seconds += time.perf_counter() - started
+            self.verified_bytes += entry.size
+            self.verified.add(name)
+            if len(self.verified) == len(self.entries):
+                log.info(
+                    "%s: every file verified against its checksums as it was read (%.2f GiB hashed in %.2f s)",
+                    self.path,
+                    self.verified_bytes / 2**30,
+                    self.verify_seconds,
+                )
 
     def file(self, kind: ModuleKind, index: int = 0) -> Path:
         """Path of a module's file."""
@@ -345,5 +440,6 @@ class Store:
         """Read one module into freshly allocated CPU tensors (used for the small resident modules)."""
         layout = self.layout(kind, index)
         buffer = torch.empty(layout.data_size, dtype=torch.uint8)
-        read_into(self.file(kind, index), layout, buffer)
-        return layout.views(buffer)
+        offset = read_into(self.file(kind, index), layout, buffer)
+        self.check_read(file_name(kind, index), read_pieces(layout, buffer, offset))
+        return layout.views(buffer[offset : offset + layout.data_size])

@@ -113,7 +113,7 @@ def _verify(args: argparse.Namespace) -> int:
             logging.getLogger(__name__).info("checked %s (%d/%d)", entry.name, done, total)
 
     try:
-        problems = verify(args.store_dir, on_file=on_file)
+        problems = verify(args.store_dir, on_file=on_file, record_checksums=args.record_checksums)
     except StoreError as exc:
         raise RobotLLMError(str(exc)) from exc
     finally:
@@ -261,6 +261,12 @@ def add_engine_commands(model_sub: Any) -> None:
 
     ver = model_sub.add_parser("verify", help="check every store file against its manifest")
     ver.add_argument("store_dir", type=Path)
+    ver.add_argument(
+        "--record-checksums",
+        action="store_true",
+        help="a store converted before block checksums were recorded: add them to its manifest when every file "
+        "matches its sha256 (nights then verify its bytes as they stream)",
+    )
     ver.set_defaults(handler=_verify)
 
     pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")

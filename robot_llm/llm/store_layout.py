@@ -107,24 +107,47 @@ class FileLayout:
     data_size: int
     tensors: dict[str, TensorSlot]
     packed_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: The file's first ``data_offset`` bytes as read (the header's length and JSON), for its checksum.
+    header: bytes = field(default=b"", repr=False)
 
     @classmethod
     def read(cls, path: str | Path) -> FileLayout:
         """Parse the header of a safetensors file without reading its data."""
         path = Path(path)
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        metadata = header.pop("__metadata__", None) or {}
-        packed = {k: tuple(v) for k, v in json.loads(metadata.get(LOGICAL_SHAPES, "{}")).items()}
-        tensors = {}
-        for key, info in header.items():
-            if info["dtype"] not in _SAFETENSORS_DTYPES:
-                raise StoreError(f"{path}: unsupported tensor dtype {info['dtype']} for {key!r}")
-            start, end = info["data_offsets"]
-            tensors[key] = TensorSlot(_SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise StoreError(f"{path}: {len(prefix)} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", prefix)
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise StoreError(f"{path}: the safetensors header is damaged ({exc})") from None
+        if not isinstance(header, dict):
+            raise StoreError(f"{path}: the safetensors header is damaged (not a JSON object)")
+        try:
+            metadata = header.pop("__metadata__", None) or {}
+            packed = {k: tuple(v) for k, v in json.loads(metadata.get(LOGICAL_SHAPES, "{}")).items()}
+            tensors = {}
+            for key, info in header.items():
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise StoreError(f"{path}: unsupported tensor dtype {info['dtype']} for {key!r}")
+                start, end = info["data_offsets"]
+                tensors[key] = TensorSlot(
+                    _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), int(start), int(end)
+                )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"{path}: the safetensors header is damaged ({type(exc).__name__}: {exc})") from None
         data_size = max((t.end for t in tensors.values()), default=0)
-        return cls(path=path, data_offset=8 + n, data_size=data_size, tensors=tensors, packed_shapes=packed)
+        return cls(
+            path=path,
+            data_offset=8 + n,
+            data_size=data_size,
+            tensors=tensors,
+            packed_shapes=packed,
+            header=prefix + raw,
+        )
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The model's shape of tensor ``key`` (a quantized matrix is stored packed in another shape)."""
@@ -133,6 +156,19 @@ class FileLayout:
     def views(self, buffer: Tensor) -> Params:
         """Tensors viewing a uint8 ``buffer`` that holds this file's data section (no copies)."""
         return {key: buffer[s.start : s.end].view(s.dtype).view(s.shape) for key, s in self.tensors.items()}
+
+
+def read_pieces(layout: FileLayout, buffer: Tensor, offset: int) -> list[tuple[int, memoryview]]:
+    """The file's bytes after :func:`read_into` returned ``offset``, as ``(file offset, bytes)`` pieces.
+
+    A direct read put the whole file at the start of ``buffer``; a buffered one only the data
+    section, so the header comes from the layout.
+    """
+    view = memoryview(buffer.numpy()).cast("B")
+    end = layout.data_offset + layout.data_size
+    if offset == layout.data_offset:
+        return [(0, view[:end])]
+    return [(0, memoryview(layout.header)), (layout.data_offset, view[offset : offset + layout.data_size])]
 
 
 def direct_span(layout: FileLayout) -> int:

@@ -17,12 +17,14 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
 
 from robot_llm.llm.checkpoint import iter_release_modules
+from robot_llm.llm.checksum import ChecksumSpec, file_digests
 from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import DEFAULT_INT4_GROUP, check_group_size, quantize_int4, quantize_int8
@@ -38,14 +40,14 @@ from robot_llm.llm.store import (
     file_name,
     matrix_dtype,
     read_manifest,
-    sha256_file,
 )
 from robot_llm.llm.store_layout import LOGICAL_SHAPES, SCALE_SUFFIX, StoreError, save_aligned
 
 log = logging.getLogger(__name__)
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` through a fsynced temporary file (never half a file)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
@@ -198,7 +200,7 @@ def convert_modules(
             entry = _write_module(store / name, kind, index, params, dtype, group_size, int8.get(name, ()))
             del params
             done[name] = entry
-            _write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
+            write_json_atomic(store / PROGRESS, {**header, "files": [vars(f) for f in done.values()]})
         except (OSError, SafetensorError) as exc:  # the disk filled up (or failed) under us
             (store / f"{name}.partial").unlink(missing_ok=True)
             reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc).splitlines()[0]
@@ -216,9 +218,14 @@ def convert_modules(
 
     order = [file_name(kind, index) for kind, index, _ in module_plan(cfg)]
     manifest = Manifest(
-        config=cfg, dtype=dtype, group_size=group_size, files=[done[n] for n in order], int8_tensors=int8
+        config=cfg,
+        dtype=dtype,
+        group_size=group_size,
+        files=[done[n] for n in order],
+        int8_tensors=int8,
+        checksums=ChecksumSpec(),
     )
-    _write_json_atomic(store / MANIFEST, manifest.to_json())
+    write_json_atomic(store / MANIFEST, manifest.to_json())
     (store / PROGRESS).unlink()
     return manifest
 
@@ -238,7 +245,7 @@ def _reopen_damaged(store: Path, manifest: Manifest, header: dict[str, Any]) -> 
     shown = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
     log.warning("store %s: %s missing or truncated; converting them again", store, shown)
     intact = [vars(f) for f in manifest.files if f.name not in damaged]
-    _write_json_atomic(store / PROGRESS, {**header, "files": intact})
+    write_json_atomic(store / PROGRESS, {**header, "files": intact})
     (store / MANIFEST).unlink()
     return True
 
@@ -256,9 +263,11 @@ def _resume_state(store: Path, header: dict[str, Any]) -> dict[str, StoreFile]:
         raise StoreError(f"{store} holds an unfinished conversion with other settings; use an empty folder")
     done = {}
     for f in state["files"]:
-        entry = StoreFile(**f)
+        entry = StoreFile(**{**f, "blocks": tuple(f.get("blocks", ()))})
         target = store / entry.name
         if target.is_file() and target.stat().st_size == entry.size:
+            if not entry.blocks:  # finished by a robot-llm that recorded no block checksums
+                entry = replace(entry, blocks=tuple(file_digests(target)[1]))
             done[entry.name] = entry
     log.info("resuming conversion in %s: %d files already done", store, len(done))
     return done
@@ -278,9 +287,11 @@ def _write_module(
     # At most one metadata key: the order of several is not deterministic, and identical weights must hash equal.
     shapes = {k: list(t.shape) for k, t in params.items() if k + SCALE_SUFFIX in tensors}
     save_aligned(tensors, tmp, {LOGICAL_SHAPES: json.dumps(shapes, sort_keys=True)} if shapes else None)
-    digest = sha256_file(tmp)
+    digest, blocks = file_digests(tmp)
     os.replace(tmp, path)
-    return StoreFile(name=path.name, kind=kind, index=index, size=path.stat().st_size, sha256=digest)
+    return StoreFile(
+        name=path.name, kind=kind, index=index, size=path.stat().st_size, sha256=digest, blocks=tuple(blocks)
+    )
 
 
 def write_store(
@@ -299,6 +310,6 @@ def write_store(
     for kind, index, params in modules:
         files.append(_write_module(store / file_name(kind, index), kind, index, params, dtype, group_size))
         log.info("wrote %s (%.1f MiB)", files[-1].name, files[-1].size / 2**20)
-    manifest = Manifest(config=cfg, dtype=dtype, group_size=group_size, files=files)
-    _write_json_atomic(store / MANIFEST, manifest.to_json())
+    manifest = Manifest(config=cfg, dtype=dtype, group_size=group_size, files=files, checksums=ChecksumSpec())
+    write_json_atomic(store / MANIFEST, manifest.to_json())
     return manifest

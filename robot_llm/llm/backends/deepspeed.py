@@ -294,6 +294,10 @@ def create(request: ModelRequest) -> DeepSpeedModel:
     """``--engine deepspeed [--offload cpu|nvme]`` (default cpu)."""
     if request.home is not None:
         raise BackendError("--home applies to the stream engine; the deepspeed engine takes --offload cpu|nvme")
+    if request.config.family != "yalm":
+        raise BackendError(
+            f"the deepspeed engine runs YaLM only, not a {request.config.family} model: use the stream engine"
+        )
     return DeepSpeedModel(
         request.checkpoint,
         request.config,
