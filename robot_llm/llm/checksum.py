@@ -154,4 +154,5 @@ def check_sampled(path: Path, digests: Sequence[str], size: int, block: int, non
 def manifest_digest(data: dict[str, Any]) -> str:
     """The digest a manifest carries of itself: XXH3-64 of its canonical JSON without the ``manifest_xxh3`` field."""
     body = {k: v for k, v in data.items() if k != "manifest_xxh3"}
-    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from robot_llm.errors import RobotLLMError
+from robot_llm.errors import ModelFault
 
 __all__ = ["FiniteWatch", "NonFiniteError", "check_logits"]
 
 
-class NonFiniteError(RobotLLMError):
+class NonFiniteError(ModelFault):
     """The model produced NaN or infinite values: a fault of the weights (or the dtype), not of a prompt.
 
     ``where`` names the first module whose output was non-finite (``layer 5``, ``embedding``,

@@ -33,8 +33,10 @@ def test_plan_run_status_and_report_commands(benv, night, capsys):
 
     (generate,) = benv.runs()
     day = generate.started_at.date().isoformat()  # the config's timezone is UTC
-    assert main(["report", "-c", str(config_file), "--date", day, "--json"]) == 0
+    # The night lacks a thesis: the report says so first and exits 1, as doctor does for a failed check.
+    assert main(["report", "-c", str(config_file), "--date", day, "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
+    assert data["health"]["failed"] == 1 and data["health"]["done"] == 3 and data["health"]["empty"] == 0
     assert data["day"] == day and data["theses"] == benv.thesis_count() == 3
     assert data["theses_by_template"] == {"tiny": 3}
     kinds = {(r["kind"], r["status"]) for r in data["runs"]}
@@ -43,8 +45,9 @@ def test_plan_run_status_and_report_commands(benv, night, capsys):
     assert failure["ticker"] == "T003" and "window is 64" in failure["error"]
     assert data["tokens_per_s"] > 0 and data["new_tokens"] == generate.counts["new_tokens"]
 
-    assert main(["report", "-c", str(config_file)]) == 0  # default day: the latest night's
+    assert main(["report", "-c", str(config_file)]) == 1  # default day: the latest night's
     text = capsys.readouterr().out
+    assert "0 stuck, 1 failed, 0 empty" in text.splitlines()[0]
     assert f"report for {day}" in text and "theses stored: 3 (tiny: 3)" in text
     assert "failed requests: 1" in text and "#4 T003 tiny after 1 attempt(s)" in text
     assert f"#{generate.id} generate" in text and "tokens/s" in text
