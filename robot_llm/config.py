@@ -238,7 +238,7 @@ def _validate_zone(value: Any) -> str:
 # Written back (config check, JSON) the way a user writes it: '15m', not ISO 8601's 'PT15M'.
 Duration = Annotated[timedelta, BeforeValidator(parse_duration), PlainSerializer(format_duration, when_used="json")]
 Size = Annotated[int, BeforeValidator(parse_size)]
-Clock = Annotated[time, BeforeValidator(_parse_clock)]
+Clock = Annotated[time, BeforeValidator(_parse_clock), PlainSerializer(lambda t: t.strftime("%H:%M"), when_used="json")]
 Cron = Annotated[str, BeforeValidator(_validate_cron)]
 TimeZone = Annotated[str, BeforeValidator(_validate_zone)]
 
