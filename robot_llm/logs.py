@@ -113,7 +113,23 @@ def add_log_file(level: int | str, fmt: LogFormat, file: str | os.PathLike[str],
     _quiet_libraries()
 
 
+class _AlembicChatter(logging.Filter):
+    """Drops the lines Alembic logs on every schema check ("Context impl ...", "Will assume ... DDL")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger().level <= logging.DEBUG:
+            return True
+        return not str(record.msg).startswith(("Context impl", "Will assume"))
+
+
+_CHATTER = _AlembicChatter()
+
+
 def _quiet_libraries() -> None:
-    """Alembic's INFO lines (a "setup plugin" line per plugin on every schema check) only at DEBUG (-vv)."""
+    """Alembic's chatter only at DEBUG (-vv): a "setup plugin" line per plugin and two context lines on every
+    command that checks the schema (half of a day's log file); the migrations it runs stay at INFO."""
     quiet = logging.getLogger().level > logging.DEBUG
-    logging.getLogger("alembic").setLevel(logging.WARNING if quiet else logging.NOTSET)
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING if quiet else logging.NOTSET)
+    migration = logging.getLogger("alembic.runtime.migration")
+    if _CHATTER not in migration.filters:
+        migration.addFilter(_CHATTER)

@@ -201,7 +201,10 @@ def test_logging_section_applies_to_every_command_in_the_config_zone(tmp_path: P
     assert any("Running upgrade" in r["msg"] for r in records)
     assert all(r["ts"].endswith("+03:00") for r in records)  # Moscow, like every other time printed
 
+    # Alembic's context lines on every schema check are chatter: only -vv shows them (issue 23).
     proc = robot_llm("db", "current", "-c", str(config), "-v")
+    assert "alembic" not in proc.stderr
+    proc = robot_llm("db", "current", "-c", str(config), "-vv")
     text_lines = [line for line in proc.stderr.splitlines() if " INFO " in line]
     assert text_lines and all(line.split()[0].endswith("+03:00") for line in text_lines)
 

@@ -217,7 +217,10 @@ def test_alembic_info_stays_out_of_the_log_file(benv, tmp_path, capsys):
         assert main(["batch", "status", "-c", str(path)]) == 0
     logging.shutdown()
     text = log.read_text(encoding="utf-8") if log.exists() else ""
-    assert "alembic" not in text
+    assert "alembic" not in text  # no "setup plugin", "Context impl", "Will assume" on every command
+    assert main(["-vv", "batch", "status", "-c", str(path)]) == 0
+    logging.shutdown()
+    assert "Context impl" in log.read_text(encoding="utf-8")  # -vv shows everything
 
 
 def _afternoon_zone() -> str:
