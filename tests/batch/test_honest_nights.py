@@ -479,3 +479,50 @@ def test_torch_stays_off_the_read_and_report_paths():
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=TINY.parents[2]).returncode == 0
+
+
+# --------------------------------------------------------------------------- disk full
+
+
+@pytest.mark.parametrize("full_at", ["claim", "store"])
+def test_disk_full_with_one_batch_per_night_then_an_immediate_rerun_completes(
+    small_disk, tmp_path, night, pristine_store, capsys, full_at
+):
+    from batch_helpers import TINY_TEMPLATE
+
+    from robot_llm.db import make_engine
+    from robot_llm.migrate import upgrade
+    from robot_llm.preflight import doctor
+    from tests.conftest import fill_disk
+
+    url = f"sqlite:///{small_disk / 'robot-llm.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "tiny.j2").write_text(TINY_TEMPLATE, encoding="utf-8")
+    benv = BatchEnv(tmp=tmp_path, db_url=url, engine=engine, kind="sqlite")
+    config = _config(benv, pristine_store, 8)
+    benv.seed(N, night)
+    try:
+        lock = None
+        if full_at == "claim":
+            filler = fill_disk(small_disk, leave=0)
+        proc = start_worker(config, "--skip-preflight", "--as-of", night.isoformat())
+        if full_at == "store":  # claimed; its store (or a heartbeat) waits behind our lock while the disk fills
+            wait_for(lambda: _running(benv), proc)
+            lock = engine.connect()
+            lock.exec_driver_sql("BEGIN IMMEDIATE")
+            filler = fill_disk(small_disk, leave=0)
+            lock.rollback()
+            lock.close()
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode != 0 and "full" in err, err
+        _assert_nothing_invalid(benv)
+        pending = {c.name: c for c in doctor(config)}["disk"]
+        assert pending.ok is False and "0 pending" not in pending.message, pending.message
+
+        filler.unlink()  # space is back
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+        _rerun_completes(benv, capsys, config, night)
+    finally:
+        engine.dispose()
