@@ -30,10 +30,13 @@ from robot_llm.errors import ModelFault, RobotLLMError
 
 __all__ = [
     "ALGORITHM",
+    "AUX_FILES",
     "BLOCK_BYTES",
     "BlockMismatch",
     "ChecksumSpec",
     "DamagedStoreError",
+    "aux_digests",
+    "check_beside_store",
     "check_pieces",
     "check_sampled",
     "file_digests",
@@ -156,3 +159,36 @@ def manifest_digest(data: dict[str, Any]) -> str:
     body = {k: v for k, v in data.items() if k != "manifest_xxh3"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
+
+
+#: Files a converter writes beside the store's weights, whose digests the manifest keeps too (``aux_files``).
+AUX_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def aux_digests(store_dir: Path) -> dict[str, str]:
+    """XXH3-64 of each :data:`AUX_FILES` file present in ``store_dir`` (small files: hashed whole)."""
+    return {n: xxhash.xxh3_64_hexdigest((store_dir / n).read_bytes()) for n in AUX_FILES if (store_dir / n).is_file()}
+
+
+def check_beside_store(path: str | Path) -> None:
+    """Raise :class:`DamagedStoreError` when ``path`` (a tokenizer file, or a folder holding ``tokenizer.json``)
+    sits in a store whose manifest recorded its digest, and its bytes differ.
+
+    Reads the manifest as plain JSON (no torch: the planner counts tokens on the daemon's path);
+    a file no manifest vouches for is not checked.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    try:
+        recorded = json.loads((path.parent / "manifest.json").read_text(encoding="utf-8")).get("aux_files", {})
+    except (OSError, ValueError, AttributeError):
+        return
+    want = recorded.get(path.name) if isinstance(recorded, dict) else None
+    if want is None or not path.is_file():
+        return
+    if xxhash.xxh3_64_hexdigest(path.read_bytes()) != want:
+        raise DamagedStoreError(
+            f"{path}: its bytes do not match the checksum model convert recorded (the file is damaged): restore it, "
+            "or convert the store again"
+        )

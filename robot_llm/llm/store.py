@@ -156,6 +156,8 @@ class Manifest:
     int8_tensors: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: How the files' block digests were made; None for a store converted before they were recorded.
     checksums: ChecksumSpec | None = None
+    #: XXH3-64 of the tokenizer files written beside the weights (:data:`~robot_llm.llm.checksum.AUX_FILES`).
+    aux_files: dict[str, str] = field(default_factory=dict)
 
     @property
     def quantization(self) -> dict[str, Any] | None:
@@ -232,6 +234,8 @@ class Manifest:
             data["int8_tensors"] = {name: list(keys) for name, keys in self.int8_tensors.items()}
         if self.checksums is not None:
             data["checksums"] = self.checksums.to_json()
+        if self.aux_files:
+            data["aux_files"] = dict(self.aux_files)
         # Last: the manifest's digest of itself, so a damaged byte anywhere in it is caught when it is read.
         data["manifest_xxh3"] = manifest_digest(data)
         return data
@@ -262,6 +266,7 @@ class Manifest:
             files=[StoreFile(**{**f, "blocks": tuple(f.get("blocks", ()))}) for f in data["files"]],
             int8_tensors=int8_tensors,
             checksums=ChecksumSpec.from_json(data["checksums"]) if "checksums" in data else None,
+            aux_files={str(k): str(v) for k, v in data.get("aux_files", {}).items()},
         )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from robot_llm.llm.checkpoint import iter_release_modules
-from robot_llm.llm.checksum import ChecksumSpec, file_digests
+from robot_llm.llm.checksum import ChecksumSpec, aux_digests, file_digests
 from robot_llm.llm.config import ModelConfig, ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.family import Params
 from robot_llm.llm.quant import DEFAULT_INT4_GROUP, check_group_size, quantize_int4, quantize_int8
@@ -224,6 +224,7 @@ def convert_modules(
         files=[done[n] for n in order],
         int8_tensors=int8,
         checksums=ChecksumSpec(),
+        aux_files=aux_digests(store),  # the importers write the tokenizer beside the weights first
     )
     write_json_atomic(store / MANIFEST, manifest.to_json())
     (store / PROGRESS).unlink()

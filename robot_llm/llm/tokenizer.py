@@ -170,8 +170,17 @@ class HFTokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at ``path``: ``tokenizer.json`` or a folder with one -> :class:`HFTokenizer`,
-    otherwise a YaLM SentencePiece model (:class:`YalmTokenizer`)."""
+    otherwise a YaLM SentencePiece model (:class:`YalmTokenizer`).
+
+    A tokenizer beside a store whose manifest recorded its digest is checked first
+    (:func:`~robot_llm.llm.checksum.check_beside_store`).
+    """
     path = Path(path)
+    if (path.parent / "manifest.json").is_file() or (path / "manifest.json").is_file():
+        # A tokenizer a store's manifest vouches for is checked before it is used (a store: the model stack).
+        from robot_llm.llm.checksum import check_beside_store
+
+        check_beside_store(path)
     if path.name == "tokenizer.json" or (path.is_dir() and (path / "tokenizer.json").is_file()):
         return HFTokenizer(path)
     return YalmTokenizer(path)

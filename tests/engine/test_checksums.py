@@ -165,3 +165,25 @@ def test_verify_reports_a_block_mismatch_even_when_sha256_was_recomputed(store: 
     assert verify(store) == [
         "layer_000.safetensors: block checksums do not match the manifest (file or manifest damaged)"
     ]
+
+
+def test_a_tokenizer_written_beside_the_store_is_checked_before_it_is_used(tiny_dir: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    from robot_llm.llm.checksum import check_beside_store
+    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.tokenizer import load_tokenizer
+
+    store = tmp_path / "store"
+    store.mkdir()
+    tokenizer = store / "tokenizer.json"
+    Tokenizer(models.WordLevel({"up": 0, "down": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(tokenizer))
+    convert(tiny_dir, store, dtype="fp16")  # an importer writes the tokenizer first, then the weights
+    assert set(read_manifest(store).aux_files) == {"tokenizer.json"}
+    check_beside_store(tokenizer)
+    check_beside_store(store)  # a folder holding it, as model.vocab may name
+
+    text = tokenizer.read_text()
+    tokenizer.write_text(text.replace('"up"', '"uq"'))  # still a tokenizer, silently another one
+    with pytest.raises(DamagedStoreError, match=r"tokenizer\.json"):
+        load_tokenizer(tokenizer)
