@@ -331,7 +331,7 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
         decisions = _morning(config, out)
         print("\n=== Morning report ===", file=out)
         day = as_of.astimezone(config.tz).date()
-        print(format_report(build_report(config, engine, day), config), file=out)
+        print(format_report(build_report(config, engine, day, track_record=True), config), file=out)
         _html_report(config, engine, day, out)
         with session_scope(engine) as session:
             counts = [session.scalar(select(func.count()).select_from(t)) or 0 for t in (NewsItem, Signal, Thesis)]
