@@ -36,6 +36,7 @@ EXTRAS: dict[str, str] = {
     "numpy": "model",
     "psycopg": "postgres",
     "pandas": "pandas",
+    "pyarrow": "feather",
     "plotly": "report",
     "freqtrade": "freqtrade",
 }

@@ -504,6 +504,27 @@ class ReportConfig(_Section):
 # --------------------------------------------------------------------------- prices (the track record)
 
 
+def _parse_zoned_clock(value: Any) -> tuple[time, str | None]:
+    if isinstance(value, tuple):
+        return value
+    parts = value.split() if isinstance(value, str) else []
+    if len(parts) not in (1, 2):
+        raise ValueError(f"expected a local time like '18:50' or '16:00 America/New_York', got {value!r}")
+    return _parse_clock(parts[0]), _validate_zone(parts[1]) if len(parts) == 2 else None
+
+
+def _format_zoned_clock(value: tuple[time, str | None]) -> str:
+    return value[0].strftime("%H:%M") + (f" {value[1]}" if value[1] else "")
+
+
+# A close time, optionally in its exchange's own zone: '16:00 America/New_York'.
+ZonedClock = Annotated[
+    tuple[time, str | None],
+    BeforeValidator(_parse_zoned_clock),
+    PlainSerializer(_format_zoned_clock, when_used="json"),
+]
+
+
 class FreqtradePricesConfig(_Section):
     """Closes from freqtrade's data folder (what ``freqtrade download-data`` writes)."""
 
@@ -526,8 +547,9 @@ class FreqtradePricesConfig(_Section):
 class PricesConfig(_Section):
     """Closing prices, and the track record that scores every thesis against them.
 
-    A CSV row dated without a time is that day's close at ``market_close`` (or the ticker's
-    ``close_times`` entry), local time in the config's ``timezone``.
+    A CSV row dated without a time is that day's close at ``market_close`` (local time in the
+    config's ``timezone``), or at the ticker's ``close_times`` entry ('16:00 America/New_York':
+    in that zone; without a zone, in the config's).
     """
 
     csv: Path | None = None
@@ -536,7 +558,7 @@ class PricesConfig(_Section):
     signal_price: str | None = None
     horizons: tuple[Duration, ...] = (timedelta(days=1),)
     market_close: Clock = time(18, 50)
-    close_times: dict[str, Clock] = Field(default_factory=dict)
+    close_times: dict[str, ZonedClock] = Field(default_factory=dict)
     benchmark: str | None = None
     schedule: Cron = "20 * * * *"
     min_count: int = Field(default=20, ge=3)
@@ -562,9 +584,10 @@ class PricesConfig(_Section):
         """Whether any price source is configured."""
         return self.csv is not None or self.freqtrade is not None or self.signal_price is not None
 
-    def close_time(self, ticker: str) -> time:
-        """The local time of ``ticker``'s daily close (what a date-only CSV row means)."""
-        return self.close_times.get(ticker, self.market_close)
+    def close_time(self, ticker: str, default_zone: str) -> tuple[time, ZoneInfo]:
+        """The time and zone of ``ticker``'s daily close (what a date-only CSV row means)."""
+        clock, zone = self.close_times.get(ticker, (self.market_close, None))
+        return clock, ZoneInfo(zone or default_zone)
 
 
 class AppConfig(_Section):

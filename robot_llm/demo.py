@@ -94,6 +94,7 @@ def _prepare(workdir: Path, gguf: Path | None, out: TextIO) -> AppConfig:
         text = text.replace(YALM_TEMPLATES, GEMMA_TEMPLATES)
     config_path.write_text(text, encoding="utf-8")
     _copy_tree(DEMO_DATA / "feeds", workdir / "feeds")
+    (workdir / "prices").mkdir(exist_ok=True)  # the track record's CSV drop folder (prices.csv)
     config = load_config(config_path)
     upgrade(config.database.url)
     print(f"[1/5] working folder {workdir} with {config_path.name} and a migrated SQLite database", file=out)

@@ -8,9 +8,10 @@ Sources (the ``prices:`` section of the config):
 - ``csv: FOLDER``: one file per ticker, ``TICKER.csv``, with a header naming at least
   ``time`` and ``close`` (any case; extra columns such as open, high, low, volume are
   ignored). ``time`` is ISO 8601 with a zone (``2026-11-30T18:50:00+03:00``, ``...Z``), or a
-  date ``2026-11-30`` meaning that day's close: ``prices.market_close`` (default 18:50), or
-  the ticker's ``prices.close_times`` entry, local time in the config's ``timezone``. A time
-  without a zone is refused: read in the wrong zone it would move a close across a thesis.
+  date ``2026-11-30`` meaning that day's close: at ``prices.market_close`` (default 18:50) in
+  the config's ``timezone``, or at the ticker's ``prices.close_times`` entry (``"16:00
+  America/New_York"``). A time without a zone is refused: read in the wrong zone it would
+  move a close across a thesis.
 - ``freqtrade: {data_dir, timeframe, pairs}``: what ``freqtrade download-data`` writes,
   ``<data_dir>/<PAIR>-<timeframe>.feather`` (needs pandas and pyarrow) or ``.json`` (a list
   of ``[ms, open, high, low, close, volume]`` candles). freqtrade dates a candle by its
@@ -344,7 +345,8 @@ def ingest_prices(config: AppConfig, engine: Engine) -> list[PriceSourceResult]:
                     continue
 
                 def read(path: Path = path, ticker: str = ticker) -> tuple[list[PriceRow], list[str]]:
-                    return read_csv_prices(path, ticker, zone=config.tz, close_time=prices.close_time(ticker))
+                    clock, zone = prices.close_time(ticker, config.timezone)
+                    return read_csv_prices(path, ticker, zone=zone, close_time=clock)
 
                 results.append(_ingest_file(engine, "csv", path, ticker, read))
     if prices.freqtrade is not None:
