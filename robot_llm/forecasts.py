@@ -51,7 +51,7 @@ from sqlalchemy.exc import DBAPIError
 
 from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
 from robot_llm.errors import RobotLLMError
-from robot_llm.track_record import LedgerRow, LedgerSettings, stance_labels, up_probability
+from robot_llm.track_record import STANCE_LABELS, LedgerRow, LedgerSettings, up_probability
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -174,7 +174,7 @@ _THESIS_COLUMNS = (
     Thesis.template_version,
     Thesis.news_ids,
     Thesis.signal_ids,
-    Thesis.params,
+    STANCE_LABELS,
 )
 
 _SIGNAL_COLUMNS = (
@@ -195,7 +195,8 @@ def _thesis(row: Any) -> ThesisRecord:
     values = row._asdict()
     values["news_ids"] = tuple(int(i) for i in values["news_ids"] or ())
     values["signal_ids"] = tuple(int(i) for i in values["signal_ids"] or ())
-    labels = stance_labels(values.pop("params"))
+    labels = values.pop("stance_labels")
+    labels = labels if isinstance(labels, dict) else None
     values["up_probability"] = up_probability(values["stance"], values["stance_label"], values["score"], labels)
     return ThesisRecord(**values)
 

@@ -23,6 +23,7 @@ from robot_llm.track_record import (
     load_closes,
     load_theses,
     span_text,
+    spearman,
 )
 
 if TYPE_CHECKING:
@@ -121,19 +122,16 @@ def summary_lines(config: AppConfig, engine: Engine, day: date) -> tuple[str, ..
 
 def rolling_ic(outcomes: tuple[Outcome, ...], size: int) -> list[tuple[datetime, float | None]]:
     """Spearman IC of the last ``size`` outcomes known at each exit (outcomes in exit order)."""
-    import numpy as np
-
-    from robot_llm.track_record import outcome_arrays, weighted_stats
-
-    n = len(outcomes)
-    if n < size:
-        return []
-    stance, ret, p_up, _ = outcome_arrays(outcomes)
-    weights = np.zeros((n - size + 1, n))
-    for k in range(n - size + 1):
-        weights[k, k : k + size] = 1.0
-    ic = weighted_stats(stance, ret, p_up, weights)["ic"]
-    return [(outcomes[k + size - 1].exit_time, None if not np.isfinite(v) else float(v)) for k, v in enumerate(ic)]
+    return [
+        (
+            outcomes[end - 1].exit_time,
+            spearman(
+                [o.thesis.stance or 0.0 for o in outcomes[end - size : end]],
+                [o.ret for o in outcomes[end - size : end]],
+            ),
+        )
+        for end in range(size, len(outcomes) + 1)
+    ]
 
 
 def track_record_chart(ticker: str, view: TrackRecordView, config: AppConfig) -> Any:
