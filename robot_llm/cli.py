@@ -34,6 +34,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "robot_llm.migrate",
     "robot_llm.prompts_cli",
     "robot_llm.forecasts_cli",
+    "robot_llm.track_record_cli",
     "robot_llm.ingest.cli",
     "robot_llm.batch_cli",
     "robot_llm.daemon_cli",

@@ -284,6 +284,9 @@ def upcoming_fires(config: AppConfig, now: datetime) -> tuple[ScheduledFire, ...
     for job, expr in (("signals", config.schedule.signals), ("morning_report", config.schedule.morning_report)):
         fire = CronSchedule(expr, tz).next_after(now - _TICK)
         out.append(ScheduledFire(job, fire, f"cron {expr!r}"))
+    if config.prices.enabled:
+        fire = CronSchedule(config.prices.schedule, tz).next_after(now - _TICK)
+        out.append(ScheduledFire("prices", fire, f"cron {config.prices.schedule!r}"))
     for feed in config.feeds:
         if feed.enabled:
             out.append(ScheduledFire(f"feed:{feed.name}", None, f"every {feed.interval}"))

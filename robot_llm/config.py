@@ -502,6 +502,95 @@ class ReportConfig(_Section):
     _abs = field_validator("html_dir")(_resolve)
 
 
+# --------------------------------------------------------------------------- prices (the track record)
+
+
+def _parse_zoned_clock(value: Any) -> tuple[time, str | None]:
+    if isinstance(value, tuple):
+        return value
+    parts = value.split() if isinstance(value, str) else []
+    if len(parts) not in (1, 2):
+        raise ValueError(f"expected a local time like '18:50' or '16:00 America/New_York', got {value!r}")
+    return _parse_clock(parts[0]), _validate_zone(parts[1]) if len(parts) == 2 else None
+
+
+def _format_zoned_clock(value: tuple[time, str | None]) -> str:
+    return value[0].strftime("%H:%M") + (f" {value[1]}" if value[1] else "")
+
+
+# A close time, optionally in its exchange's own zone: '16:00 America/New_York'.
+ZonedClock = Annotated[
+    tuple[time, str | None],
+    BeforeValidator(_parse_zoned_clock),
+    PlainSerializer(_format_zoned_clock, when_used="json"),
+]
+
+
+class FreqtradePricesConfig(_Section):
+    """Closes from freqtrade's data folder (what ``freqtrade download-data`` writes)."""
+
+    # user_data/data/<exchange>: holds <PAIR>-<timeframe>.feather or .json per pair.
+    data_dir: Path
+    timeframe: str = "1d"
+    # ticker -> freqtrade pair, e.g. {"BTC": "BTC/USDT"}.
+    pairs: dict[str, str] = Field(min_length=1)
+
+    _abs = field_validator("data_dir")(_resolve)
+
+    @field_validator("timeframe")
+    @classmethod
+    def _timeframe(cls, v: str) -> str:
+        if not re.fullmatch(r"\d+[mhdw]", v):
+            raise ValueError(f"expected a freqtrade timeframe like '5m', '1h', '1d', '1w', got {v!r}")
+        return v
+
+
+class PricesConfig(_Section):
+    """Closing prices, and the track record that scores every thesis against them.
+
+    A CSV row dated without a time is that day's close at ``market_close`` (local time in the
+    config's ``timezone``), or at the ticker's ``close_times`` entry ('16:00 America/New_York':
+    in that zone; without a zone, in the config's).
+    """
+
+    csv: Path | None = None
+    freqtrade: FreqtradePricesConfig | None = None
+    # The key of a signal's extras that carries a close (e.g. "close"); None: signals give none.
+    signal_price: str | None = None
+    horizons: tuple[Duration, ...] = (timedelta(days=1),)
+    market_close: Clock = time(18, 50)
+    close_times: dict[str, ZonedClock] = Field(default_factory=dict)
+    benchmark: str | None = None
+    schedule: Cron = "20 * * * *"
+    min_count: int = Field(default=20, ge=3)
+    window: Duration = timedelta(days=90)
+    bootstrap: int = Field(default=1000, ge=0, le=100_000)
+    seed: int = 0
+
+    _abs = field_validator("csv")(_resolve)
+
+    @field_validator("horizons")
+    @classmethod
+    def _horizons(cls, v: tuple[timedelta, ...]) -> tuple[timedelta, ...]:
+        if not v:
+            raise ValueError("give at least one horizon, e.g. [1d, 5d]")
+        if any(h <= timedelta(0) for h in v):
+            raise ValueError("every horizon must be longer than zero")
+        if len(set(v)) != len(v):
+            raise ValueError("a horizon is given twice")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any price source is configured."""
+        return self.csv is not None or self.freqtrade is not None or self.signal_price is not None
+
+    def close_time(self, ticker: str, default_zone: str) -> tuple[time, ZoneInfo]:
+        """The time and zone of ``ticker``'s daily close (what a date-only CSV row means)."""
+        clock, zone = self.close_times.get(ticker, (self.market_close, None))
+        return clock, ZoneInfo(zone or default_zone)
+
+
 class AppConfig(_Section):
     """The whole validated configuration."""
 
@@ -520,6 +609,7 @@ class AppConfig(_Section):
     daemon: DaemonConfig = Field(default_factory=dict)  # type: ignore[arg-type]
     logging: LoggingConfig = Field(default_factory=dict)  # type: ignore[arg-type]
     report: ReportConfig = Field(default_factory=dict)  # type: ignore[arg-type]
+    prices: PricesConfig = Field(default_factory=dict)  # type: ignore[arg-type]
 
     source: Path | None = Field(default=None, exclude=True)
 
@@ -545,7 +635,20 @@ class AppConfig(_Section):
                 f"backend 'deepspeed' runs YaLM only; the weights at {self.model.store or self.model.checkpoint} are "
                 f"a {family} model: use backend 'stream' (or 'memory' for a small one)",
             )
+        self._known_price_tickers(seen)
         return self
+
+    def _known_price_tickers(self, known: set[str]) -> None:
+        # The benchmark may be an index the robot does not trade; the per-ticker maps may not.
+        allowed = known | ({self.prices.benchmark} if self.prices.benchmark else set())
+        maps: list[tuple[tuple[str, ...], list[str]]] = [(("prices", "close_times"), list(self.prices.close_times))]
+        if self.prices.freqtrade is not None:
+            maps.append((("prices", "freqtrade", "pairs"), list(self.prices.freqtrade.pairs)))
+        for path, tickers in maps:
+            for ticker in tickers:
+                if ticker not in allowed:
+                    message = f"unknown ticker {ticker!r} (not in instruments or prices.benchmark)"
+                    raise _PathError((*path, ticker), message)
 
     @property
     def tz(self) -> ZoneInfo:

@@ -43,7 +43,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import func, select
 
 from robot_llm.clock import cron_trigger, night_as_of, night_cutoff, non_trading_reason, should_catch_up, upcoming_fires
-from robot_llm.daemon_jobs import InFlight, JobOutcome, ingest_feed, ingest_signals, morning_report
+from robot_llm.daemon_jobs import InFlight, JobOutcome, ingest_feed, ingest_prices, ingest_signals, morning_report
 from robot_llm.db import DaemonLease, Run, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.lease import acquire_lease, release_lease, renew_lease
@@ -180,7 +180,7 @@ class Daemon:
         threading.Thread(target=self._shutdown_scheduler, name="daemon-stop", daemon=True).start()
 
     def fire_now(self, job_id: str) -> None:
-        """Run a scheduled job (``feed:NAME``, ``signals``, ``nightly``, ``morning_report``) at once."""
+        """Run a scheduled job (``feed:NAME``, ``signals``, ``prices``, ``nightly``, ``morning_report``) at once."""
         scheduler = self._scheduler
         if scheduler is None or not scheduler.running:
             raise RobotLLMError("the daemon's scheduler is not running")
@@ -262,6 +262,17 @@ class Daemon:
             misfire_grace_time=300,
             **_JOB_POLICY,
         )
+        if config.prices.enabled:
+            scheduler.add_job(
+                self._guarded,
+                cron_trigger(config.prices.schedule, tz),
+                args=("prices", "ingest_prices", self._ingest_prices),
+                id="prices",
+                name="prices",
+                next_run_time=now,  # closes that arrived while the daemon was down count at once
+                misfire_grace_time=300,
+                **_JOB_POLICY,
+            )
         scheduler.add_job(
             self._guarded,
             cron_trigger(config.schedule.nightly, tz),
@@ -359,6 +370,9 @@ class Daemon:
 
     def _ingest_signals(self) -> JobOutcome:
         return ingest_signals(self.config, self._engine)
+
+    def _ingest_prices(self) -> JobOutcome:
+        return ingest_prices(self.config, self._engine)
 
     def _report(self) -> None:
         morning_report(self.config, self._engine)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from robot_llm.config import AppConfig
 
-__all__ = ["InFlight", "JobOutcome", "ingest_feed", "ingest_signals", "morning_report"]
+__all__ = ["InFlight", "JobOutcome", "ingest_feed", "ingest_prices", "ingest_signals", "morning_report"]
 
 log = logging.getLogger("robot_llm.daemon")
 
@@ -91,6 +91,23 @@ def ingest_signals(config: AppConfig, engine: Engine) -> JobOutcome:
         "errors": len(errors),
     }
     return JobOutcome("failed" if errors else "ok", counts, "; ".join(errors) or None)
+
+
+def ingest_prices(config: AppConfig, engine: Engine) -> JobOutcome:
+    """Store new closes from the configured price sources (the track record's input)."""
+    from robot_llm.prices import ingest_prices as ingest
+
+    results = ingest(config, engine)
+    errors = [r.error for r in results if r.error]
+    counts = {
+        "files": len(results),
+        "stored": sum(r.stored for r in results),
+        "duplicates": sum(r.duplicates for r in results),
+        "rejected": sum(len(r.rejects) for r in results),
+        "conflicts": sum(len(r.conflicts) for r in results),
+        "errors": len(errors),
+    }
+    return JobOutcome("failed" if errors else "ok", counts, "; ".join(e for e in errors if e) or None)
 
 
 def morning_report(config: AppConfig, engine: Engine) -> None:

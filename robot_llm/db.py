@@ -52,6 +52,7 @@ __all__ = [
     "GenerationRequest",
     "NewsItem",
     "NewsTicker",
+    "Price",
     "Run",
     "Signal",
     "Thesis",
@@ -316,6 +317,23 @@ class DaemonLease(Base):
     expires_at: Mapped[datetime]
     state: Mapped[str] = mapped_column(String(64), default="starting")
     released: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+# --------------------------------------------------------------------------- prices
+
+
+class Price(Base):
+    """One close of one instrument: ``time`` is the moment the close was known (the bar's end)."""
+
+    __tablename__ = "prices"
+    __table_args__ = (UniqueConstraint("ticker", "time"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ticker: Mapped[str] = mapped_column(String(32))
+    time: Mapped[datetime]
+    close: Mapped[float] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(500))
+    ingested_at: Mapped[datetime]
 
 
 # --------------------------------------------------------------------------- engines

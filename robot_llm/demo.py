@@ -94,6 +94,7 @@ def _prepare(workdir: Path, gguf: Path | None, out: TextIO) -> AppConfig:
         text = text.replace(YALM_TEMPLATES, GEMMA_TEMPLATES)
     config_path.write_text(text, encoding="utf-8")
     _copy_tree(DEMO_DATA / "feeds", workdir / "feeds")
+    (workdir / "prices").mkdir(exist_ok=True)  # the track record's CSV drop folder (prices.csv)
     config = load_config(config_path)
     upgrade(config.database.url)
     print(f"[1/5] working folder {workdir} with {config_path.name} and a migrated SQLite database", file=out)
@@ -332,7 +333,7 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
         decisions = _morning(config, out)
         print("\n=== Morning report ===", file=out)
         day = as_of.astimezone(config.tz).date()
-        print(format_report(build_report(config, engine, day), config), file=out)
+        print(format_report(build_report(config, engine, day, track_record=True), config), file=out)
         _html_report(config, engine, day, out)
         with session_scope(engine) as session:
             counts = [session.scalar(select(func.count()).select_from(t)) or 0 for t in (NewsItem, Signal, Thesis)]

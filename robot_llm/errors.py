@@ -43,6 +43,7 @@ EXTRAS: dict[str, str] = {
     "xxhash": "model",
     "psycopg": "postgres",
     "pandas": "pandas",
+    "pyarrow": "feather",
     "plotly": "report",
     "freqtrade": "freqtrade",
 }

@@ -51,6 +51,7 @@ from sqlalchemy.exc import DBAPIError
 
 from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
 from robot_llm.errors import RobotLLMError
+from robot_llm.track_record import STANCE_LABELS, LedgerRow, LedgerSettings, up_probability
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -129,6 +130,9 @@ class ThesisRecord:
     template_version: str
     news_ids: tuple[int, ...]
     signal_ids: tuple[int, ...]
+    # The probability the stance gave its "up" label, where the template's labels define one
+    # (see robot_llm.track_record.up_probability); the track record's Brier score uses it.
+    up_probability: float | None = None
 
     def is_valid_at(self, moment: datetime) -> bool:
         """Whether the thesis exists at ``moment`` and is not yet stale."""
@@ -170,6 +174,7 @@ _THESIS_COLUMNS = (
     Thesis.template_version,
     Thesis.news_ids,
     Thesis.signal_ids,
+    STANCE_LABELS,
 )
 
 _SIGNAL_COLUMNS = (
@@ -190,6 +195,9 @@ def _thesis(row: Any) -> ThesisRecord:
     values = row._asdict()
     values["news_ids"] = tuple(int(i) for i in values["news_ids"] or ())
     values["signal_ids"] = tuple(int(i) for i in values["signal_ids"] or ())
+    labels = values.pop("stance_labels")
+    labels = labels if isinstance(labels, dict) else None
+    values["up_probability"] = up_probability(values["stance"], values["stance_label"], values["score"], labels)
     return ThesisRecord(**values)
 
 
@@ -219,6 +227,8 @@ class Forecasts:
         self.timezone = _zone(tz)
         self.cutoff = cutoff
         self.tickers: tuple[str, ...] = ()
+        # The track record's horizons, benchmark and limits (the config's ``prices:`` section).
+        self.ledger_settings = LedgerSettings()
 
     @classmethod
     def open(cls, url: str, *, tz: tzinfo | str = "UTC", cutoff: time = DEFAULT_CUTOFF) -> Forecasts:
@@ -248,6 +258,7 @@ class Forecasts:
         config = load_config(path)
         forecasts = cls.open(config.database.url, tz=config.timezone, cutoff=config.schedule.cutoff)
         forecasts.tickers = tuple(inst.ticker for inst in config.instruments)
+        forecasts.ledger_settings = LedgerSettings.from_config(config.prices)
         return forecasts
 
     def close(self) -> None:
@@ -381,6 +392,42 @@ class Forecasts:
     ) -> pd.DataFrame:
         """:meth:`history` as a pandas DataFrame (see :func:`to_dataframe`)."""
         return to_dataframe(self.history(ticker, start, end, template=template))
+
+    # ----------------------------------------------------------------------- track record
+
+    def track_record(
+        self,
+        as_of: datetime,
+        *,
+        horizon: timedelta | None = None,
+        ticker: str | None = None,
+        template: str | None = None,
+        model: str | None = None,
+        settings: LedgerSettings | None = None,
+    ) -> list[LedgerRow]:
+        """How the theses available at ``as_of`` fared against the closes known at ``as_of``.
+
+        One :class:`~robot_llm.track_record.LedgerRow` per model × template × instrument and
+        per model × template over all instruments (``ticker`` None), for ``horizon`` (default:
+        every horizon of ``prices.horizons``), each over all time and the rolling window.
+        Definitions are in :mod:`robot_llm.track_record`; nothing after ``as_of`` is used.
+        Needs numpy.
+        """
+        from robot_llm.track_record import track_record
+
+        moment = require_aware(as_of, "as_of")
+        try:
+            return track_record(
+                self._engine,
+                moment,
+                settings or self.ledger_settings,
+                horizons=None if horizon is None else (horizon,),
+                ticker=ticker,
+                template=template,
+                model=model,
+            )
+        except DBAPIError as exc:
+            raise ForecastsError(f"reading {self._engine.url.render_as_string()} failed: {error_line(exc)}") from None
 
     # ----------------------------------------------------------------------- signals
 

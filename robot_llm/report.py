@@ -18,6 +18,7 @@ from sqlalchemy import and_, func, or_, select
 
 from robot_llm.db import GenerationRequest, Run, Thesis, session_scope, utcnow
 from robot_llm.health import Health, night_health
+from robot_llm.track_record_report import summary_lines
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -87,6 +88,8 @@ class Report:
     batch_seconds: float
     #: The health of the nights the day worked on (first line of the report).
     health: Health = field(default_factory=Health)
+    # The track record as the morning after this night knew it (robot_llm.track_record_report).
+    track_record: tuple[str, ...] = ()
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -125,8 +128,8 @@ def default_day(config: AppConfig, engine: Engine) -> date:
     return latest.astimezone(config.tz).date()
 
 
-def build_report(config: AppConfig, engine: Engine, day: date) -> Report:
-    """Collect the report of local ``day``."""
+def build_report(config: AppConfig, engine: Engine, day: date, *, track_record: bool = False) -> Report:
+    """Collect the report of local ``day``; ``track_record`` adds the ledger's summary (it reads every thesis)."""
     start, end = window(config, day)
     with session_scope(engine) as s:
         runs = s.scalars(select(Run).where(Run.started_at >= start, Run.started_at < end).order_by(Run.started_at))
@@ -208,6 +211,7 @@ def build_report(config: AppConfig, engine: Engine, day: date) -> Report:
         new_tokens=sum(int(r.counts.get("new_tokens", 0)) for r in generate),
         batch_seconds=sum(float(r.counts.get("batch_seconds", 0.0)) for r in generate),
         health=night_health(engine, worked),
+        track_record=summary_lines(config, engine, day) if track_record else (),
     )
 
 
@@ -260,6 +264,8 @@ def format_report(report: Report, config: AppConfig) -> str:
             out.append(f"  #{f.request_id} {f.ticker} {f.template_name} after {f.attempts} attempt(s): {f.error}")
     else:
         out.append("failed requests: none")
+    if report.track_record:
+        out.extend(["", *report.track_record])
     return "\n".join(out)
 
 
@@ -267,7 +273,7 @@ def report_job(config: AppConfig, engine: Engine, day: date | None = None) -> Re
     """Build the report of ``day`` (default: :func:`default_day`) and record it as a ``report`` run."""
     day = day or default_day(config, engine)
     now = utcnow()
-    report = build_report(config, engine, day)
+    report = build_report(config, engine, day, track_record=True)
     with session_scope(engine) as s:
         s.add(
             Run(

@@ -26,6 +26,7 @@ from sqlalchemy import select
 from robot_llm.db import NewsItem, Run, Signal, Thesis, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.report import Report, build_report, format_duration, window
+from robot_llm.track_record_report import TRACK_FILTERS, TrackRecordView, build_view, track_record_chart
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -124,6 +125,7 @@ class Morning:
     report: Report
     instruments: tuple[InstrumentSection, ...]
     health: tuple[HealthPoint, ...]
+    track_record: TrackRecordView | None = None
 
 
 def agreement(stance: float | None, forecast: ForecastLine | None) -> str:
@@ -229,6 +231,7 @@ def build_morning(config: AppConfig, engine: Engine, day: date, *, nights: int |
         report=report,
         instruments=tuple(sections),
         health=_health(config, engine, day, nights, report),
+        track_record=build_view(config, engine, day),
     )
 
 
@@ -308,6 +311,7 @@ def render_html(morning: Morning, config: AppConfig) -> str:
     env = Environment(autoescape=True, keep_trailing_newline=True)
     env.filters["local"] = lambda t, fmt="%Y-%m-%d %H:%M": t.astimezone(tz).strftime(fmt) if t else "-"
     env.filters["duration"] = format_duration
+    env.filters.update(TRACK_FILTERS)
     template = env.from_string((resources.files("robot_llm") / "report_html.j2").read_text(encoding="utf-8"))
     summary = {"day": morning.day.isoformat(), "theses": morning.report.theses, "failed": len(morning.report.failures)}
     return template.render(
@@ -319,6 +323,11 @@ def render_html(morning: Morning, config: AppConfig) -> str:
             s.ticker: Markup(_figure_html(stance_chart(s), f"chart-{s.ticker}")) for s in morning.instruments
         },
         health_chart=Markup(_figure_html(health_chart(morning.health), "chart-health")),
+        track_charts={
+            s.ticker: Markup(_figure_html(track_record_chart(s.ticker, track, config), f"track-{s.ticker}"))
+            for s in morning.instruments
+            if (track := morning.track_record) is not None
+        },
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from robot_llm import migrate
 from robot_llm.db import Base, make_engine
@@ -105,3 +106,23 @@ def test_migration_errors_are_one_line(empty_db_url: str) -> None:
     # The failed step rolled back whole (on SQLite too): no half-created schema is left behind.
     assert _tables(empty_db_url) == {"runs"}
     assert migrate.current(empty_db_url) is None
+
+
+def test_prices_revision_up_and_down(empty_db_url: str) -> None:
+    """0002_prices adds the prices table on top of 0001 and takes it away again, nothing else."""
+    migrate.upgrade(empty_db_url, "0001")
+    before = _tables(empty_db_url)
+    assert "prices" not in before
+    migrate.upgrade(empty_db_url, "0002_prices")
+    assert _tables(empty_db_url) == before | {"prices"}
+    engine = make_engine(empty_db_url)
+    try:
+        with engine.begin() as conn:
+            insert = "INSERT INTO prices (ticker, time, close, source, ingested_at) VALUES ('SBER', :t, 1.0, 'x', :t)"
+            conn.execute(text(insert), {"t": "2026-12-01 15:50:00"})
+            with pytest.raises(IntegrityError, match=r"(?i)unique"), conn.begin_nested():
+                conn.execute(text(insert), {"t": "2026-12-01 15:50:00"})
+    finally:
+        engine.dispose()
+    migrate.downgrade(empty_db_url, "0001")
+    assert _tables(empty_db_url) == before
