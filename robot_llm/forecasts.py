@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import date, datetime, time, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,6 +113,14 @@ class ThesisRecord:
     committed (a backtest may use it only from then on), ``valid_until`` when it goes stale.
     ``stance`` runs from -1 (bearish) to +1 (bullish), ``score`` (0..1) is the confidence of
     that stance; both are ``None`` when the model's answer could not be scored.
+
+    ``kind`` is ``thesis``, ``stance_only`` (a template that asks a stance without a thesis)
+    or ``no_inputs`` (an explicit abstention: the night had no news and no signals for the
+    instrument, so there is no text and no stance). ``flags`` name what the night's checks
+    found (``disagrees``: the text states the other direction than the stance; ``example_copy``,
+    ``headline_echo``, ``repeated``: degenerate text). ``stance_probs`` are the labels'
+    probabilities behind ``stance``; ``thesis_stance`` is the stance read after the thesis
+    and ``news_stance`` the one read from the news items, whichever ``stance`` is not.
     """
 
     id: int
@@ -129,6 +137,16 @@ class ThesisRecord:
     template_version: str
     news_ids: tuple[int, ...]
     signal_ids: tuple[int, ...]
+    kind: str = "thesis"
+    flags: tuple[str, ...] = ()
+    stance_probs: dict[str, float] = field(default_factory=dict)
+    thesis_stance: float | None = None
+    news_stance: float | None = None
+
+    @property
+    def abstained(self) -> bool:
+        """Whether the night explicitly gave no opinion (``kind`` ``no_inputs``): no text, no stance."""
+        return self.kind == "no_inputs"
 
     def is_valid_at(self, moment: datetime) -> bool:
         """Whether the thesis exists at ``moment`` and is not yet stale."""
@@ -170,6 +188,11 @@ _THESIS_COLUMNS = (
     Thesis.template_version,
     Thesis.news_ids,
     Thesis.signal_ids,
+    Thesis.kind,
+    Thesis.flags,
+    Thesis.stance_probs,
+    Thesis.thesis_stance,
+    Thesis.news_stance,
 )
 
 _SIGNAL_COLUMNS = (
@@ -190,6 +213,8 @@ def _thesis(row: Any) -> ThesisRecord:
     values = row._asdict()
     values["news_ids"] = tuple(int(i) for i in values["news_ids"] or ())
     values["signal_ids"] = tuple(int(i) for i in values["signal_ids"] or ())
+    values["flags"] = tuple(str(f) for f in values["flags"] or ())
+    values["stance_probs"] = {str(k): float(v) for k, v in (values["stance_probs"] or {}).items()}
     return ThesisRecord(**values)
 
 
