@@ -30,8 +30,9 @@ from robot_llm.clock import aware_utc
 from robot_llm.configured_model import BatchModel, open_configured_model
 from robot_llm.db import error_line
 from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, ModelFault, RobotLLMError
+from robot_llm.night_stance import abstains, abstention_row, annotate_rows
 from robot_llm.request_queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
-from robot_llm.stance import Calibration, StanceResult, StanceSpec, parse_stance_spec, score_stance
+from robot_llm.stance import Calibration, StanceResult, StanceSpec, label_pieces, parse_stance_spec
 from robot_llm.thesis_check import thesis_problem
 from robot_llm.watchdog import Watchdog
 
@@ -156,7 +157,12 @@ def _run_batch(
     """
     errors: dict[int, str] = {}
     ready: list[tuple[ClaimedRequest, SamplingParams, StanceSpec | None]] = []
+    rows: list[dict[str, Any]] = []
     for req in batch:
+        reason = abstains(req)
+        if reason is not None:  # planned without news and signals: an explicit abstention, no generation
+            rows.append(abstention_row(req, model.model_id, reason))
+            continue
         try:
             params, spec = sampling_params(req.params)
             tokens = len(model.tokenizer.encode(req.prompt))
@@ -166,7 +172,6 @@ def _run_batch(
         except ValueError as exc:
             errors[req.id] = str(exc)
     groups = [ready] if ready else []
-    rows: list[dict[str, Any]] = []
     new_tokens = 0
     while groups:
         group = groups.pop(0)
@@ -180,10 +185,12 @@ def _run_batch(
                 followups=[spec.followup() if spec is not None else None for _, _, spec in group],
             )
             on_progress()
-            stances: list[StanceResult | None] = []
+            scored = []
             for (req, _, spec), c in zip(group, completions, strict=True):
-                stances.append(score_stance(model, req.prompt, c, spec, calibration) if spec is not None else None)
+                scored.append((spec, label_pieces(model, req.prompt, c, spec)) if spec is not None else None)
                 on_progress()
+            names = [req.template_name for req, _, _ in group]
+            stances: list[StanceResult | None] = calibration.stances(model, scored, names)
         except ModelFault:  # damaged weights or NaN: every batch would fail the same way
             raise
         except Exception as exc:  # the model's failure is this batch's, not the run's
@@ -195,6 +202,7 @@ def _run_batch(
             continue
         seconds = time.monotonic() - started
         for (req, params, spec), c, st in zip(group, completions, stances, strict=True):
+            read_after = spec.after if spec is not None else None
             new_tokens += c.new_token_count
             row = {
                 "request_id": req.id,
@@ -206,6 +214,10 @@ def _run_batch(
                 "stance_label": st.label if st else None,
                 "score": st.score if st else None,
                 "label_logprobs": st.label_logprobs if st else {},
+                "stance_probs": st.probs if st else {},
+                # Which stance the stored one is: read after the thesis, or after the prompt (the news).
+                "thesis_stance": st.stance if st and read_after == "thesis" else None,
+                "news_stance": st.stance if st and read_after == "prompt" else None,
                 "model_id": model.model_id,
                 "params": req.params,
                 "seed": params.seed,
@@ -220,7 +232,8 @@ def _run_batch(
                 "as_of": req.as_of,
                 "valid_until": req.valid_until,
             }
-            problem = thesis_problem(row, asks_stance=spec is not None)
+            stance_only = int(req.params.get("max_new_tokens", 1)) == 0
+            problem = thesis_problem(row, asks_stance=spec is not None, asks_text=not stance_only)
             if problem is None:
                 rows.append(row)
             else:
@@ -295,7 +308,7 @@ def _work(
     watchdog = Watchdog(config, engine.url.render_as_string(hide_password=False), queue, tick)
     watchdog.start()
     bar = _Progress(progress, total)
-    calibration = Calibration()  # content-free label priors, once per template per night
+    calibration = Calibration()  # label priors: scored contexts once per template per night, the batch's mean
     blocked_by: str | None = None
     status, error = "ok", None
     drained = crashed = False
@@ -312,6 +325,8 @@ def _work(
             watchdog.progress(in_flight)
             started = time.monotonic()
             rows, errors, new_tokens = _run_batch(model, claimed, watchdog.progress, calibration)
+            tally.flags.update(annotate_rows(engine, rows, {r.id: r.prompt for r in claimed}))
+            tally.label_priors = calibration.measured()
             tally.seconds += time.monotonic() - started
             tally.new_tokens += new_tokens
             tally.batches += 1

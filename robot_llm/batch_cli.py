@@ -56,6 +56,13 @@ def _plan(args: argparse.Namespace) -> int:
     )
     for ticker, template, reason in result.skipped:
         print(f"  skipped {ticker} {template}: {reason}")
+    if result.no_news:
+        print(
+            f"  {result.no_news} prompt(s) have no news, {result.no_inputs} of them no signals either "
+            "(those get an explicit 'no inputs' abstention: no thesis, no stance)"
+        )
+        for template, reason in result.no_news_reasons:
+            print(f"  no news for {template}: {reason}")
     return 0
 
 
@@ -176,7 +183,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``batch plan|run|status``, ``report`` and ``doctor``."""
     batch = sub.add_parser("batch", help="the nightly batch: plan requests, run the model, show the queue")
     batch_sub = batch.add_subparsers(dest="batch_command", metavar="ACTION", required=True)
-    as_of_help = "the night's cut-off, ISO 8601 (no offset: the config's timezone); default: the latest nightly time"
+    as_of_help = (
+        "the night's cut-off: 'now' or ISO 8601 (no offset: the config's timezone); default: the latest nightly time"
+    )
 
     plan = batch_sub.add_parser("plan", parents=[common], help="render tonight's prompts into generation requests")
     plan.add_argument("--as-of", help=as_of_help)

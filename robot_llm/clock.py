@@ -205,12 +205,14 @@ def next_nightly_fire(config: AppConfig, now: datetime) -> datetime | None:
 
 
 def parse_as_of(text: str, tz: tzinfo) -> datetime:
-    """Parse a ``--as-of`` value: ISO 8601; without an offset it is read in ``tz``. Returns aware UTC."""
+    """Parse a ``--as-of`` value: ``now``, or ISO 8601 (without an offset it is read in ``tz``). Returns aware UTC."""
+    if text.strip().lower() == "now":
+        return datetime.now(UTC)
     try:
         value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
         raise RobotLLMError(
-            f"--as-of: expected an ISO date-time like 2026-11-26T23:00 or 2026-11-26T20:00Z, got {text!r}"
+            f"--as-of: expected 'now' or an ISO date-time like 2026-11-26T23:00 or 2026-11-26T20:00Z, got {text!r}"
         ) from None
     if value.tzinfo is None:
         value = value.replace(tzinfo=tz)

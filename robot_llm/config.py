@@ -397,6 +397,9 @@ class PromptsConfig(_Section):
     news_lookback: Duration = timedelta(days=2)
     max_news: int = Field(default=20, ge=0)
     valid_for: Duration = timedelta(days=1)
+    # A prompt with no news and no signals is stored as an explicit "no inputs" abstention
+    # (no thesis, no stance, no generation); false generates it anyway.
+    abstain_without_inputs: bool = True
 
     _abs = field_validator("dir")(_resolve)
 

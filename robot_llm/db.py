@@ -44,6 +44,7 @@ from sqlalchemy.sql import ColumnElement
 from robot_llm.errors import RobotLLMError
 
 __all__ = [
+    "THESIS_KINDS",
     "Base",
     "DaemonLease",
     "DatabaseError",
@@ -109,7 +110,13 @@ class Base(DeclarativeBase):
     """Declarative base with the naming convention."""
 
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[int]: JSON()}  # noqa: RUF012
+    type_annotation_map = {  # noqa: RUF012
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[int]: JSON(),
+        list[str]: JSON(),
+        list[dict[str, Any]]: JSON(),
+    }
 
 
 # --------------------------------------------------------------------------- ingest
@@ -301,6 +308,18 @@ class Thesis(Base):
     as_of: Mapped[datetime]
     available_at: Mapped[datetime]
     valid_until: Mapped[datetime]
+    # Stance quality (revision 0002_stance): what kind of row this is, and how its stance was read.
+    kind: Mapped[str] = mapped_column(String(16), default="thesis", server_default="thesis")  # see THESIS_KINDS
+    flags: Mapped[list[str]] = mapped_column(default=list, server_default="[]")  # robot_llm.stance_checks
+    stance_probs: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")  # label -> p
+    thesis_stance: Mapped[float | None] = mapped_column(Float)  # the stance read after the thesis
+    news_stance: Mapped[float | None] = mapped_column(Float)  # the news items' stances, aggregated
+    news_stances: Mapped[list[dict[str, Any]]] = mapped_column(default=list, server_default="[]")  # per item
+
+
+#: ``Thesis.kind``: a generated thesis, a stance asked without a thesis (``max_new_tokens: 0``),
+#: or the explicit abstention of a prompt that had no news and no signals (no text, no stance).
+THESIS_KINDS = ("thesis", "stance_only", "no_inputs")
 
 
 class DaemonLease(Base):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import date, datetime, time, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,6 +114,14 @@ class ThesisRecord:
     committed (a backtest may use it only from then on), ``valid_until`` when it goes stale.
     ``stance`` runs from -1 (bearish) to +1 (bullish), ``score`` (0..1) is the confidence of
     that stance; both are ``None`` when the model's answer could not be scored.
+
+    ``kind`` is ``thesis``, ``stance_only`` (a template that asks a stance without a thesis)
+    or ``no_inputs`` (an explicit abstention: the night had no news and no signals for the
+    instrument, so there is no text and no stance). ``flags`` name what the night's checks
+    found (``disagrees``: the text states the other direction than the stance; ``example_copy``,
+    ``headline_echo``, ``repeated``: degenerate text). ``stance_probs`` are the labels'
+    probabilities behind ``stance``; ``thesis_stance`` is the stance read after the thesis
+    and ``news_stance`` the one read from the news items, whichever ``stance`` is not.
     """
 
     id: int
@@ -133,6 +141,16 @@ class ThesisRecord:
     # The probability the stance gave its "up" label, where the template's labels define one
     # (see robot_llm.track_record.up_probability); the track record's Brier score uses it.
     up_probability: float | None = None
+    kind: str = "thesis"
+    flags: tuple[str, ...] = ()
+    stance_probs: dict[str, float] = field(default_factory=dict)
+    thesis_stance: float | None = None
+    news_stance: float | None = None
+
+    @property
+    def abstained(self) -> bool:
+        """Whether the night explicitly gave no opinion (``kind`` ``no_inputs``): no text, no stance."""
+        return self.kind == "no_inputs"
 
     def is_valid_at(self, moment: datetime) -> bool:
         """Whether the thesis exists at ``moment`` and is not yet stale."""
@@ -175,6 +193,11 @@ _THESIS_COLUMNS = (
     Thesis.news_ids,
     Thesis.signal_ids,
     STANCE_LABELS,
+    Thesis.kind,
+    Thesis.flags,
+    Thesis.stance_probs,
+    Thesis.thesis_stance,
+    Thesis.news_stance,
 )
 
 _SIGNAL_COLUMNS = (
@@ -198,6 +221,8 @@ def _thesis(row: Any) -> ThesisRecord:
     labels = values.pop("stance_labels")
     labels = labels if isinstance(labels, dict) else None
     values["up_probability"] = up_probability(values["stance"], values["stance_label"], values["score"], labels)
+    values["flags"] = tuple(str(f) for f in values["flags"] or ())
+    values["stance_probs"] = {str(k): float(v) for k, v in (values["stance_probs"] or {}).items()}
     return ThesisRecord(**values)
 
 

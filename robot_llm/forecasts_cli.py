@@ -81,6 +81,8 @@ def _csv_value(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, tuple):
         return json.dumps(list(value))
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
     return "" if value is None else value
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from robot_llm.clock import aware_utc
 from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Signal, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.prompting.budget import PromptTooLong, RenderResult, TokenCounter, render_within_budget
-from robot_llm.prompting.context import NewsEntry, SignalEntry
+from robot_llm.prompting.context import NewsEntry, SignalEntry, example_variant
 from robot_llm.prompting.loading import find_template, load_template, load_templates
 from robot_llm.prompting.template import Template
 from robot_llm.runs import beat_run, finish_run, start_run
@@ -38,12 +39,15 @@ if TYPE_CHECKING:
     from robot_llm.config import AppConfig, InstrumentConfig
 
 __all__ = [
+    "NO_INPUTS",
     "NightNotPlannable",
     "PlanResult",
     "check_templates",
     "derive_seed",
     "gather_news",
     "gather_signals",
+    "night_news_texts",
+    "no_news_reason",
     "plan_night",
     "plannable",
     "render_for",
@@ -62,11 +66,19 @@ def derive_seed(base_seed: int, as_of: datetime, ticker: str, template_name: str
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**31
 
 
-def request_params(result: RenderResult, seed: int) -> dict[str, Any]:
-    """The ``params`` JSON of a GenerationRequest (the batch contract's exact shape)."""
+def request_params(
+    result: RenderResult, seed: int, contexts: Sequence[str] = (), *, abstain: bool = True
+) -> dict[str, Any]:
+    """The ``params`` JSON of a GenerationRequest (the batch contract's exact shape).
+
+    ``contexts`` are the night's domain-calibration contexts of the template (mode ``domain``).
+    With ``abstain`` (``prompts.abstain_without_inputs``), a prompt with no news and no signals
+    gets ``abstain: "no_inputs"``: the worker stores an explicit abstention for it (no thesis,
+    no stance) and runs no model for it.
+    """
     gen = result.generation
     stance = result.template.stance
-    return {
+    params: dict[str, Any] = {
         "max_new_tokens": int(gen.max_new_tokens),
         "greedy": bool(gen.greedy),
         "temperature": float(gen.temperature),
@@ -74,21 +86,78 @@ def request_params(result: RenderResult, seed: int) -> dict[str, Any]:
         "top_p": float(gen.top_p),
         "seed": int(seed),
         "stop": list(result.template.stop),
-        "stance": _stance_params(result) if stance is not None else None,
+        "stance": _stance_params(result, contexts) if stance is not None else None,
     }
+    if abstain and not result.news_ids and not result.signal_ids:
+        params["abstain"] = NO_INPUTS
+    return params
 
 
-def _stance_params(result: RenderResult) -> dict[str, Any]:
+#: ``params.abstain`` (and ``Thesis.kind``) of a prompt with no news and no signals.
+NO_INPUTS = "no_inputs"
+
+
+def _stance_params(result: RenderResult, contexts: Sequence[str]) -> dict[str, Any]:
     stance = result.template.stance
     assert stance is not None
     out: dict[str, Any] = {
         "cue": stance.cue,
         "labels": {k: float(v) for k, v in stance.labels.items()},
         "method": stance.method,
+        "calibration_mode": stance.mode,
+        "after": stance.after,
     }
     if result.calibration is not None:
         out["calibration"] = result.calibration
+    if stance.mode == "domain":
+        out["calibration_contexts"] = list(contexts)
+        if not contexts:  # a night without news has no domain words: fall back to no calibration
+            out["calibration_mode"] = "none"
     return out
+
+
+def night_news_texts(session: Session, config: AppConfig, template: Template, as_of: datetime) -> list[str]:
+    """The text of every news item fetched in the template's lookback before ``as_of``, any instrument."""
+    since = as_of - template.news_lookback(config)
+    rows = session.execute(
+        select(NewsItem.title, NewsItem.summary)
+        .where(NewsItem.fetched_at <= as_of, NewsItem.fetched_at > since)
+        .order_by(NewsItem.id)
+    ).all()
+    return [" ".join(part for part in (title, summary) if part) for title, summary in rows]
+
+
+def _domain_contexts(engine: Engine, config: AppConfig, template: Template, as_of: datetime) -> list[str]:
+    """The night's domain-calibration contexts for ``template`` (none unless its mode is ``domain``)."""
+    from robot_llm.prompting.stance_prompt import domain_contexts
+
+    if template.stance is None or template.stance.mode != "domain":
+        return []
+    with session_scope(engine) as session:
+        texts = night_news_texts(session, config, template, as_of)
+    seed = derive_seed(template.generation_for(config).seed, as_of, "", template.name)
+    return domain_contexts(template, as_of, config.tz, texts, template.stance.domain_samples, seed)
+
+
+def no_news_reason(session: Session, config: AppConfig, template: Template, as_of: datetime) -> str:
+    """Why a night's prompts have no news: what was fetched relative to the cut-off and the lookback."""
+    since = as_of - template.news_lookback(config)
+    after = session.scalar(select(func.min(NewsItem.fetched_at)).where(NewsItem.fetched_at > as_of))
+    before = session.scalar(select(func.max(NewsItem.fetched_at)).where(NewsItem.fetched_at <= as_of))
+    local = config.tz
+    if before is None and after is not None:
+        return (
+            f"no news was fetched by the cut-off {as_of.astimezone(local):%Y-%m-%d %H:%M %Z}; the first fetch came "
+            f"after it ({after.astimezone(local):%Y-%m-%d %H:%M %Z}): plan with --as-of now (or a later cut-off)"
+        )
+    if before is None:
+        return "no news has been fetched at all (run `robot-llm news fetch`)"
+    if before <= since:
+        return (
+            f"the newest news fetched by the cut-off ({before.astimezone(local):%Y-%m-%d %H:%M %Z}) is older than "
+            f"the lookback ({template.news_lookback(config)})"
+        )
+    return "no news in the lookback is tagged with these instruments (their names, tickers or aliases)"
 
 
 # --------------------------------------------------------------------------- gathering
@@ -257,6 +326,9 @@ class PlanResult:
     existing: int
     skipped: tuple[tuple[str, str, str], ...]
     run_id: int | None = None
+    no_news: int = 0  # prompts planned without news (those also without signals abstain)
+    no_inputs: int = 0  # prompts with neither news nor signals: explicit abstentions, no generation
+    no_news_reasons: tuple[tuple[str, str], ...] = ()  # (template, why) once per template with such prompts
 
 
 class NightNotPlannable(RobotLLMError):
@@ -303,14 +375,22 @@ def plan_night(
     """
     as_of = aware_utc(as_of, "as_of")
     plannable(config, as_of, aware_utc(now, "now") if now is not None else utcnow())
-    pairs = [(inst, name) for inst in config.instruments for name in config.prompts.templates]
+    # Requests are claimed in id order: prompts of one template and one example order stored
+    # next to each other share a batch, and with it the KV of their common head (the shipped
+    # templates rotate three examples, so variant % 3 is their order).
+    pairs = sorted(
+        ((inst, name) for inst in config.instruments for name in config.prompts.templates),
+        key=lambda pair: (config.prompts.templates.index(pair[1]), example_variant(pair[0].ticker, as_of) % 3),
+    )
     run_id = start_run(engine, "plan", as_of=as_of, total=len(pairs))
 
-    created = existing = 0
+    created = existing = no_news = no_inputs = 0
     skipped: list[tuple[str, str, str]] = []
+    reasons: dict[str, str] = {}
     try:
         templates = load_templates(config)
         counter = tokenizer if tokenizer is not None else tokenizer_for(config)
+        contexts = {name: _domain_contexts(engine, config, templates[name], as_of) for name in config.prompts.templates}
         for done, (instrument, name) in enumerate(pairs, start=1):
             template = templates[name]
             key = (GenerationRequest.as_of == as_of, GenerationRequest.ticker == instrument.ticker)
@@ -330,7 +410,13 @@ def plan_night(
                         skipped.append((instrument.ticker, name, str(exc)))
                         result = None
             if result is not None:
-                if _store_request(engine, config, result):
+                if not result.news_ids:
+                    no_news += 1
+                    no_inputs += not result.signal_ids and config.prompts.abstain_without_inputs
+                    if name not in reasons:
+                        with session_scope(engine) as session:
+                            reasons[name] = no_news_reason(session, config, template, as_of)
+                if _store_request(engine, config, result, contexts[name]):
                     created += 1
                 else:
                     existing += 1
@@ -353,12 +439,24 @@ def plan_night(
             "existing": existing,
             "skipped": len(skipped),
             "skipped_reasons": [{"ticker": t, "template": n, "reason": r} for t, n, r in skipped],
+            "no_news": no_news,
+            "no_inputs": no_inputs,
+            "no_news_reasons": [{"template": n, "reason": r} for n, r in reasons.items()],
         },
     )
-    return PlanResult(as_of=as_of, created=created, existing=existing, skipped=tuple(skipped), run_id=run_id)
+    return PlanResult(
+        as_of=as_of,
+        created=created,
+        existing=existing,
+        skipped=tuple(skipped),
+        run_id=run_id,
+        no_news=no_news,
+        no_inputs=no_inputs,
+        no_news_reasons=tuple(reasons.items()),
+    )
 
 
-def _store_request(engine: Engine, config: AppConfig, result: RenderResult) -> bool:
+def _store_request(engine: Engine, config: AppConfig, result: RenderResult, contexts: Sequence[str] = ()) -> bool:
     """Insert the request; False when another planner stored the same (as_of, ticker, template) first."""
     template = result.template
     seed = derive_seed(result.generation.seed, result.as_of, result.ticker, template.name)
@@ -376,7 +474,7 @@ def _store_request(engine: Engine, config: AppConfig, result: RenderResult) -> b
                     prompt_tokens=result.prompt_tokens,
                     news_ids=list(result.news_ids),
                     signal_ids=list(result.signal_ids),
-                    params=request_params(result, seed),
+                    params=request_params(result, seed, contexts, abstain=config.prompts.abstain_without_inputs),
                     valid_until=result.as_of + config.prompts.valid_for,
                     status="pending",
                     attempts=0,

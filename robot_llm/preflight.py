@@ -291,6 +291,7 @@ def _templates(config: AppConfig) -> Check:
     from robot_llm.prompting.context import NewsEntry, SignalEntry
     from robot_llm.prompting.loading import load_templates
     from robot_llm.prompting.stance_prompt import stance_label_problems
+    from robot_llm.stance_doctor import template_warnings
 
     assert config.model.vocab is not None
     try:
@@ -329,6 +330,7 @@ def _templates(config: AppConfig) -> Check:
         errors, uneven = stance_label_problems(template, tokenizer)
         problems.extend(errors)
         warnings.extend(uneven)
+        warnings.extend(template_warnings(template))
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         return Check("templates", False, shown)
@@ -337,6 +339,26 @@ def _templates(config: AppConfig) -> Check:
     if warnings:
         return Check("templates", True, f"{message}; warning: {'; '.join(warnings)}", warning=True)
     return Check("templates", True, message)
+
+
+def _stance(config: AppConfig, engine: Engine | None) -> Check:
+    """The label priors the last night measured: a label that never wins is a warning."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from robot_llm.stance_doctor import measured_priors, prior_warnings
+
+    if engine is None:
+        return Check("stance", None, "not checked: the database is unreachable")
+    try:
+        priors = measured_priors(engine)
+    except SQLAlchemyError as exc:
+        return Check("stance", None, f"not checked: {type(exc).__name__}")
+    if not priors:
+        return Check("stance", None, "no night has measured the stance labels' priors yet")
+    warnings = prior_warnings(priors, set(config.prompts.templates))
+    if warnings:
+        return Check("stance", True, "; ".join(warnings), warning=True)
+    return Check("stance", True, "every stance label of the last night can win (log-probability above -5)")
 
 
 def _guarded(name: str, fn: Callable[[], Check]) -> Check:
@@ -360,6 +382,7 @@ def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
             # First: how the latest night stands (stuck, failed, empty...), before what the next one needs.
             checks.insert(0, _guarded("queue", lambda: _queue(engine)))
         checks.append(_guarded("disk", lambda: _disk(config, engine)))
+        checks.append(_guarded("stance", lambda: _stance(config, engine)))
     finally:
         if engine is not None:
             engine.dispose()

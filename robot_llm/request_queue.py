@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -54,9 +55,13 @@ class Tally:
     new_tokens: int = 0
     seconds: float = 0.0
     failures: list[tuple[int, str]] = field(default_factory=list)
+    flags: Counter[str] = field(default_factory=Counter)  # rows flagged, by flag (robot_llm.night_stance)
+    label_priors: dict[str, Any] = field(default_factory=dict)  # robot_llm.stance.Calibration.measured
 
     def counts(self, worker_id: str) -> dict[str, Any]:
         return {
+            "flags": dict(self.flags),
+            "label_priors": self.label_priors,
             "worker_id": worker_id,
             "theses": self.done,
             "failed": self.failed,

@@ -27,15 +27,19 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def thesis_problem(row: Mapping[str, Any], *, asks_stance: bool) -> str | None:
+def thesis_problem(row: Mapping[str, Any], *, asks_stance: bool, asks_text: bool = True) -> str | None:
     """Why ``row`` (a thesis about to be stored) is invalid, or None when it may be stored.
 
     ``asks_stance`` says whether its request asked a stance question: without one the row
-    must be an explicit abstention (no stance, no label log-probabilities).
+    must be an explicit abstention (no stance, no label log-probabilities). ``asks_text`` is
+    False for a stance-only template (``max_new_tokens: 0``): its text is empty by design, and
+    its stance is then required.
     """
     text = row.get("text")
-    if not isinstance(text, str) or not text.strip():
+    if asks_text and (not isinstance(text, str) or not text.strip()):
         return "the model wrote an empty thesis (nothing stored)"
+    if not asks_text and not asks_stance:
+        return "a template with no thesis and no stance question stores nothing (nothing stored)"
     logprobs = row.get("label_logprobs") or {}
     bad = sorted(str(k) for k, v in logprobs.items() if not _finite(v))
     if bad:

@@ -171,7 +171,7 @@ class _Row:
 
     def followup_context(self, tokenizer: Tokenizer) -> str:
         assert self.followup is not None
-        return self.prompt + self.completion(tokenizer).text + self.followup.cue
+        return self.followup.context(self.prompt, self.completion(tokenizer).text)
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:

@@ -27,14 +27,20 @@ class Followup:
     """Continuations to score after a finished completion: ``prompt + text + cue``, then each of them.
 
     :func:`generate` scores them from the row's live KV cache (no re-prefill); the result
-    equals :func:`score_pieces` on ``prompt + text + cue``.
+    equals :func:`score_pieces` on ``prompt + text + cue``. With ``after_prompt`` the
+    context is ``prompt + cue``: the completion is not read (the row is rewound to its prompt).
     """
 
     cue: str
     continuations: tuple[str, ...]
+    after_prompt: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "continuations", tuple(self.continuations))
+
+    def context(self, prompt: str, text: str) -> str:
+        """The text the continuations are scored after."""
+        return prompt + self.cue if self.after_prompt else prompt + text + self.cue
 
 
 #: Tokens a re-tokenised thesis may differ by from what the row fed (plus the cue) and still be scored from the cache.

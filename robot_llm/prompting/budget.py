@@ -22,6 +22,7 @@ from robot_llm.prompting.context import (
     NewsEntry,
     RenderContext,
     SignalEntry,
+    example_variant,
     news_view,
     signal_view,
 )
@@ -133,6 +134,7 @@ def render_within_budget(
             language=template.language,
             news=tuple(news_view(e, template, tz, markers) for e in shown),
             signals=signal_views,
+            variant=example_variant(instrument.ticker, as_of),
         )
         prompt = render_prompt(template, context)
         tokens = len(tokenizer.encode(prompt))
@@ -150,7 +152,7 @@ def render_within_budget(
                 dropped=tuple(dropped),
                 calibration=(
                     content_free_context(template, as_of, tz)
-                    if template.stance is not None and template.stance.calibrate
+                    if template.stance is not None and template.stance.mode == "content-free"
                     else None
                 ),
             )

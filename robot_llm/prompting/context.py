@@ -7,9 +7,10 @@ configured time zone, so a template cannot be handed raw feed text by mistake.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
@@ -19,12 +20,14 @@ if TYPE_CHECKING:
     from robot_llm.prompting.template import Template
 
 __all__ = [
+    "VARIANTS",
     "InstrumentView",
     "NewsEntry",
     "NewsView",
     "RenderContext",
     "SignalEntry",
     "SignalView",
+    "example_variant",
     "news_view",
     "signal_view",
 ]
@@ -87,9 +90,10 @@ class RenderContext:
     language: str
     news: tuple[NewsView, ...]
     signals: tuple[SignalView, ...]
+    variant: int = 0  # which order of the worked examples this prompt shows (see example_variant)
 
     def variables(self) -> dict[str, Any]:
-        """The Jinja variables: instrument, as_of, language, news, signals, forecast (latest or None)."""
+        """The Jinja variables: instrument, as_of, language, news, signals, forecast (latest or None), variant."""
         return {
             "instrument": self.instrument,
             "as_of": self.as_of,
@@ -97,7 +101,22 @@ class RenderContext:
             "news": self.news,
             "signals": self.signals,
             "forecast": self.signals[0] if self.signals else None,
+            "variant": self.variant,
         }
+
+
+#: How many example orders :func:`example_variant` spreads prompts over (a multiple of 2, 3 and 4 examples).
+VARIANTS = 12
+
+
+def example_variant(ticker: str, as_of: datetime) -> int:
+    """A stable number in ``[0, VARIANTS)`` from the instrument and the night: the template's example order.
+
+    Templates rotate their worked examples by it (``examples | rotate(variant)``), so no
+    verdict always comes last, and an instrument does not see the same order every night.
+    """
+    key = f"{ticker}|{as_of.astimezone(UTC).isoformat()}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big") % VARIANTS
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ arrives as variables (:class:`robot_llm.prompting.context.RenderContext`), never
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,15 @@ __all__ = ["compile_template", "render_prompt"]
 def _fmt(value: datetime | None, pattern: str) -> str:
     """Jinja filter ``fmt``: strftime, with '' for a missing date."""
     return "" if value is None else value.strftime(pattern)
+
+
+def _rotate(items: Sequence[Any], by: int) -> list[Any]:
+    """Jinja filter ``rotate``: the items started at ``by`` modulo their count (worked examples' order per prompt)."""
+    items = list(items)
+    if not items:
+        return items
+    k = int(by) % len(items)
+    return items[k:] + items[:k]
 
 
 def _environment(template: Template) -> ImmutableSandboxedEnvironment:
@@ -52,6 +62,7 @@ def _environment(template: Template) -> ImmutableSandboxedEnvironment:
         auto_reload=False,
     )
     env.filters["fmt"] = _fmt
+    env.filters["rotate"] = _rotate
     return env
 
 

@@ -8,19 +8,22 @@ splits the labels, which decides whether the comparison ``method`` is fair.
 
 from __future__ import annotations
 
+import random
+import re
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
 from robot_llm.clock import aware_utc
-from robot_llm.prompting.context import InstrumentView, RenderContext
+from robot_llm.prompting.context import InstrumentView, NewsView, RenderContext
 from robot_llm.prompting.render import render_prompt
 from robot_llm.prompting.template import Template
 
 if TYPE_CHECKING:
     from robot_llm.prompting.budget import TokenCounter
 
-__all__ = ["CONTENT_FREE", "content_free_context", "stance_label_problems"]
+__all__ = ["CONTENT_FREE", "content_free_context", "domain_contexts", "stance_label_problems"]
 
 
 #: The content-free stand-in for every piece of data (Zhao et al., "Calibrate Before Use", 2021).
@@ -44,6 +47,40 @@ def content_free_context(template: Template, as_of: datetime, tz: ZoneInfo) -> s
         signals=(),
     )
     return render_prompt(template, context) + " " + CONTENT_FREE + template.stance.cue
+
+
+def domain_contexts(
+    template: Template, as_of: datetime, tz: ZoneInfo, texts: Sequence[str], samples: int, seed: int
+) -> list[str]:
+    """Stance contexts whose news and thesis are random words of the night's own news (Fei et al., ACL 2023).
+
+    Each of ``samples`` renderings shows one news item and a thesis, each as many words
+    (drawn with replacement, seeded) as a typical news text of ``texts`` has; the mean label
+    prior over them is what a news-shaped input with no meaning gets. An empty list without news.
+    """
+    if template.stance is None:
+        raise ValueError(f"template {template.name!r} asks no stance")
+    words = [w for text in texts for w in re.findall(r"\w+", text)]
+    if not words:
+        return []
+    lengths = sorted(len(re.findall(r"\w+", t)) for t in texts)
+    length = max(3, lengths[len(lengths) // 2])
+    rng = random.Random(seed)
+    when = aware_utc(as_of, "as_of").astimezone(tz)
+    out = []
+    for _ in range(samples):
+        news_text = " ".join(rng.choice(words) for _ in range(length))
+        thesis = " ".join(rng.choice(words) for _ in range(length))
+        item = NewsView(id=0, title=news_text, summary="", feed="", published_at=when, fetched_at=when, at=when)
+        context = RenderContext(
+            instrument=InstrumentView(CONTENT_FREE, CONTENT_FREE, (), None),
+            as_of=when,
+            language=template.language,
+            news=(item,),
+            signals=(),
+        )
+        out.append(render_prompt(template, context) + " " + thesis + template.stance.cue)
+    return out
 
 
 def stance_label_problems(template: Template, tokenizer: TokenCounter) -> tuple[list[str], list[str]]:

@@ -12,13 +12,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from robot_llm.config import AppConfig, Duration, GenerationConfig
 from robot_llm.errors import RobotLLMError
 from robot_llm.prompting.sanitize import ALWAYS_MARKERS
 
 __all__ = [
+    "CalibrationMode",
     "GenerationOverrides",
     "NewsOptions",
     "SignalOptions",
@@ -64,7 +65,7 @@ class SignalOptions(_Section):
 class GenerationOverrides(_Section):
     """Per-template overrides of ``config.prompts.generation``; unset fields keep the config's value."""
 
-    max_new_tokens: int | None = Field(default=None, ge=1, le=1023)
+    max_new_tokens: int | None = Field(default=None, ge=0, le=1023)  # 0: a stance with no thesis
     greedy: bool | None = None
     temperature: float | None = Field(default=None, gt=0)
     top_k: int | None = Field(default=None, ge=0)
@@ -74,6 +75,8 @@ class GenerationOverrides(_Section):
 
 #: How the labels' token log-probabilities are compared (see :class:`StanceOptions`).
 StanceMethod = Literal["sum", "mean", "first"]
+#: How the label prior is estimated and divided out (:mod:`robot_llm.stance`).
+CalibrationMode = Literal["none", "content-free", "domain", "batch"]
 
 
 class StanceOptions(_Section):
@@ -84,13 +87,36 @@ class StanceOptions(_Section):
     ``first`` the first piece only (the labels must then be single pieces with distinct
     ids; the template check enforces it). ``calibrate``: divide out the label prior the
     model shows for a content-free prompt (the template with no instrument, news or
-    forecast; Zhao et al., "Calibrate Before Use", 2021), computed once per template per night.
+    forecast; Zhao et al., "Calibrate Before Use", 2021), computed once per template per night;
+    the same as ``calibration: content-free``. ``calibration`` names the mode: ``none``,
+    ``content-free``, ``domain`` (the mean prior of ``domain_samples`` renderings whose news and
+    thesis are random words from the night's own news; Fei et al., ACL 2023) or ``batch`` (the
+    mean label probability of the night's rows; Zhou et al., ICLR 2024). ``after``: the cue
+    follows the generated thesis (``thesis``, the thesis's stance) or the prompt itself
+    (``prompt``: the stance of the news it shows, read from the same cache; the thesis is still
+    written and stored).
     """
 
     cue: str = Field(min_length=1)
     labels: dict[str, float] = Field(min_length=2)
     method: StanceMethod = "sum"
     calibrate: bool = False
+    calibration: CalibrationMode | None = None
+    domain_samples: int = Field(default=8, ge=1, le=64)
+    after: Literal["thesis", "prompt"] = "thesis"
+
+    @model_validator(mode="after")
+    def _one_calibration(self) -> StanceOptions:
+        if self.calibrate and self.calibration not in (None, "content-free"):
+            raise ValueError(f"calibrate: true is calibration 'content-free'; it contradicts {self.calibration!r}")
+        return self
+
+    @property
+    def mode(self) -> CalibrationMode:
+        """The calibration mode: ``calibration``, else ``content-free`` for ``calibrate: true``, else ``none``."""
+        if self.calibration is not None:
+            return self.calibration
+        return "content-free" if self.calibrate else "none"
 
     @field_validator("labels")
     @classmethod

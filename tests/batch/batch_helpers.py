@@ -97,7 +97,13 @@ class BatchEnv:
             "database": {"url": self.db_url},
             "timezone": "UTC",
             "instruments": [{"ticker": f"T{i:03d}", "name": f"Company {i}"} for i in range(instruments)],
-            "prompts": {"dir": str(self.prompts_dir), "templates": ["tiny"], "generation": {"seed": 7}},
+            # The tiny prompts show no news: generate them all the same (the abstention has tests of its own).
+            "prompts": {
+                "dir": str(self.prompts_dir),
+                "templates": ["tiny"],
+                "generation": {"seed": 7},
+                "abstain_without_inputs": False,
+            },
             "model": {
                 "id": "yalm-tiny",
                 "backend": "memory",

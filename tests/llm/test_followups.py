@@ -84,7 +84,7 @@ def _check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str], fo
         assert replace(c, followup_logprobs=None) == w
         assert w == generate(model, tokenizer, [prompt], p)[0]
         assert c.followup_logprobs is not None
-        want = score_pieces(model, tokenizer, prompt + c.text + f.cue, f.continuations)
+        want = score_pieces(model, tokenizer, f.context(prompt, c.text), f.continuations)
         assert [len(x) for x in c.followup_logprobs] == [len(x) for x in want]
         for mine, ref in zip(c.followup_logprobs, want, strict=True):
             assert mine == pytest.approx(ref, abs=1e-4)
@@ -94,6 +94,14 @@ def test_followups_from_the_cache_on_the_tiny_fixture(
     tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str]
 ) -> None:
     _check(tiny_model, tokenizer, [*prompts, prompts[0][:11]], [RU, EN, RU, EN, RU])
+
+
+def test_followups_after_the_prompt_read_the_cache_rewound_past_the_thesis(
+    tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str]
+) -> None:
+    # The news stance: the cue follows the prompt, not the thesis the row went on to write.
+    ru, en = replace(RU, after_prompt=True), replace(EN, after_prompt=True)
+    _check(tiny_model, tokenizer, [*prompts, prompts[0][:11]], [ru, EN, en, RU, ru])
 
 
 def test_followups_from_the_cache_on_the_demo_store(demo: tuple[StreamingModel, YalmTokenizer]) -> None:
@@ -242,7 +250,7 @@ def _refill_check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[s
     assert all(cached for _, _, cached in refilled.calls)
     for prompt, p, f, c in zip(prompts, params, followups, got, strict=True):
         assert replace(c, followup_logprobs=None) == generate(model, tokenizer, [prompt], p)[0]
-        want = score_pieces(model, tokenizer, prompt + c.text + f.cue, f.continuations)
+        want = score_pieces(model, tokenizer, f.context(prompt, c.text), f.continuations)
         assert c.followup_logprobs is not None
         for mine, ref in zip(c.followup_logprobs, want, strict=True):
             assert mine == pytest.approx(ref, abs=1e-4)

@@ -72,18 +72,20 @@ def test_every_bundled_template_renders_with_fixture_data(path, make_config, tok
     assert prompt.index("повысил прогноз") < prompt.index("выросли на 2%")
     if "item.at" in template.body:
         assert (AS_OF - timedelta(hours=5)).astimezone(config.tz).strftime("%H:%M") in prompt
-    assert result.news_ids == (1, 2) and result.signal_ids == (7,)
+    assert result.news_ids == (1, 2) and result.signal_ids == ((7,) if template.signals.include else ())
     # the robot's forecast is put in words of the template's language
     assert ("падение" if template.language == "ru" else "down") in prompt
+    assert template.stance is not None
+    assert template.stance.cue.strip().rstrip(":") in prompt  # the example teaches the stance cue
+    if template.generation.max_new_tokens == 0:  # a stance with no thesis: the prompt ends after the news
+        assert prompt.endswith("выросли на 2%\n") and prompt.count(template.stance.cue.strip()) >= 2
+        return
     # completion style: the prompt ends in the open slot (one of the template's section markers),
-    # as often as the body has it: the worked examples' lines and the open slot itself
+    # which the worked examples (written out, or rendered from a list) teach first
     slot = prompt.rsplit("\n", 1)[-1]
     assert slot.endswith(":") and slot.rstrip(":") in template.section_markers()
-    in_body = len(re.findall(rf"^{re.escape(slot)}", template.body, flags=re.M))
-    assert in_body >= 2  # at least one worked example teaches the slot
-    assert len(re.findall(rf"^{re.escape(slot)}", prompt, flags=re.M)) == in_body
-    assert template.stance is not None and template.stop
-    assert template.stance.cue.strip().rstrip(":") in prompt  # the example teaches the stance cue
+    assert len(re.findall(rf"^{re.escape(slot)}", prompt, flags=re.M)) >= 2
+    assert template.stop
 
 
 def test_config_folder_overrides_bundled_and_falls_back(make_config, tmp_path):

@@ -1,0 +1,36 @@
+"""stance quality: a thesis's kind, its flags, per-label probabilities, the thesis and news stances
+
+Revision ID: 0002_stance
+Revises: 0001
+Create Date: 2026-12-01 10:20:00
+
+Existing rows become kind 'thesis' with no flags, no probabilities and no second stance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0002_stance"
+down_revision: str | Sequence[str] | None = "0001"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("theses", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("kind", sa.String(length=16), server_default="thesis", nullable=False))
+        batch_op.add_column(sa.Column("flags", sa.JSON(), server_default="[]", nullable=False))
+        batch_op.add_column(sa.Column("stance_probs", sa.JSON(), server_default="{}", nullable=False))
+        batch_op.add_column(sa.Column("thesis_stance", sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column("news_stance", sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column("news_stances", sa.JSON(), server_default="[]", nullable=False))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("theses", schema=None) as batch_op:
+        for column in ("news_stances", "news_stance", "thesis_stance", "stance_probs", "flags", "kind"):
+            batch_op.drop_column(column)

@@ -1,0 +1,276 @@
+"""A stance a trader can trust: no inputs -> explicit abstention, checks flagged on the row, calibration modes,
+example order per prompt, doctor's stance warnings. Real SQLite / PostgreSQL, the tiny YaLM fixture."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from batch_helpers import TINY_TEMPLATE
+
+from robot_llm.batch import run_queue
+from robot_llm.db import NewsItem, NewsTicker, Signal, session_scope
+from robot_llm.forecasts import Forecasts
+from robot_llm.plan import plan_night
+from robot_llm.prompting.context import example_variant
+from robot_llm.prompting.loading import load_template
+from robot_llm.prompting.template import TemplateError
+from robot_llm.stance import Calibration, StanceSpec, parse_stance_spec, softmax
+from robot_llm.stance_checks import (
+    FLAG_ECHO,
+    FLAG_EXAMPLE,
+    FLAG_REPEATED,
+    degeneration_flags,
+    thesis_direction,
+)
+from robot_llm.stance_doctor import prior_warnings, template_warnings
+
+REPO = Path(__file__).resolve().parents[2]
+LABELS = ((" up", 1.0), (" down", -1.0), (" flat", 0.0))
+
+
+def _news(benv, night, ticker: str, title: str, key: str) -> int:  # type: ignore[no-untyped-def]
+    with session_scope(benv.engine) as s:
+        item = NewsItem(
+            feed="wire", item_key=key, title=title, summary="", fetched_at=night - timedelta(hours=2), content_hash=key
+        )
+        item.tickers.append(NewsTicker(ticker=ticker))
+        s.add(item)
+        s.flush()
+        return item.id
+
+
+def test_no_inputs_is_an_explicit_abstention_without_generation(benv, night) -> None:  # type: ignore[no-untyped-def]
+    config = benv.config(prompts={"abstain_without_inputs": True})
+    _news(benv, night, "T000", "Company 0 raises its dividend", "k0")
+    with session_scope(benv.engine) as s:  # T001 has a signal and no news: it still gets a thesis
+        s.add(
+            Signal(
+                ticker="T001",
+                generated_at=night - timedelta(hours=3),
+                received_at=night - timedelta(hours=3),
+                horizon="1d",
+                direction=1,
+                model="robot",
+                source="test",
+            )
+        )
+    plan = plan_night(config, benv.engine, night)
+    assert (plan.created, plan.no_news, plan.no_inputs) == (3, 2, 1)
+    ((template, reason),) = plan.no_news_reasons
+    assert template == "tiny" and "tagged" in reason  # news was fetched in time, none names T001/T002
+
+    summary = run_queue(config, benv.engine, as_of=night, progress=False, preflight=False)
+    assert summary.done == 3
+    theses = {t.ticker: t for t in benv.theses()}
+    abstained = theses["T002"]
+    assert (abstained.kind, abstained.text, abstained.stance, abstained.stance_label) == ("no_inputs", "", None, None)
+    assert abstained.completion_tokens == 0 and abstained.finish_reason == "abstain"
+    assert abstained.available_at >= night  # point-in-time like any thesis
+    for ticker in ("T000", "T001"):
+        assert theses[ticker].kind == "thesis" and theses[ticker].stance is not None
+        assert set(theses[ticker].stance_probs) == {"up", "down", "flat"}
+        assert math.isclose(sum(theses[ticker].stance_probs.values()), 1.0, rel_tol=1e-9)
+        assert theses[ticker].thesis_stance == theses[ticker].stance
+
+    forecasts = Forecasts.open(benv.db_url)
+    try:
+        record = forecasts.latest("T002", abstained.available_at + timedelta(seconds=1))
+        assert record is not None and record.abstained and record.stance is None
+        assert not forecasts.latest("T000", theses["T000"].available_at + timedelta(seconds=1)).abstained
+    finally:
+        forecasts.close()
+
+
+def test_the_worker_abstains_without_running_the_model(benv, night) -> None:  # type: ignore[no-untyped-def]
+    config = benv.config(prompts={"abstain_without_inputs": True})
+    plan_night(config, benv.engine, night)
+
+    class NoModel:
+        model_id = "none"
+
+        def generate(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("a prompt without inputs must not be generated")
+
+    summary = run_queue(config, benv.engine, as_of=night, progress=False, preflight=False, model=NoModel())  # type: ignore[arg-type]
+    assert (summary.done, summary.failed, summary.new_tokens) == (3, 0, 0)
+    assert {t.kind for t in benv.theses()} == {"no_inputs"}
+
+
+def test_plan_says_why_a_night_has_no_news(benv, night) -> None:  # type: ignore[no-untyped-def]
+    config = benv.config(prompts={"abstain_without_inputs": True})
+    with session_scope(benv.engine) as s:  # fetched after the cut-off: the first fetch of the morning
+        item = NewsItem(
+            feed="wire",
+            item_key="late",
+            title="T000 news",
+            summary="",
+            fetched_at=night + timedelta(minutes=30),
+            content_hash="late",
+        )
+        item.tickers.append(NewsTicker(ticker="T000"))
+        s.add(item)
+    plan = plan_night(config, benv.engine, night)
+    assert plan.no_inputs == 3
+    assert "after it" in plan.no_news_reasons[0][1] and "--as-of now" in plan.no_news_reasons[0][1]
+
+
+def test_flags_on_rows_and_counted_in_the_run(benv, night) -> None:  # type: ignore[no-untyped-def]
+    config = benv.config()
+    for i in range(3):
+        _news(benv, night, f"T00{i}", f"Company {i} raises its dividend", f"k{i}")
+    plan_night(config, benv.engine, night)
+    summary = run_queue(config, benv.engine, as_of=night, progress=False, preflight=False)
+    assert summary.done == 3
+    theses = benv.theses()
+    run = benv.runs()[-1]
+    counted: dict[str, int] = {}
+    for t in theses:
+        for flag in t.flags:
+            counted[flag] = counted.get(flag, 0) + 1
+    assert run.counts["flags"] == counted
+    texts = [t.text for t in theses]
+    repeats = sum(1 for i, x in enumerate(texts) if x.strip() and x in texts[:i])
+    assert counted.get(FLAG_REPEATED, 0) >= repeats  # every later copy of a sentence is flagged
+    assert "tiny" in run.counts["label_priors"] and set(run.counts["label_priors"]["tiny"]["rows"]) == {
+        " up",
+        " down",
+        " flat",
+    }
+
+
+def test_thesis_direction_reads_the_verdict_in_both_languages() -> None:
+    assert thesis_direction("The loss weighs on the stock, which is likely to fall.", "en") == -1
+    assert thesis_direction("Higher exports support demand for the shares, which may rise.", "en") == 1
+    assert thesis_direction("Southern Steel reported a loss; the shares may rise.", "en") == 1  # the last clause wins
+    assert thesis_direction("Nothing in it changes the outlook, the shares may stay flat.", "en") == 0
+    assert thesis_direction("Company X holds a meeting.", "en") is None
+    assert thesis_direction("Рост экспорта поддерживает спрос, акции могут подорожать.", "ru") == 1
+    assert thesis_direction("Убыток давит на котировки, акции, вероятно, подешевеют.", "ru") == -1
+
+
+def test_degeneration_flags() -> None:
+    prompt = (
+        "Company: Southern Steel\nNews:\n- Southern Steel reported a loss.\nThesis: The loss weighs on the stock, "
+        "which is likely to fall.\n\nCompany: Acme\nNews:\n- Acme opens a plant in Ohio.\nThesis:"
+    )
+    news = ["Acme opens a plant in Ohio."]
+    assert degeneration_flags(" The loss weighs on the stock, which is likely to fall.", prompt, news, []) == [
+        FLAG_EXAMPLE
+    ]
+    assert degeneration_flags(" Acme opens a plant in Ohio.", prompt, news, []) == [FLAG_ECHO]
+    assert degeneration_flags(" A new plant adds capacity.", prompt, news, ["a new plant adds capacity"]) == [
+        FLAG_REPEATED
+    ]
+    assert degeneration_flags(" The Ohio plant adds capacity, which supports the shares.", prompt, news, []) == []
+
+
+def test_batch_calibration_divides_out_the_nights_mean_so_far() -> None:
+    spec = StanceSpec(" so", LABELS, "sum", mode="batch")
+    rows = [[[-0.1], [-3.0], [-4.0]], [[-0.5], [-1.5], [-4.0]]]
+    calibration = Calibration()
+    got = calibration.stances(None, [(spec, r) for r in rows])  # type: ignore[arg-type]
+    dists = [softmax([p[0] for p in r]) for r in rows]
+    prior = [math.log(sum(d[i] for d in dists) / 2) for i in range(3)]
+    for r, st in zip(rows, got, strict=True):
+        assert st is not None
+        want = softmax([p[0] - q for p, q in zip(r, prior, strict=True)])
+        assert st.probs == pytest.approx(dict(zip(["up", "down", "flat"], want, strict=True)))
+    # A later batch sees the mean of every row so far, never one after it.
+    later = calibration.stances(None, [(spec, [[-2.0], [-0.2], [-4.0]])])[0]  # type: ignore[arg-type]
+    assert later is not None and later.probs != got[0].probs  # type: ignore[union-attr]
+    assert len(calibration.seen[(" so", "sum", LABELS)]) == 3
+
+
+def test_calibration_modes_in_requests_and_templates(tmp_path: Path) -> None:
+    base = {"cue": " so", "labels": {" up": 1, " down": -1}}
+    assert parse_stance_spec({**base, "calibration": "N/A so"}).mode == "content-free"  # type: ignore[union-attr]
+    assert parse_stance_spec({**base, "calibration_mode": "batch"}).prior_contexts() == ()  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="calibration_contexts"):
+        parse_stance_spec({**base, "calibration_mode": "domain"})
+    with pytest.raises(ValueError, match="calibration_mode"):
+        parse_stance_spec({**base, "calibration_mode": "magic"})
+    bad = TINY_TEMPLATE.replace('    " flat": 0\n', '    " flat": 0\n  calibrate: true\n  calibration: batch\n')
+    path = tmp_path / "tiny.j2"
+    path.write_text(bad, encoding="utf-8")
+    with pytest.raises(TemplateError, match="contradicts"):
+        load_template(path)
+
+
+def test_a_domain_calibrated_night_averages_random_in_domain_words(benv, night) -> None:  # type: ignore[no-untyped-def]
+    text = TINY_TEMPLATE.replace('    " flat": 0\n', '    " flat": 0\n  calibration: domain\n  domain_samples: 3\n')
+    (benv.prompts_dir / "tiny.j2").write_text(text, encoding="utf-8")
+    config = benv.config()
+    _news(benv, night, "T000", "dividend raised again", "k0")
+    plan_night(config, benv.engine, night)
+    (contexts,) = {tuple(r.params["stance"]["calibration_contexts"]) for r in benv.requests()}
+    assert len(contexts) == 3 and len(set(contexts)) > 1
+    for context in contexts:
+        assert context.endswith(" so") and "N/A" in context
+        assert {w for w in context.replace(":", " ").split() if w not in ("N/A", "so")} <= {
+            "dividend",
+            "raised",
+            "again",
+        }
+    assert run_queue(config, benv.engine, as_of=night, progress=False, preflight=False).done == 3
+
+
+@pytest.mark.parametrize("name", ["brief_en", "brief_ru", "stance_en", "stance_ru"])
+def test_shipped_examples_are_balanced_and_no_verdict_always_comes_last(name: str, night) -> None:  # type: ignore[no-untyped-def]
+    from zoneinfo import ZoneInfo
+
+    from robot_llm.prompting.context import InstrumentView, RenderContext
+    from robot_llm.prompting.render import render_prompt
+
+    template = load_template(REPO / "prompts" / f"{name}.j2")
+    assert template.stance is not None and template_warnings(template) == []
+    cue = template.stance.cue.strip()
+    last: set[str] = set()
+    for i in range(30):
+        ticker = f"X{i:02d}"
+        context = RenderContext(
+            instrument=InstrumentView(ticker, ticker, (), None),
+            as_of=night.astimezone(ZoneInfo("UTC")),
+            language=template.language,
+            news=(),
+            signals=(),
+            variant=example_variant(ticker, night),
+        )
+        verdicts = [
+            line.split(":", 1)[1].strip()
+            for line in render_prompt(template, context).splitlines()
+            if line.startswith(cue)
+        ]
+        assert sorted(verdicts) == sorted(label.strip() for label in template.stance.labels)  # one example each
+        last.add(verdicts[-1])
+    assert last == {label.strip() for label in template.stance.labels}
+
+
+def test_doctor_warns_about_no_neutral_example_and_priors_that_never_win(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.j2"
+    path.write_text(TINY_TEMPLATE, encoding="utf-8")  # labels up/down/flat, no worked example at all
+    (warning,) = template_warnings(load_template(path))
+    assert "neutral label" in warning and "' flat'" in warning
+    no_zero = TINY_TEMPLATE.replace('    " flat": 0\n', "")
+    path.write_text(no_zero, encoding="utf-8")
+    assert "value 0" in template_warnings(load_template(path))[0]
+    priors = {"tiny": {"rows": {" up": -0.1, " down": -2.5, " flat": -6.6}, "prior": {" up": -0.2, " flat": -4.0}}}
+    (line,) = prior_warnings(priors, {"tiny"})
+    assert "' flat' -6.6" in line and "never win" in line
+    assert prior_warnings(priors, {"other"}) == []
+
+
+def test_doctor_reads_the_last_nights_priors(benv, night) -> None:  # type: ignore[no-untyped-def]
+    from robot_llm.preflight import preflight
+
+    config = benv.config()
+    check = {c.name: c for c in preflight(config)}["stance"]
+    assert check.ok is None and "no night" in check.message
+    plan_night(config, benv.engine, night)
+    run_queue(config, benv.engine, as_of=night, progress=False, preflight=False)
+    check = {c.name: c for c in preflight(config)}["stance"]
+    assert check.ok is True
+    measured = benv.runs()[-1].counts["label_priors"]["tiny"]["rows"]
+    assert check.warning == any(v < -5 for v in measured.values())
