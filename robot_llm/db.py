@@ -308,7 +308,7 @@ class Thesis(Base):
     as_of: Mapped[datetime]
     available_at: Mapped[datetime]
     valid_until: Mapped[datetime]
-    # Stance quality (revision 0002_stance): what kind of row this is, and how its stance was read.
+    # Stance quality (revision 0004): what kind of row this is, and how its stance was read.
     kind: Mapped[str] = mapped_column(String(16), default="thesis", server_default="thesis")  # see THESIS_KINDS
     flags: Mapped[list[str]] = mapped_column(default=list, server_default="[]")  # robot_llm.stance_checks
     stance_probs: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")  # label -> p

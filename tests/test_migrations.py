@@ -109,11 +109,11 @@ def test_migration_errors_are_one_line(empty_db_url: str) -> None:
 
 
 def test_prices_revision_up_and_down(empty_db_url: str) -> None:
-    """0002_prices adds the prices table on top of 0001 and takes it away again, nothing else."""
-    migrate.upgrade(empty_db_url, "0001")
+    """0003 (prices) adds the prices table on top of 0002 and takes it away again, nothing else."""
+    migrate.upgrade(empty_db_url, "0002")
     before = _tables(empty_db_url)
     assert "prices" not in before
-    migrate.upgrade(empty_db_url, "0002_prices")
+    migrate.upgrade(empty_db_url, "0003")
     assert _tables(empty_db_url) == before | {"prices"}
     engine = make_engine(empty_db_url)
     try:
@@ -124,5 +124,5 @@ def test_prices_revision_up_and_down(empty_db_url: str) -> None:
                 conn.execute(text(insert), {"t": "2026-12-01 15:50:00"})
     finally:
         engine.dispose()
-    migrate.downgrade(empty_db_url, "0001")
+    migrate.downgrade(empty_db_url, "0002")
     assert _tables(empty_db_url) == before

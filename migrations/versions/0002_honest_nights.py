@@ -4,7 +4,7 @@ A redo of a night (``robot-llm batch redo``) queues each chosen request again as
 with ``redo`` one higher; its thesis is a new row too, committed when it is made, and the
 earlier rows stay in the history. Existing requests are redo 0.
 
-Revision ID: 0002_honest
+Revision ID: 0002
 Revises: 0001
 Create Date: 2026-12-01 10:20:00
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002_honest"
+revision: str = "0002"
 down_revision: str | Sequence[str] | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

@@ -1,7 +1,7 @@
 """stance quality: a thesis's kind, its flags, per-label probabilities, the thesis and news stances
 
-Revision ID: 0002_stance
-Revises: 0001
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-12-01 10:20:00
 
 Existing rows become kind 'thesis' with no flags, no probabilities and no second stance.
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002_stance"
-down_revision: str | Sequence[str] | None = "0001"
+revision: str = "0004"
+down_revision: str | Sequence[str] | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
