@@ -51,7 +51,7 @@ from sqlalchemy.exc import DBAPIError
 
 from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
 from robot_llm.errors import RobotLLMError
-from robot_llm.track_record import STANCE_LABELS, LedgerRow, LedgerSettings, up_probability
+from robot_llm.track_record import STANCE_LABELS, LedgerRow, LedgerSettings, stance_labels, up_probability
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -218,8 +218,7 @@ def _thesis(row: Any) -> ThesisRecord:
     values = row._asdict()
     values["news_ids"] = tuple(int(i) for i in values["news_ids"] or ())
     values["signal_ids"] = tuple(int(i) for i in values["signal_ids"] or ())
-    labels = values.pop("stance_labels")
-    labels = labels if isinstance(labels, dict) else None
+    labels = stance_labels(values.pop("stance_labels"))
     values["up_probability"] = up_probability(values["stance"], values["stance_label"], values["score"], labels)
     values["flags"] = tuple(str(f) for f in values["flags"] or ())
     values["stance_probs"] = {str(k): float(v) for k, v in (values["stance_probs"] or {}).items()}

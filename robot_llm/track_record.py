@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -80,6 +81,7 @@ __all__ = [
     "outcome_arrays",
     "span_text",
     "spearman",
+    "stance_labels",
     "track_record",
     "up_probability",
 ]
@@ -150,11 +152,10 @@ def up_probability(
     """
     if stance is None or label is None or score is None or not labels:
         return None
-    items = [(str(k).strip(), float(v)) for k, v in labels.items()]
-    values = [v for _, v in items]
-    if len(items) not in (2, 3) or len(set(values)) != len(values) or max(values) <= 0:
+    spec = _label_spec(tuple((str(k).strip(), float(v)) for k, v in labels.items()))
+    if spec is None:
         return None
-    up_name = max(items, key=lambda kv: kv[1])[0]
+    items, up_name = spec
     if len(items) == 2:
         (_, hi), (_, lo) = sorted(items, key=lambda kv: -kv[1])
         p = (stance - lo) / (hi - lo)
@@ -173,12 +174,30 @@ def up_probability(
     return min(1.0, max(0.0, p))
 
 
-# The stance labels and their values, read out of a thesis's params JSON by the database (the
-# params also hold the calibration context and more, which need not be decoded here).
-STANCE_LABELS = Thesis.params[("stance", "labels")].label("stance_labels")
+@functools.lru_cache(maxsize=64)
+def _label_spec(items: tuple[tuple[str, float], ...]) -> tuple[tuple[tuple[str, float], ...], str] | None:
+    """(labels, the up label's name) when these labels determine an up-probability, else None."""
+    values = [v for _, v in items]
+    if len(items) not in (2, 3) or len(set(values)) != len(values) or max(values) <= 0:
+        return None
+    return items, max(items, key=lambda kv: kv[1])[0]
 
 
-def _labels(value: Any) -> Mapping[str, float] | None:
+# The stance labels and their values, read out of a thesis's params JSON by the database as
+# text (the params also hold the calibration context and more, which need not be decoded).
+STANCE_LABELS = Thesis.params[("stance", "labels")].as_string().label("stance_labels")
+
+
+@functools.lru_cache(maxsize=64)
+def _decoded(text: str) -> Any:
+    return json.loads(text)
+
+
+def stance_labels(text: str | None) -> Mapping[str, float] | None:
+    """The labels of a :data:`STANCE_LABELS` column (JSON text; the same few texts on every row, decoded once)."""
+    if not text:
+        return None
+    value = _decoded(text)
     return value if isinstance(value, dict) else None
 
 
@@ -221,7 +240,7 @@ def load_theses(
             night=r.as_of,
             available_at=r.available_at,
             stance=r.stance,
-            up_probability=up_probability(r.stance, r.stance_label, r.score, _labels(r.stance_labels)),
+            up_probability=up_probability(r.stance, r.stance_label, r.score, stance_labels(r.stance_labels)),
         )
         for r in rows
     ]

@@ -108,8 +108,10 @@ def _track_record(args: argparse.Namespace) -> int:
         return 0
     print(f"track record as of {as_of.astimezone(config.tz).isoformat()} ({config.timezone})")
     print(_method_line(settings))
+    if not config.prices.enabled:
+        print("no price sources configured (prices.csv, prices.freqtrade, prices.signal_price): every thesis pending")
     if not rows:
-        print("no theses yet" if not theses else "no outcomes yet")
+        print("no theses yet")
     print("\n".join(format_ledger(rows)))
     return 0
 
