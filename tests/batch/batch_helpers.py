@@ -195,6 +195,18 @@ class BatchEnv:
         raise AssertionError("leases did not expire")
 
 
+def sqlite_env_on(folder: Path, tmp: Path) -> BatchEnv:
+    """A BatchEnv on a migrated SQLite database in ``folder`` (e.g. a small disk), the tiny template in ``tmp``."""
+    from robot_llm.db import make_engine
+    from robot_llm.migrate import upgrade
+
+    url = f"sqlite:///{folder / 'robot-llm.sqlite'}"
+    upgrade(url)
+    (tmp / "prompts").mkdir()
+    (tmp / "prompts" / "tiny.j2").write_text(TINY_TEMPLATE, encoding="utf-8")
+    return BatchEnv(tmp=tmp, db_url=url, engine=make_engine(url), kind="sqlite")
+
+
 def start_worker(config: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A real ``robot-llm batch run`` process."""
     return subprocess.Popen(

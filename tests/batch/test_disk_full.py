@@ -9,13 +9,12 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from batch_helpers import TINY_TEMPLATE, BatchEnv
+from batch_helpers import sqlite_env_on
 from sqlalchemy import select
 
 from robot_llm.batch import BatchError, run_queue
 from robot_llm.config import load_config
-from robot_llm.db import GenerationRequest, Thesis, make_engine, session_scope, utcnow
-from robot_llm.migrate import upgrade
+from robot_llm.db import GenerationRequest, Thesis, session_scope, utcnow
 from tests.conftest import fill_disk
 
 pytestmark = pytest.mark.slow
@@ -30,12 +29,8 @@ def _consistent(engine) -> tuple[int, int]:
 
 
 def test_sqlite_disk_full_mid_night_fails_clearly_and_a_rerun_after_freeing_space_completes(small_disk, tmp_path):
-    url = f"sqlite:///{small_disk / 'robot-llm.sqlite'}"
-    upgrade(url)
-    engine = make_engine(url)
-    (tmp_path / "prompts").mkdir()
-    (tmp_path / "prompts" / "tiny.j2").write_text(TINY_TEMPLATE, encoding="utf-8")
-    benv = BatchEnv(tmp=tmp_path, db_url=url, engine=engine, kind="sqlite")
+    benv = sqlite_env_on(small_disk, tmp_path)
+    engine = benv.engine
     n = 120
     night = utcnow().replace(microsecond=0)
     benv.seed(n, night, prompt=lambda i: f"T{i:03d} " + "news " * 8 + ":")

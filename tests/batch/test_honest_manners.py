@@ -309,3 +309,32 @@ def test_migration_0002_keeps_every_row_and_numbers_it_redo_0(empty_db_url):
         assert migrate.schema_diff(empty_db_url) == []
     finally:
         engine.dispose()
+
+
+@SQLITE
+def test_a_stop_that_comes_with_the_last_batch_leaves_the_night_complete_not_aborted(benv, night):
+    import threading
+
+    from robot_llm.batch import run_queue
+    from robot_llm.configured_model import open_configured_model
+
+    config = benv.config(model={"max_batch_size": 8})
+    benv.seed(3, night)
+    stop = threading.Event()
+    model = open_configured_model(config)
+    generate = model.generate
+
+    def generate_then_ctrl_c(*args, **kwargs):  # Ctrl-C lands while the night's only batch runs
+        out = generate(*args, **kwargs)
+        stop.set()
+        return out
+
+    model.generate = generate_then_ctrl_c  # type: ignore[method-assign]
+    try:
+        summary = run_queue(config, benv.engine, stop=stop, model=model, progress=False, preflight=False)
+    finally:
+        model.close()
+    assert stop.is_set() and summary.done == 3
+    assert summary.status == "ok" and not summary.stopped and summary.exit_code == 0
+    (run,) = benv.runs()
+    assert run.status == "ok" and run.error is None

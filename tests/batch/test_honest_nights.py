@@ -385,11 +385,11 @@ def test_sigkill_at_each_point_then_an_immediate_rerun_completes_the_night(capsy
     proc = start_worker(config, "--skip-preflight", "--as-of", night.isoformat())
     try:
         if kill_at == "claim":
-            wait_for(lambda: _running(benv), proc)
+            wait_for(lambda: _running(benv), proc, timeout=180)
         elif kill_at == "store":
-            wait_for(lambda: _blocked_storing(benv), proc)
+            wait_for(lambda: _blocked_storing(benv), proc, timeout=180)
         else:
-            wait_for(lambda: benv.thesis_count() >= (N if batch >= N else 1), proc)
+            wait_for(lambda: benv.thesis_count() >= (N if batch >= N else 1), proc, timeout=180)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
@@ -488,19 +488,13 @@ def test_torch_stays_off_the_read_and_report_paths():
 def test_disk_full_with_one_batch_per_night_then_an_immediate_rerun_completes(
     small_disk, tmp_path, night, pristine_store, capsys, full_at
 ):
-    from batch_helpers import TINY_TEMPLATE
+    from batch_helpers import sqlite_env_on
 
-    from robot_llm.db import make_engine
-    from robot_llm.migrate import upgrade
     from robot_llm.preflight import doctor
     from tests.conftest import fill_disk
 
-    url = f"sqlite:///{small_disk / 'robot-llm.sqlite'}"
-    upgrade(url)
-    engine = make_engine(url)
-    (tmp_path / "prompts").mkdir()
-    (tmp_path / "prompts" / "tiny.j2").write_text(TINY_TEMPLATE, encoding="utf-8")
-    benv = BatchEnv(tmp=tmp_path, db_url=url, engine=engine, kind="sqlite")
+    benv = sqlite_env_on(small_disk, tmp_path)
+    engine = benv.engine
     config = _config(benv, pristine_store, 8)
     benv.seed(N, night)
     try:
@@ -509,7 +503,7 @@ def test_disk_full_with_one_batch_per_night_then_an_immediate_rerun_completes(
             filler = fill_disk(small_disk, leave=0)
         proc = start_worker(config, "--skip-preflight", "--as-of", night.isoformat())
         if full_at == "store":  # claimed; its store (or a heartbeat) waits behind our lock while the disk fills
-            wait_for(lambda: _running(benv), proc)
+            wait_for(lambda: _running(benv), proc, timeout=180)
             lock = engine.connect()
             lock.exec_driver_sql("BEGIN IMMEDIATE")
             filler = fill_disk(small_disk, leave=0)
