@@ -232,8 +232,7 @@ def _run_batch(
                 "as_of": req.as_of,
                 "valid_until": req.valid_until,
             }
-            stance_only = int(req.params.get("max_new_tokens", 1)) == 0
-            problem = thesis_problem(row, asks_stance=spec is not None, asks_text=not stance_only)
+            problem = thesis_problem(row)
             if problem is None:
                 rows.append(row)
             else:

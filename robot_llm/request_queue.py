@@ -349,7 +349,7 @@ class RequestQueue:
         """
         for row in rows:
             # The boundary itself refuses what the worker should never have handed over.
-            problem = thesis_problem(row, asks_stance=(row.get("params") or {}).get("stance") is not None)
+            problem = thesis_problem(row)
             if problem is not None:
                 raise ValueError(f"request #{row['request_id']}: refusing to store an invalid thesis: {problem}")
         table = Thesis.__table__

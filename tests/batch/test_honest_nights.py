@@ -322,9 +322,15 @@ def test_the_store_boundary_itself_refuses_an_invalid_row(benv, night):
     from robot_llm.request_queue import RequestQueue, Tally
     from robot_llm.thesis_check import thesis_problem
 
-    good = {"text": "up", "stance": 0.5, "score": 0.7, "label_logprobs": {" up": -0.1, " down": -2.0}}
-    assert thesis_problem(good, asks_stance=True) is None
-    assert thesis_problem({"text": "no stance asked", "stance": None, "label_logprobs": {}}, asks_stance=False) is None
+    asks = {"stance": {"cue": "Outlook:", "labels": {" up": 1.0, " down": -1.0}}}
+    good = {"text": "up", "stance": 0.5, "score": 0.7, "label_logprobs": {" up": -0.1, " down": -2.0}, "params": asks}
+    assert thesis_problem(good) is None
+    assert thesis_problem({"text": "no stance asked", "stance": None, "label_logprobs": {}, "params": {}}) is None
+    # A stance-only template writes no text; an explicit "no inputs" abstention carries nothing.
+    assert thesis_problem({**good, "text": "", "params": {**asks, "max_new_tokens": 0}}) is None
+    assert thesis_problem({**good, "stance": None, "params": {**asks, "max_new_tokens": 0}})
+    assert thesis_problem({"text": "", "stance": None, "label_logprobs": {}, "kind": "no_inputs"}) is None
+    assert thesis_problem({**good, "kind": "no_inputs"})
     for bad in (
         {**good, "text": "  "},
         {**good, "label_logprobs": {" up": float("nan"), " down": -1.0}},
@@ -333,7 +339,7 @@ def test_the_store_boundary_itself_refuses_an_invalid_row(benv, night):
         {**good, "stance": None},
         {**good, "score": float("nan")},
     ):
-        assert thesis_problem(bad, asks_stance=True), bad
+        assert thesis_problem(bad), bad
     (request_id,) = benv.seed(1, night)
     queue = RequestQueue(benv.config(), benv.engine, "w", None)
     queue.run_id = queue.start_run(1)

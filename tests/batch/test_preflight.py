@@ -31,6 +31,7 @@ def test_a_good_setup_passes_every_check(benv):
         "database",
         "schema",
         "disk",
+        "stance",  # the label priors the last night measured (none yet here)
         "weights",
         "vocab",
         "memory",
