@@ -6,7 +6,8 @@ number, and its stance is a finite number in [-1, 1] with a finite score in [0, 
 is an explicit abstention: the request asked no stance question (its template has none), so
 the row carries no stance, no label and no label log-probabilities, or the night had no news
 and no signals for it (kind ``no_inputs``: no text, no stance). Anything else is refused
-with its reason (:func:`thesis_problem`): the request fails instead, and the previous valid thesis stays the latest one strategies read.
+with its reason (:func:`thesis_problem`): the request fails instead, and the previous valid
+thesis stays the latest one strategies read.
 
 Reports also count valid-but-poor theses (:func:`is_degenerate`): text with no letter or
 digit, or one word repeated over the whole text (a model stuck in a loop).
