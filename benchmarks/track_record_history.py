@@ -103,9 +103,9 @@ def write_config(workdir: Path, store: Path) -> Path:
 
 def gemma_store(workdir: Path) -> Path:
     """The demo's Gemma 3 270M store (converted once from the packaged GGUF, as `robot-llm demo` does)."""
-    from robot_llm.llm.demo_checkpoint import gemma_gguf
-    from robot_llm.llm.importers import import_model
-    from robot_llm.llm.store import MANIFEST
+    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
+    from robot_llm.llm.store.importers import import_model
+    from robot_llm.llm.store.reader import MANIFEST
 
     store = workdir / "model" / "gemma-3-270m"
     if not (store / MANIFEST).is_file():
@@ -121,8 +121,8 @@ def store_news(config_path: Path, headlines: list[tuple[date, str]]) -> list[dat
     import hashlib
 
     from robot_llm.config import load_config
-    from robot_llm.db import NewsItem, NewsTicker, make_engine, session_scope
     from robot_llm.ingest.tagging import Tagger
+    from robot_llm.store.db import NewsItem, NewsTicker, make_engine, session_scope
 
     config = load_config(config_path)
     tagger = Tagger.from_instruments(config.instruments)
@@ -163,8 +163,8 @@ def cutoff(day: date) -> datetime:
 def plan_nights(config_path: Path, days: list[date], max_nights: int | None) -> list[datetime]:
     """Plan the nights of ``days`` (as each night would have planned itself); returns the cut-offs planned."""
     from robot_llm.config import load_config
-    from robot_llm.db import make_engine
-    from robot_llm.plan import plan_night
+    from robot_llm.night.plan import plan_night
+    from robot_llm.store.db import make_engine
 
     config = load_config(config_path)
     engine = make_engine(config.database.url)
@@ -187,7 +187,7 @@ def replay_availability(config_path: Path, delay: timedelta) -> int:
     from sqlalchemy import select
 
     from robot_llm.config import load_config
-    from robot_llm.db import Thesis, make_engine, session_scope
+    from robot_llm.store.db import Thesis, make_engine, session_scope
 
     config = load_config(config_path)
     engine = make_engine(config.database.url)
@@ -205,7 +205,7 @@ def replay_availability(config_path: Path, delay: timedelta) -> int:
 def cli(*args: str) -> str:
     """Run ``robot-llm ARGS`` in a fresh process; return its output."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "robot_llm.cli", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "robot_llm.commands.main", *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"robot-llm {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
     return proc.stdout

@@ -58,9 +58,9 @@ def cpu_features() -> str:
 
 def build(folder: Path, theses: int, years: int, instruments: int, seed: int) -> Path:
     """The database and config; returns the config path."""
-    from robot_llm.db import GenerationRequest, Price, Thesis, make_engine
-    from robot_llm.migrate import upgrade
-    from robot_llm.stance import stance_from_logprobs
+    from robot_llm.night.stance import stance_from_logprobs
+    from robot_llm.store.db import GenerationRequest, Price, Thesis, make_engine
+    from robot_llm.store.migrate import upgrade
 
     rng = random.Random(seed)
     url = f"sqlite:///{folder / 'bench.sqlite'}"
@@ -182,12 +182,12 @@ def main() -> int:
         data = yaml.safe_load(cfg.read_text(encoding="utf-8"))
         data["prices"]["bootstrap"] = 0
         no_boot.write_text(yaml.safe_dump(data), encoding="utf-8")
-        base = [sys.executable, "-m", "robot_llm.cli", "track-record", "--as-of", "2027-01-01", "--json"]
+        base = [sys.executable, "-m", "robot_llm.commands.main", "track-record", "--as-of", "2027-01-01", "--json"]
         configs = [
             ("defaults: horizons 1d+5d, 1000 resamples", [*base, "-c", str(cfg)]),
             ("--horizon 1d, 1000 resamples", [*base, "-c", str(cfg), "--horizon", "1d"]),
             ("horizons 1d+5d, no bootstrap", [*base, "-c", str(no_boot)]),
-            ("robot-llm --version (start-up alone)", [sys.executable, "-m", "robot_llm.cli", "--version"]),
+            ("robot-llm --version (start-up alone)", [sys.executable, "-m", "robot_llm.commands.main", "--version"]),
         ]
         results = {}
         print(f"\n{'configuration':<42} {'best s':>8} {'median s':>9} {'CPU s':>7}")

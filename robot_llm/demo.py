@@ -83,7 +83,7 @@ def _copy_tree(source: Any, dest: Path) -> None:
 
 def _prepare(workdir: Path, gguf: Path | None, out: TextIO) -> AppConfig:
     """Working folder, config, database, bundled feeds and signals, model store."""
-    from robot_llm.migrate import upgrade
+    from robot_llm.store.migrate import upgrade
 
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "demo.yaml"
@@ -109,9 +109,9 @@ def _prepare(workdir: Path, gguf: Path | None, out: TextIO) -> AppConfig:
 
 
 def _import_gemma(gguf: Path, store: Path, out: TextIO) -> None:
-    from robot_llm.llm.demo_checkpoint import GEMMA_NAME
-    from robot_llm.llm.importers import import_model
-    from robot_llm.llm.store import MANIFEST, read_manifest
+    from robot_llm.llm.store.demo_checkpoint import GEMMA_NAME
+    from robot_llm.llm.store.importers import import_model
+    from robot_llm.llm.store.reader import MANIFEST, read_manifest
 
     # A second run reuses the store (reading the GGUF's metadata alone takes a while).
     manifest = read_manifest(store) if (store / MANIFEST).is_file() else import_model(gguf, store, dtype="bf16")
@@ -124,9 +124,9 @@ def _import_gemma(gguf: Path, store: Path, out: TextIO) -> None:
 
 
 def _build_model(workdir: Path, store: Path, out: TextIO) -> None:
-    from robot_llm.llm.demo_checkpoint import build_demo_checkpoint
-    from robot_llm.llm.store import verify
-    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.store.demo_checkpoint import build_demo_checkpoint
+    from robot_llm.llm.store.reader import verify
+    from robot_llm.llm.store.writer import convert
 
     text_sources = [Path(str(DEMO_DATA / "feeds")), Path(str(resources.files("robot_llm.prompts")))]
     checkpoint = build_demo_checkpoint(workdir / "model" / "release", text_sources)
@@ -227,7 +227,7 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 
 def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int, int | None]:
-    from robot_llm.db import NewsItem, Signal, session_scope
+    from robot_llm.store.db import NewsItem, Signal, session_scope
 
     with session_scope(engine) as session:
         newest = max(
@@ -246,8 +246,8 @@ def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int, 
 def _plan_and_run(
     config: AppConfig, engine: Any, as_of: datetime, stopper: _StopOnSignal, out: TextIO
 ) -> tuple[datetime, int, int | None]:
-    from robot_llm.batch import run_queue, summary_line
-    from robot_llm.plan import plan_night
+    from robot_llm.night.plan import plan_night
+    from robot_llm.night.worker import run_queue, summary_line
 
     plan = plan_night(config, engine, as_of)
     print(
@@ -294,7 +294,7 @@ def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
 
 
 def _html_report(config: AppConfig, engine: Any, day: date, out: TextIO) -> None:
-    from robot_llm.report_html import ReportExtraMissing, write_morning
+    from robot_llm.report.html import ReportExtraMissing, write_morning
 
     try:
         page = write_morning(config, engine, day)
@@ -306,9 +306,9 @@ def _html_report(config: AppConfig, engine: Any, day: date, out: TextIO) -> None
 
 def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
     """Run the demo in ``workdir``; returns counts for callers (and tests)."""
-    from robot_llm.db import NewsItem, Signal, Thesis, make_engine, session_scope
-    from robot_llm.llm.demo_checkpoint import GEMMA_NAME, GEMMA_TERMS, gemma_gguf
-    from robot_llm.report import build_report, format_report
+    from robot_llm.llm.store.demo_checkpoint import GEMMA_NAME, GEMMA_TERMS, gemma_gguf
+    from robot_llm.report.summary import build_report, format_report
+    from robot_llm.store.db import NewsItem, Signal, Thesis, make_engine, session_scope
 
     workdir = workdir.resolve()
     gguf = gemma_gguf()

@@ -49,9 +49,9 @@ from sqlalchemy import Select, and_, inspect, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
 from robot_llm.errors import RobotLLMError
-from robot_llm.track_record import STANCE_LABELS, LedgerRow, LedgerSettings, stance_labels, up_probability
+from robot_llm.store.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
+from robot_llm.track.ledger import STANCE_LABELS, LedgerRow, LedgerSettings, stance_labels, up_probability
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -139,7 +139,7 @@ class ThesisRecord:
     news_ids: tuple[int, ...]
     signal_ids: tuple[int, ...]
     # The probability the stance gave its "up" label, where the template's labels define one
-    # (see robot_llm.track_record.up_probability); the track record's Brier score uses it.
+    # (see robot_llm.track.ledger.up_probability); the track record's Brier score uses it.
     up_probability: float | None = None
     kind: str = "thesis"
     flags: tuple[str, ...] = ()
@@ -431,13 +431,13 @@ class Forecasts:
     ) -> list[LedgerRow]:
         """How the theses available at ``as_of`` fared against the closes known at ``as_of``.
 
-        One :class:`~robot_llm.track_record.LedgerRow` per model × template × instrument and
+        One :class:`~robot_llm.track.ledger.LedgerRow` per model × template × instrument and
         per model × template over all instruments (``ticker`` None), for ``horizon`` (default:
         every horizon of ``prices.horizons``), each over all time and the rolling window.
-        Definitions are in :mod:`robot_llm.track_record`; nothing after ``as_of`` is used.
+        Definitions are in :mod:`robot_llm.track.ledger`; nothing after ``as_of`` is used.
         Needs numpy.
         """
-        from robot_llm.track_record import track_record
+        from robot_llm.track.ledger import track_record
 
         moment = require_aware(as_of, "as_of")
         try:

@@ -6,8 +6,8 @@ import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 
-from robot_llm import migrate
-from robot_llm.db import Base, make_engine
+from robot_llm.store import migrate
+from robot_llm.store.db import Base, make_engine
 
 
 def _tables(url: str) -> set[str]:

@@ -173,12 +173,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     otherwise a YaLM SentencePiece model (:class:`YalmTokenizer`).
 
     A tokenizer beside a store whose manifest recorded its digest is checked first
-    (:func:`~robot_llm.llm.checksum.check_beside_store`).
+    (:func:`~robot_llm.llm.store.checksum.check_beside_store`).
     """
     path = Path(path)
     if (path.parent / "manifest.json").is_file() or (path / "manifest.json").is_file():
         # A tokenizer a store's manifest vouches for is checked before it is used (a store: the model stack).
-        from robot_llm.llm.checksum import check_beside_store
+        from robot_llm.llm.store.checksum import check_beside_store
 
         check_beside_store(path)
     if path.name == "tokenizer.json" or (path.is_dir() and (path / "tokenizer.json").is_file()):

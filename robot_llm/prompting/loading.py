@@ -15,7 +15,11 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from robot_llm.config import AppConfig, _line_index, _located, _message, _Yaml12SafeLoader
+from robot_llm.config import AppConfig
+from robot_llm.config_parsing import Yaml12SafeLoader as _Yaml12SafeLoader
+from robot_llm.config_parsing import line_index as _line_index
+from robot_llm.config_parsing import located as _located
+from robot_llm.config_parsing import validation_message as _message
 from robot_llm.prompting.render import compile_template
 from robot_llm.prompting.template import Template, TemplateError, TemplateHeader
 

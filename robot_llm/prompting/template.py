@@ -75,7 +75,7 @@ class GenerationOverrides(_Section):
 
 #: How the labels' token log-probabilities are compared (see :class:`StanceOptions`).
 StanceMethod = Literal["sum", "mean", "first"]
-#: How the label prior is estimated and divided out (:mod:`robot_llm.stance`).
+#: How the label prior is estimated and divided out (:mod:`robot_llm.night.stance`).
 CalibrationMode = Literal["none", "content-free", "domain", "batch"]
 
 

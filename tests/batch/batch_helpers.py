@@ -2,7 +2,7 @@
 
 Everything is real: the yalm-tiny release checkpoint run by the in-memory engine, its
 SentencePiece vocabulary, SQLite files and PostgreSQL schemas from the root conftest,
-and worker processes started as ``python -m robot_llm.cli batch run``.
+and worker processes started as ``python -m robot_llm.commands.main batch run``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
 from robot_llm.config import AppConfig, load_config
-from robot_llm.db import GenerationRequest, Run, Thesis, session_scope, utcnow
+from robot_llm.store.db import GenerationRequest, Run, Thesis, session_scope, utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "fixtures" / "yalm-tiny"
@@ -197,8 +197,8 @@ class BatchEnv:
 
 def sqlite_env_on(folder: Path, tmp: Path) -> BatchEnv:
     """A BatchEnv on a migrated SQLite database in ``folder`` (e.g. a small disk), the tiny template in ``tmp``."""
-    from robot_llm.db import make_engine
-    from robot_llm.migrate import upgrade
+    from robot_llm.store.db import make_engine
+    from robot_llm.store.migrate import upgrade
 
     url = f"sqlite:///{folder / 'robot-llm.sqlite'}"
     upgrade(url)
@@ -210,7 +210,7 @@ def sqlite_env_on(folder: Path, tmp: Path) -> BatchEnv:
 def start_worker(config: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A real ``robot-llm batch run`` process."""
     return subprocess.Popen(
-        [sys.executable, "-m", "robot_llm.cli", "batch", "run", "-c", str(config), *extra],
+        [sys.executable, "-m", "robot_llm.commands.main", "batch", "run", "-c", str(config), *extra],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE,

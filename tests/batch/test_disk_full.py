@@ -12,9 +12,9 @@ import pytest
 from batch_helpers import sqlite_env_on
 from sqlalchemy import select
 
-from robot_llm.batch import BatchError, run_queue
 from robot_llm.config import load_config
-from robot_llm.db import GenerationRequest, Thesis, session_scope, utcnow
+from robot_llm.night.worker import BatchError, run_queue
+from robot_llm.store.db import GenerationRequest, Thesis, session_scope, utcnow
 from tests.conftest import fill_disk
 
 pytestmark = pytest.mark.slow

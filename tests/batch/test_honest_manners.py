@@ -13,16 +13,16 @@ import pytest
 from batch_helpers import REPO, BatchEnv
 from sqlalchemy import select
 
-from robot_llm.cli import main
+from robot_llm.commands.main import main
 from robot_llm.config import load_config
-from robot_llm.db import GenerationRequest, Run, Thesis, session_scope, utcnow
+from robot_llm.store.db import GenerationRequest, Run, Thesis, session_scope, utcnow
 
 SQLITE = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 
 
 def _cli(*args: str, stdout: int | None = subprocess.PIPE, env: dict[str, str] | None = None):
     return subprocess.run(
-        [sys.executable, "-m", "robot_llm.cli", *args],
+        [sys.executable, "-m", "robot_llm.commands.main", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         stdout=stdout,
@@ -78,14 +78,14 @@ def test_report_html_and_doctor_say_stuck_and_empty_on_their_first_line(benv, ni
     first = capsys.readouterr().out.splitlines()[0]
     assert "1 stuck, 0 failed, 1 empty, 1 non-finite" in first and "1 pending" in first
 
-    from robot_llm.preflight import doctor
+    from robot_llm.night.preflight import doctor
 
     queue = doctor(config_file)[0]
     assert queue.name == "queue" and queue.warning and "1 stuck" in queue.message and "1 empty" in queue.message
 
     pytest.importorskip("plotly")
-    from robot_llm.report import build_report
-    from robot_llm.report_html import write_report
+    from robot_llm.report.html import write_report
+    from robot_llm.report.summary import build_report
 
     config = load_config(config_file)
     page = write_report(
@@ -100,7 +100,7 @@ def test_report_html_and_doctor_say_stuck_and_empty_on_their_first_line(benv, ni
 
 @SQLITE
 def test_the_generation_child_takes_the_daemons_config_by_value_not_the_file(benv, night, caplog):
-    from robot_llm.generation_child import generate_command, start_child
+    from robot_llm.night.child import generate_command, start_child
 
     path = benv.write_config(instruments=2)
     config = load_config(path)
@@ -136,9 +136,9 @@ def test_a_bad_snapshot_is_one_clear_line(benv, capsys, monkeypatch):
 def test_config_check_refuses_deepspeed_for_a_gemma_store(tmp_path, capsys):
     import torch
 
-    from robot_llm.llm.config import module_plan
-    from robot_llm.llm.config_hf import Gemma3Config
-    from robot_llm.llm.store_writer import write_store
+    from robot_llm.llm.families.config import module_plan
+    from robot_llm.llm.families.config_hf import Gemma3Config
+    from robot_llm.llm.store.writer import write_store
 
     cfg = Gemma3Config(
         num_layers=1,
@@ -232,7 +232,7 @@ def _afternoon_zone() -> str:
 
 @SQLITE
 def test_no_missed_night_warning_for_a_schedule_that_did_not_exist_then(benv, caplog):
-    from robot_llm.daemon import Daemon
+    from robot_llm.daemon.scheduler import Daemon
 
     schedule = {
         "nightly": "0 1 * * *",
@@ -243,7 +243,7 @@ def test_no_missed_night_warning_for_a_schedule_that_did_not_exist_then(benv, ca
     config = benv.config(timezone=_afternoon_zone(), schedule=schedule)
     daemon = Daemon(config, benv.engine, install_signals=False)
     scheduler = daemon.build_scheduler(config)
-    with caplog.at_level(logging.INFO, logger="robot_llm.daemon"):
+    with caplog.at_level(logging.INFO, logger="robot_llm.daemon.scheduler"):
         daemon._served_since = daemon._first_served()  # a fresh database: no daemon ever served it
         daemon._catch_up(scheduler, config)
     lines = [r for r in caplog.records if "was not run" in r.getMessage()]
@@ -255,7 +255,7 @@ def test_no_missed_night_warning_for_a_schedule_that_did_not_exist_then(benv, ca
         s.query(Run).delete()
         s.add(Run(kind="nightly", status="ok", started_at=utcnow() - timedelta(days=3), counts={}))
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="robot_llm.daemon"):
+    with caplog.at_level(logging.INFO, logger="robot_llm.daemon.scheduler"):
         daemon._served_since = daemon._first_served()
         daemon._catch_up(scheduler, config)
     lines = [r for r in caplog.records if "was not run" in r.getMessage()]
@@ -268,8 +268,8 @@ def test_no_missed_night_warning_for_a_schedule_that_did_not_exist_then(benv, ca
 def test_migration_0002_keeps_every_row_and_numbers_it_redo_0(empty_db_url):
     from sqlalchemy import text
 
-    from robot_llm import migrate
-    from robot_llm.db import make_engine
+    from robot_llm.store import migrate
+    from robot_llm.store.db import make_engine
 
     migrate.upgrade(empty_db_url, "0001")
     engine = make_engine(empty_db_url)
@@ -315,8 +315,8 @@ def test_migration_0002_keeps_every_row_and_numbers_it_redo_0(empty_db_url):
 def test_a_stop_that_comes_with_the_last_batch_leaves_the_night_complete_not_aborted(benv, night):
     import threading
 
-    from robot_llm.batch import run_queue
-    from robot_llm.configured_model import open_configured_model
+    from robot_llm.night.model import open_configured_model
+    from robot_llm.night.worker import run_queue
 
     config = benv.config(model={"max_batch_size": 8})
     benv.seed(3, night)

@@ -23,10 +23,10 @@ import pytest
 from batch_helpers import TINY, VOCAB, BatchEnv, start_worker, wait_for
 from sqlalchemy import select, text
 
-from robot_llm.batch import run_queue
-from robot_llm.cli import main
-from robot_llm.db import GenerationRequest, Thesis, session_scope, utcnow
+from robot_llm.commands.main import main
 from robot_llm.forecasts import Forecasts
+from robot_llm.night.worker import run_queue
+from robot_llm.store.db import GenerationRequest, Thesis, session_scope, utcnow
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ N = 3  # instruments per night: one batch holds them all (max_batch_size 8), or 
 @pytest.fixture(scope="module")
 def pristine_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny YaLM release converted once (fp16, with its block checksums)."""
-    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.store.writer import convert
 
     path = tmp_path_factory.mktemp("honest") / "store"
     convert(TINY, path, dtype="fp16")
@@ -159,7 +159,7 @@ def test_a_damaged_store_file_fails_the_night_before_anything_is_stored(capsys, 
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_preflight_and_doctor_catch_a_damaged_block_without_the_night(capsys, benv, store, night):
-    from robot_llm.preflight import doctor
+    from robot_llm.night.preflight import doctor
 
     config = _config(benv, store, 8)
     benv.seed(N, night)
@@ -239,10 +239,10 @@ def _with_nan_weights(store: Path, layer: int) -> None:
     """NaN inside one layer's weights, with checksums that match: a source that held NaN, faithfully converted."""
     from dataclasses import replace
 
-    from robot_llm.llm.checksum import file_digests
-    from robot_llm.llm.store import MANIFEST, Store
-    from robot_llm.llm.store_layout import save_aligned
-    from robot_llm.llm.store_writer import write_json_atomic
+    from robot_llm.llm.store.checksum import file_digests
+    from robot_llm.llm.store.layout import save_aligned
+    from robot_llm.llm.store.reader import MANIFEST, Store
+    from robot_llm.llm.store.writer import write_json_atomic
 
     opened = Store(store)
     name = f"layer_{layer:03d}.safetensors"
@@ -279,9 +279,9 @@ def test_nan_weights_fail_the_batch_at_once_naming_the_first_nonfinite_layer(
 
 
 def test_the_in_memory_model_names_the_first_nonfinite_layer(tiny_config, tokenizer):
-    from robot_llm.llm.finite import NonFiniteError
+    from robot_llm.llm.engine.finite import NonFiniteError
+    from robot_llm.llm.engine.memory import Yalm
     from robot_llm.llm.generate import SamplingParams, generate
-    from robot_llm.llm.yalm import Yalm
 
     model = Yalm.from_release(str(TINY / "weights"), tiny_config)
     layer = model.weights.layers[1]
@@ -319,8 +319,8 @@ def test_an_empty_thesis_is_refused_at_the_store_and_the_previous_one_stays_the_
 
 
 def test_the_store_boundary_itself_refuses_an_invalid_row(benv, night):
-    from robot_llm.request_queue import RequestQueue, Tally
-    from robot_llm.thesis_check import thesis_problem
+    from robot_llm.night.queue import RequestQueue, Tally
+    from robot_llm.thesis.validity import thesis_problem
 
     asks = {"stance": {"cue": "Outlook:", "labels": {" up": 1.0, " down": -1.0}}}
     good = {"text": "up", "stance": 0.5, "score": 0.7, "label_logprobs": {" up": -0.1, " down": -2.0}, "params": asks}
@@ -414,7 +414,7 @@ def test_sigkill_at_each_point_then_an_immediate_rerun_completes_the_night(capsy
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_a_live_worker_elsewhere_keeps_its_lease(benv, night, store):
     """Takeover is for this host's dead workers only: a claim of another host waits for its lease."""
-    from robot_llm.db import Run
+    from robot_llm.store.db import Run
 
     config = _config(benv, store, 8)
     ids = benv.seed(N, night)
@@ -448,7 +448,7 @@ def test_a_live_worker_elsewhere_keeps_its_lease(benv, night, store):
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite", "postgresql"], indirect=True)
 def test_redo_makes_new_rows_committed_now_and_keeps_the_old_ones_in_the_history(benv, night, store, capsys):
-    from robot_llm.cli import main
+    from robot_llm.commands.main import main
 
     config = _config(benv, store, 8)
     benv.seed(N, night)
@@ -481,7 +481,7 @@ def test_redo_makes_new_rows_committed_now_and_keeps_the_old_ones_in_the_history
 def test_torch_stays_off_the_read_and_report_paths():
     # The new report health, redo and thesis checks must not pull the model stack in.
     code = (
-        "import sys, robot_llm.health, robot_llm.redo, robot_llm.thesis_check, robot_llm.forecasts;"
+        "import sys, robot_llm.report.health, robot_llm.night.redo, robot_llm.thesis.validity, robot_llm.forecasts;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=TINY.parents[2]).returncode == 0
@@ -496,7 +496,7 @@ def test_disk_full_with_one_batch_per_night_then_an_immediate_rerun_completes(
 ):
     from batch_helpers import sqlite_env_on
 
-    from robot_llm.preflight import doctor
+    from robot_llm.night.preflight import doctor
     from tests.conftest import fill_disk
 
     benv = sqlite_env_on(small_disk, tmp_path)

@@ -10,22 +10,22 @@ from pathlib import Path
 import pytest
 from batch_helpers import TINY_TEMPLATE
 
-from robot_llm.batch import run_queue
-from robot_llm.db import NewsItem, NewsTicker, Signal, session_scope
 from robot_llm.forecasts import Forecasts
-from robot_llm.plan import plan_night
+from robot_llm.night.plan import plan_night
+from robot_llm.night.stance import Calibration, StanceSpec, parse_stance_spec, softmax
+from robot_llm.night.worker import run_queue
 from robot_llm.prompting.context import example_variant
 from robot_llm.prompting.loading import load_template
 from robot_llm.prompting.template import TemplateError
-from robot_llm.stance import Calibration, StanceSpec, parse_stance_spec, softmax
-from robot_llm.stance_checks import (
+from robot_llm.store.db import NewsItem, NewsTicker, Signal, session_scope
+from robot_llm.thesis.checks import (
     FLAG_ECHO,
     FLAG_EXAMPLE,
     FLAG_REPEATED,
     degeneration_flags,
     thesis_direction,
 )
-from robot_llm.stance_doctor import prior_warnings, template_warnings
+from robot_llm.thesis.priors import prior_warnings, template_warnings
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = ((" up", 1.0), (" down", -1.0), (" flat", 0.0))
@@ -263,7 +263,7 @@ def test_doctor_warns_about_no_neutral_example_and_priors_that_never_win(tmp_pat
 
 
 def test_doctor_reads_the_last_nights_priors(benv, night) -> None:  # type: ignore[no-untyped-def]
-    from robot_llm.preflight import preflight
+    from robot_llm.night.preflight import preflight
 
     config = benv.config()
     check = {c.name: c for c in preflight(config)}["stance"]

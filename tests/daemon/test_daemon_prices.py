@@ -11,8 +11,8 @@ from sqlalchemy import func, select
 
 from robot_llm.clock import upcoming_fires
 from robot_llm.config import load_config
-from robot_llm.daemon import Daemon
-from robot_llm.db import Price, make_engine, session_scope, utcnow
+from robot_llm.daemon.scheduler import Daemon
+from robot_llm.store.db import Price, make_engine, session_scope, utcnow
 
 
 def _prices(engine) -> int:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm.checksum import (
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.store.checksum import (
     BLOCK_BYTES,
     BlockMismatch,
     DamagedStoreError,
@@ -19,9 +20,8 @@ from robot_llm.llm.checksum import (
     file_digests,
     sample_blocks,
 )
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.store import MANIFEST, Store, read_manifest, verify
-from robot_llm.llm.store_layout import StoreError
+from robot_llm.llm.store.layout import StoreError
+from robot_llm.llm.store.reader import MANIFEST, Store, read_manifest, verify
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_a_damaged_manifest_does_not_open(store: Path) -> None:
 def test_a_store_without_checksums_opens_with_a_note_and_verify_records_them(
     store: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from robot_llm.cli import main
+    from robot_llm.commands.main import main
 
     data = json.loads((store / MANIFEST).read_text())
     for key in ("checksums", "manifest_xxh3"):  # as a robot-llm before checksums wrote it
@@ -152,7 +152,7 @@ def test_verify_reports_a_block_mismatch_even_when_sha256_was_recomputed(store: 
     # A manifest whose sha256 was refreshed by hand but not its blocks: verify names the file.
     from dataclasses import replace
 
-    from robot_llm.llm.store_writer import write_json_atomic
+    from robot_llm.llm.store.writer import write_json_atomic
 
     manifest = read_manifest(store)
     victim = store / "layer_000.safetensors"
@@ -170,8 +170,8 @@ def test_verify_reports_a_block_mismatch_even_when_sha256_was_recomputed(store: 
 def test_a_tokenizer_written_beside_the_store_is_checked_before_it_is_used(tiny_dir: Path, tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models
 
-    from robot_llm.llm.checksum import check_beside_store
-    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.store.checksum import check_beside_store
+    from robot_llm.llm.store.writer import convert
     from robot_llm.llm.tokenizer import load_tokenizer
 
     store = tmp_path / "store"

@@ -12,11 +12,11 @@ import pytest
 from test_ledger import avg_ranks, pearson
 from track_helpers import DEMO_TICKERS, LABELS, config_file, seed_nights, write_prices
 
-from robot_llm.cli import main
-from robot_llm.db import make_engine
-from robot_llm.migrate import upgrade
-from robot_llm.stance import stance_from_logprobs
-from robot_llm.track_record import up_probability
+from robot_llm.commands.main import main
+from robot_llm.night.stance import stance_from_logprobs
+from robot_llm.store.db import make_engine
+from robot_llm.store.migrate import upgrade
+from robot_llm.track.ledger import up_probability
 
 
 def _outcomes(cfg: Path, template: str | None, capsys) -> dict[tuple[str, str], dict]:

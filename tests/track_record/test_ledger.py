@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from track_helpers import DEMO_TICKERS, MSK, config_file, seed_nights, write_prices
 
-from robot_llm.cli import main
-from robot_llm.db import make_engine
+from robot_llm.commands.main import main
+from robot_llm.store.db import make_engine
 
 FIRST = date(2026, 11, 2)
 TOL = 1e-9

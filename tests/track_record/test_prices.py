@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import select
 from track_helpers import MSK, config_file
 
-from robot_llm.cli import main
+from robot_llm.commands.main import main
 from robot_llm.config import ConfigError, load_config
-from robot_llm.db import Price, Signal, make_engine, session_scope
-from robot_llm.prices import ingest_prices
+from robot_llm.ingest.prices import ingest_prices
+from robot_llm.store.db import Price, Signal, make_engine, session_scope
 
 NY = "America/New_York"
 

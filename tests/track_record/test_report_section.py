@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 from track_helpers import DEMO_TICKERS, config_file, seed_nights, write_prices
 
-from robot_llm.cli import main
+from robot_llm.commands.main import main
 from robot_llm.config import load_config
-from robot_llm.db import make_engine
-from robot_llm.report import format_report, report_job
-from robot_llm.track_record_report import build_view, report_as_of
+from robot_llm.report.summary import format_report, report_job
+from robot_llm.report.track_record import build_view, report_as_of
+from robot_llm.store.db import make_engine
 
 
 def test_morning_text_and_page(tmp_path: Path, db_url: str) -> None:
     pytest.importorskip("plotly")
-    from robot_llm.report_html import write_report
+    from robot_llm.report.html import write_report
 
     rng = random.Random(9)
     write_prices(tmp_path / "prices", rng, DEMO_TICKERS, date(2026, 11, 1), 40)

@@ -1,6 +1,6 @@
 """Track-record fixtures: generated closes as CSV files, theses stored the way a night stores them.
 
-Stances come from the product's own scoring (:func:`robot_llm.stance.stance_from_logprobs`)
+Stances come from the product's own scoring (:func:`robot_llm.night.stance.stance_from_logprobs`)
 of generated label log-probabilities, so each thesis's true up-probability is known here,
 independently of how the ledger recovers it from the stored row.
 """
@@ -22,8 +22,8 @@ import yaml
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from robot_llm.db import GenerationRequest, Thesis, session_scope, utcnow
-from robot_llm.stance import stance_from_logprobs
+from robot_llm.night.stance import stance_from_logprobs
+from robot_llm.store.db import GenerationRequest, Thesis, session_scope, utcnow
 
 MSK = ZoneInfo("Europe/Moscow")
 DEMO_TICKERS = ("SBER", "GAZP", "LKOH", "YDEX", "AAPL", "NVDA")

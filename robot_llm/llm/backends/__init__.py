@@ -3,7 +3,7 @@
 A backend is a factory ``create(request: ModelRequest) -> ForwardModel`` named
 by a ``"module:function"`` string, imported only when chosen (this package
 does not import torch). ``memory`` holds the whole model in RAM/VRAM
-(:mod:`robot_llm.llm.backends.memory`); ``stream`` and ``deepspeed`` are the
+(:mod:`robot_llm.llm.engine.memory`); ``stream`` and ``deepspeed`` are the
 offloading engines, provided by the modules named below. Other code may add
 entries with :func:`register_backend`.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.families.config import YalmConfig
 
 if TYPE_CHECKING:
-    from robot_llm.llm.family import ForwardModel
+    from robot_llm.llm.families.family import ForwardModel
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,9 @@ class ModelRequest:
 BackendFactory = Callable[[ModelRequest], "ForwardModel"]
 
 BACKENDS: dict[str, str] = {
-    "memory": "robot_llm.llm.backends.memory:create",
-    "stream": "robot_llm.llm.backends.stream:create",
-    "deepspeed": "robot_llm.llm.backends.deepspeed:create",
+    "memory": "robot_llm.llm.engine.memory:create",
+    "stream": "robot_llm.llm.engine.stream:create",
+    "deepspeed": "robot_llm.llm.engine.deepspeed:create",
 }
 
 
