@@ -26,7 +26,7 @@ step "environment"
 "$PY" -c 'import torch, deepspeed; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.__version__, deepspeed.__version__, torch.cuda.get_device_name(0))'
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
 
-model() { "$PY" -m robot_llm.llm.cli model "$@"; }
+model() { "$PY" -m robot_llm.commands.model model "$@"; }
 
 step "fixture: memory engine on cuda, fp32 and fp16"
 model check-fixture "$FIXTURE" --engine memory --device cuda --dtype fp32
@@ -41,7 +41,7 @@ model check-fixture "$FIXTURE" --engine stream --device cuda --home disk --dtype
 # int4 is dequantized on the GPU right before use from the fused CPU kernel's layout, with the same plain
 # torch ops CPU CI checks against that kernel (tests/engine/test_quant.py); its fixture error on random
 # weights is about 1.4 and greedy tokens diverge (tests/engine/test_engine.py).
-"$PY" -c 'import sys; from pathlib import Path; from robot_llm.llm.cli import check_fixture
+"$PY" -c 'import sys; from pathlib import Path; from robot_llm.commands.model import check_fixture
 r = check_fixture(Path(sys.argv[1]), "stream", {"dtype": "int4", "device": "cuda", "home": "disk"}); print(r)
 assert r["max_abs_diff"] <= 2.5 and r["tokens_match"], r' "$FIXTURE"
 
@@ -58,8 +58,8 @@ from pathlib import Path
 
 import torch
 
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.store_writer import convert
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.store.writer import convert
 
 store = Path(sys.argv[2]) / "tiny-store"
 convert(sys.argv[1], store)
@@ -83,7 +83,7 @@ from pathlib import Path
 
 import torch
 
-from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.engine.streaming import StreamingModel
 
 store = Path(sys.argv[1]) / "tiny-store"
 ids = torch.randint(5, 600, (4, 8))
@@ -111,7 +111,7 @@ from pathlib import Path
 import torch
 
 from robot_llm.llm.generate import SamplingParams
-from robot_llm.llm.runtime import ModelSettings, open_model
+from robot_llm.llm.engine.runtime import ModelSettings, open_model
 
 fixture, work = Path(sys.argv[1]), Path(sys.argv[2])
 vocab = fixture / "vocab" / "voc_tiny.sp"

@@ -20,11 +20,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from robot_llm.llm.demo_checkpoint import train_vocab
-from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.engine.runtime import SHARE_PREFIX_MIN
+from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.generate import SamplingParams, generate
-from robot_llm.llm.runtime import SHARE_PREFIX_MIN
 from robot_llm.llm.scoring import Followup, score_pieces
+from robot_llm.llm.store.demo_checkpoint import train_vocab
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.prompting.context import InstrumentView, NewsView, RenderContext
 from robot_llm.prompting.loading import bundled_prompts_dir, load_template

@@ -13,7 +13,7 @@ Rows: the engine with weights cold on disk at batch 1 and 32 for each dtype
 else fp32): these stream every layer every pass, whatever RAM the machine has.
 The fp32, bf16 and int4 models held in RAM by the engine (loaded untimed): the
 bound. The fp32 and bf16 engines opened the way a night opens them
-(:func:`robot_llm.llm.runtime.open_model`: the plan applied, its weight home,
+(:func:`robot_llm.llm.engine.runtime.open_model`: the plan applied, its weight home,
 KV dtype, micro-batch and batch size, at most 32, chosen within a RAM budget;
 the 32 prompts run in the planned batches), in two budgets: one that
 holds about half the layers in RAM (a split) and this machine's RAM (all in
@@ -59,15 +59,15 @@ from typing import Any
 
 import torch
 
-from robot_llm.llm.config import ModuleKind, YalmConfig, module_plan
-from robot_llm.llm.diskio import drop_page_cache, measure_read_bandwidth
-from robot_llm.llm.family import Params
-from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine
-from robot_llm.llm.planner import HEADROOM, Work, layer_bytes, layer_params, plan
-from robot_llm.llm.rates import gemm_flops
-from robot_llm.llm.runtime import ModelSettings, night_work, plan_run
-from robot_llm.llm.store import Store
-from robot_llm.llm.store_writer import write_store
+from robot_llm.llm.engine.runtime import ModelSettings, night_work, plan_run
+from robot_llm.llm.families.config import ModuleKind, YalmConfig, module_plan
+from robot_llm.llm.families.family import Params
+from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine
+from robot_llm.llm.plan.planner import HEADROOM, Work, layer_bytes, layer_params, plan
+from robot_llm.llm.plan.rates import gemm_flops
+from robot_llm.llm.store.diskio import drop_page_cache, measure_read_bandwidth
+from robot_llm.llm.store.reader import Store
+from robot_llm.llm.store.writer import write_store
 
 BENCHMARKS = Path(__file__).resolve().parent  # holds night.py (no package): imported only by the night rows
 
@@ -117,7 +117,7 @@ def compute_dtype(store_dtype: str) -> str:
 
 
 def night_settings(spec: dict[str, Any], budget: int | None) -> ModelSettings:
-    """How a night opens the model for this row's work (:func:`robot_llm.llm.runtime.open_model`): planned
+    """How a night opens the model for this row's work (:func:`robot_llm.llm.engine.runtime.open_model`): planned
     within ``budget`` bytes of RAM, its work (:func:`night_work`) exactly the benchmark's."""
     return ModelSettings(
         vocab=Path(spec["vocab"]),
@@ -139,7 +139,7 @@ def half_layers_budget(spec: dict[str, Any]) -> int:
 
     The planner's own estimate: its disk-home plan's RAM total plus half the layers' stored
     bytes (its KV cache in the dtype the plan under that budget picks), over the usable share
-    of RAM a plan may fill (:data:`~robot_llm.llm.planner.HEADROOM`). A split keeps
+    of RAM a plan may fill (:data:`~robot_llm.llm.plan.planner.HEADROOM`). A split keeps
     two staging slots: with 4 layers (``--quick``) half of them cost what all of them do, and
     that plan holds them all; the split shows in the full run's 12.
     """
@@ -187,7 +187,7 @@ def night(model: Any, cfg: YalmConfig, prompts: int, prompt: int, new: int, batc
 
 def gemm_rate(cfg: YalmConfig, batch: int, dtype: str) -> float:
     """FLOP/s of this layer's largest matmul at ``batch`` rows in ``dtype`` (threads as set), over 0.5 s:
-    the product's probe (:func:`robot_llm.llm.rates.gemm_flops`) at this row's shape, not the planner's."""
+    the product's probe (:func:`robot_llm.llm.plan.rates.gemm_flops`) at this row's shape, not the planner's."""
     return gemm_flops(batch, cfg.hidden_size, 2 * cfg.intermediate_size, dtype, seconds=0.5)
 
 
@@ -213,7 +213,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     model: Any
     extra: dict[str, Any] = {}
     if spec["kind"] == "plan":  # opened the way a night opens it, from cold disk, the opening timed
-        from robot_llm.llm.runtime import open_model
+        from robot_llm.llm.engine.runtime import open_model
 
         settings = night_settings(spec, spec["budget"])
         drop_page_cache([store.path / f.name for f in store.manifest.files])
@@ -234,11 +234,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "estimate": sum(used.memory["ram"].values()),
         }
     elif spec["kind"] == "deepspeed":
-        from robot_llm.llm.backends.deepspeed import DeepSpeedModel
+        from robot_llm.llm.engine.deepspeed import DeepSpeedModel
 
         model = DeepSpeedModel(store.path, cfg, offload="nvme", dtype=spec["dtype"], offload_dir=spec["nvme"])
     else:
-        from robot_llm.llm.engine import StreamingModel
+        from robot_llm.llm.engine.streaming import StreamingModel
 
         model = StreamingModel(store, home=spec["home"], device="cpu", dtype=spec["dtype"])
     model.forward(torch.tensor([[5, 6]]))  # untimed warm-up: allocator, kernels, first reads

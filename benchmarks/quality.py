@@ -15,7 +15,7 @@
 3. Stance accuracy on ``benchmarks/data/headlines.tsv`` (66 headlines, Russian and
    English, up/down/flat judged from the text) with a three-example prompt and the
    stance cue of the ``brief`` templates: raw (argmax label) and calibrated (the label
-   prior of a content-free headline "N/A" divided out, :mod:`robot_llm.stance`). Labels
+   prior of a content-free headline "N/A" divided out, :mod:`robot_llm.night.stance`). Labels
    are scored by their first piece (``method: first``), one forward pass per headline.
 
 Prints a table per step; the machine is shared, so only the quality numbers are meant to
@@ -39,23 +39,23 @@ from pathlib import Path
 import feedparser
 import torch
 
-from robot_llm.llm.config import module_plan
-from robot_llm.llm.demo_checkpoint import gemma_gguf
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.family import InMemoryModel, Weights
-from robot_llm.llm.importers import import_model
-from robot_llm.llm.quant import (
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families.config import module_plan
+from robot_llm.llm.families.family import InMemoryModel, Weights
+from robot_llm.llm.scoring import token_logprobs
+from robot_llm.llm.store.demo_checkpoint import gemma_gguf
+from robot_llm.llm.store.importers import import_model
+from robot_llm.llm.store.quant import (
     GGUF_INT4_GROUP,
     dequantize_int4_into,
     dequantize_int8_into,
     quantize_int4,
     quantize_int8,
 )
-from robot_llm.llm.scoring import token_logprobs
-from robot_llm.llm.store import MANIFEST, Store, read_manifest
-from robot_llm.llm.store_writer import convert_modules
+from robot_llm.llm.store.reader import MANIFEST, Store, read_manifest
+from robot_llm.llm.store.writer import convert_modules
 from robot_llm.llm.tokenizer import load_tokenizer
-from robot_llm.stance import StanceSpec, stance_from_pieces
+from robot_llm.night.stance import StanceSpec, stance_from_pieces
 
 HERE = Path(__file__).resolve().parent
 FEEDS = HERE.parent / "robot_llm" / "demo_data" / "feeds"

@@ -1,6 +1,6 @@
 """Alembic environment for robot-llm.
 
-There is no ``alembic.ini``: ``robot_llm.migrate`` builds the Alembic ``Config`` in code and
+There is no ``alembic.ini``: ``robot_llm.store.migrate`` builds the Alembic ``Config`` in code and
 hands over an open connection in ``config.attributes["connection"]``, so the same engine
 defaults (SQLite pragmas, psycopg 3, a PostgreSQL ``search_path`` in the URL) apply to
 migrations as to the application. Online mode only: an offline SQL script would bypass the
@@ -13,8 +13,8 @@ from typing import Any
 
 from alembic import context
 
-from robot_llm.db import Base, UTCDateTime
-from robot_llm.migrate import include_object
+from robot_llm.store.db import Base, UTCDateTime
+from robot_llm.store.migrate import include_object
 
 config = context.config
 target_metadata = Base.metadata
@@ -31,7 +31,7 @@ def _render_item(type_: str, obj: Any, autogen_context: Any) -> str | bool:
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is None:
-        raise RuntimeError("run migrations through robot_llm.migrate (robot-llm db upgrade), not the alembic CLI")
+        raise RuntimeError("run migrations through robot_llm.store.migrate (robot-llm db upgrade), not the alembic CLI")
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

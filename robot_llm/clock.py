@@ -10,7 +10,7 @@ the first again, and ``night_as_of`` never returned.) A wall time that happens t
 once, at its first occurrence; one that a spring-forward skips fires shifted by the gap
 (02:30 in Berlin on that Sunday is 03:30 CEST).
 
-The nightly plan (:func:`robot_llm.plan.plan_night`), ``batch plan`` and the daemon (its
+The nightly plan (:func:`robot_llm.night.plan.plan_night`), ``batch plan`` and the daemon (its
 triggers are :class:`ClockTrigger`) all use these fire times, so they always agree on which
 night it is. Imports stay light (no SQLAlchemy, no torch): the read API and ``status`` use it.
 """

@@ -19,7 +19,6 @@ of the newest ingested item, which a second run does not change.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import signal
@@ -83,7 +82,7 @@ def _copy_tree(source: Any, dest: Path) -> None:
 
 def _prepare(workdir: Path, gguf: Path | None, out: TextIO) -> AppConfig:
     """Working folder, config, database, bundled feeds and signals, model store."""
-    from robot_llm.migrate import upgrade
+    from robot_llm.store.migrate import upgrade
 
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "demo.yaml"
@@ -108,9 +107,9 @@ def _prepare(workdir: Path, gguf: Path | None, out: TextIO) -> AppConfig:
 
 
 def _import_gemma(gguf: Path, store: Path, out: TextIO) -> None:
-    from robot_llm.llm.demo_checkpoint import GEMMA_NAME
-    from robot_llm.llm.importers import import_model
-    from robot_llm.llm.store import MANIFEST, read_manifest
+    from robot_llm.llm.store.demo_checkpoint import GEMMA_NAME
+    from robot_llm.llm.store.importers import import_model
+    from robot_llm.llm.store.reader import MANIFEST, read_manifest
 
     # A second run reuses the store (reading the GGUF's metadata alone takes a while).
     manifest = read_manifest(store) if (store / MANIFEST).is_file() else import_model(gguf, store, dtype="bf16")
@@ -123,9 +122,9 @@ def _import_gemma(gguf: Path, store: Path, out: TextIO) -> None:
 
 
 def _build_model(workdir: Path, store: Path, out: TextIO) -> None:
-    from robot_llm.llm.demo_checkpoint import build_demo_checkpoint
-    from robot_llm.llm.store import verify
-    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.store.demo_checkpoint import build_demo_checkpoint
+    from robot_llm.llm.store.reader import verify
+    from robot_llm.llm.store.writer import convert
 
     text_sources = [Path(str(DEMO_DATA / "feeds")), Path(str(resources.files("robot_llm.prompts")))]
     checkpoint = build_demo_checkpoint(workdir / "model" / "release", text_sources)
@@ -226,7 +225,7 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 
 def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int, int | None]:
-    from robot_llm.db import NewsItem, Signal, session_scope
+    from robot_llm.store.db import NewsItem, Signal, session_scope
 
     with session_scope(engine) as session:
         newest = max(
@@ -245,8 +244,8 @@ def _night(config: AppConfig, engine: Any, out: TextIO) -> tuple[datetime, int, 
 def _plan_and_run(
     config: AppConfig, engine: Any, as_of: datetime, stopper: _StopOnSignal, out: TextIO
 ) -> tuple[datetime, int, int | None]:
-    from robot_llm.batch import run_queue, summary_line
-    from robot_llm.plan import plan_night
+    from robot_llm.night.plan import plan_night
+    from robot_llm.night.worker import run_queue, summary_line
 
     plan = plan_night(config, engine, as_of)
     print(
@@ -292,7 +291,7 @@ def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
 
 
 def _html_report(config: AppConfig, engine: Any, day: date, out: TextIO) -> None:
-    from robot_llm.report_html import ReportExtraMissing, write_morning
+    from robot_llm.report.html import ReportExtraMissing, write_morning
 
     try:
         page = write_morning(config, engine, day)
@@ -304,9 +303,9 @@ def _html_report(config: AppConfig, engine: Any, day: date, out: TextIO) -> None
 
 def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
     """Run the demo in ``workdir``; returns counts for callers (and tests)."""
-    from robot_llm.db import NewsItem, Signal, Thesis, make_engine, session_scope
-    from robot_llm.llm.demo_checkpoint import GEMMA_NAME, GEMMA_TERMS, gemma_gguf
-    from robot_llm.report import build_report, format_report
+    from robot_llm.llm.store.demo_checkpoint import GEMMA_NAME, GEMMA_TERMS, gemma_gguf
+    from robot_llm.report.summary import build_report, format_report
+    from robot_llm.store.db import NewsItem, Signal, Thesis, make_engine, session_scope
 
     workdir = workdir.resolve()
     gguf = gemma_gguf()
@@ -349,12 +348,13 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
     )
 
 
-def _demo(args: argparse.Namespace) -> int:
-    if args.clean and args.workdir.exists():
-        shutil.rmtree(args.workdir)
+def demo_command(workdir: Path, *, clean: bool = False) -> int:
+    """``robot-llm demo``: run the demo in ``workdir`` (emptied first if ``clean``); returns the exit code."""
+    if clean and workdir.exists():
+        shutil.rmtree(workdir)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = run_demo(args.workdir)
+        result = run_demo(workdir)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if result.stopped_by is not None:
@@ -362,19 +362,8 @@ def _demo(args: argparse.Namespace) -> int:
     if result.theses < result.instruments:
         print(
             f"error: {result.instruments - result.theses} of {result.instruments} instruments have no thesis; "
-            f"`robot-llm batch status -c {args.workdir / 'demo.yaml'}` shows why",
+            f"`robot-llm batch status -c {workdir / 'demo.yaml'}` shows why",
             file=sys.stderr,
         )
         return EXIT_REQUESTS_FAILED
     return 0
-
-
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add ``robot-llm demo``."""
-    demo = sub.add_parser("demo", help="run a whole night on bundled data with a tiny random model")
-    demo.add_argument(
-        "--workdir", type=Path, default=Path("robot-llm-demo"), help="working folder (default: %(default)s)"
-    )
-    demo.add_argument("--clean", action="store_true", help="start from an empty working folder")
-    demo.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
-    demo.set_defaults(handler=_demo)

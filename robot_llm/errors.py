@@ -11,7 +11,7 @@ EXIT_REQUESTS_FAILED = 1
 #: Exit status of ``batch run`` when nothing could be done: another live worker holds the SQLite queue.
 EXIT_BLOCKED = 4
 # The others: 0 all done (or ``batch run`` stopped cleanly on request); 2 a RobotLLMError below;
-# 3 the watchdog ended a stalled batch (robot_llm.watchdog.WATCHDOG_EXIT_CODE); 128 + N the
+# 3 the watchdog ended a stalled batch (robot_llm.night.watchdog.WATCHDOG_EXIT_CODE); 128 + N the
 # demo stopped by signal N (130 Ctrl-C, 143 SIGTERM).
 
 

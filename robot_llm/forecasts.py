@@ -49,8 +49,8 @@ from sqlalchemy import Select, and_, inspect, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from robot_llm.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
 from robot_llm.errors import RobotLLMError
+from robot_llm.store.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.signal_record import SignalError, SignalRecord, make_signal
+from robot_llm.ingest.signal_record import SignalError, SignalRecord, make_signal
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -76,7 +76,7 @@ _CACHE_LOCK = threading.Lock()
 def _context(config: str | os.PathLike[str] | AppConfig) -> tuple[AppConfig, Engine]:
     """The config (reloaded when its file changes) and one engine per database URL, both cached."""
     from robot_llm.config import AppConfig, load_config
-    from robot_llm.db import make_engine
+    from robot_llm.store.db import make_engine
 
     with _CACHE_LOCK:
         if isinstance(config, AppConfig):
@@ -153,8 +153,8 @@ def publish_many(
     if drop_dir is not None:
         return PublishResult(stored=0, duplicates=0, path=_write_drop_file(records, drop_dir))
     assert engine is not None
-    from robot_llm.db import session_scope
     from robot_llm.ingest.signals import store_signals
+    from robot_llm.store.db import session_scope
 
     with session_scope(engine) as session:
         ids, duplicates = store_signals(session, records, source="publish")

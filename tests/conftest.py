@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import make_engine
-from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.tokenizer import YalmTokenizer
+from robot_llm.store.db import make_engine
 
 PG_URL = os.environ.get("ROBOT_LLM_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 @pytest.fixture
 def db_url(empty_db_url: str) -> str:
     """A database migrated to head, once on SQLite and once on PostgreSQL."""
-    from robot_llm.migrate import upgrade
+    from robot_llm.store.migrate import upgrade
 
     upgrade(empty_db_url)
     return empty_db_url
@@ -126,7 +126,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     folder = tmp_path_factory.mktemp("demo-run")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "robot_llm.cli", "demo"],
+        [sys.executable, "-m", "robot_llm.commands.main", "demo"],
         cwd=folder,
         capture_output=True,
         text=True,

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm import __version__, migrate
+from robot_llm import __version__
 from robot_llm.logs import setup_logging
+from robot_llm.store import migrate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ model:
 def robot_llm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "robot_llm.cli", *args],
+        [sys.executable, "-m", "robot_llm.commands.main", *args],
         capture_output=True,
         text=True,
         env=full_env,
@@ -171,7 +172,7 @@ def test_missing_extra_is_named(tmp_path: Path) -> None:
     """Without the model extra, a command that needs torch says which extra to install, in one line."""
     blocked = (
         "import sys; sys.modules['torch'] = None; "  # what an install without robot-llm[model] sees
-        "from robot_llm.cli import main; sys.exit(main(sys.argv[1:]))"
+        "from robot_llm.commands.main import main; sys.exit(main(sys.argv[1:]))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", blocked, "demo", "--workdir", str(tmp_path / "demo")],

@@ -141,7 +141,7 @@ def test_unknown_key(tmp_path: Path, needle: str, replacement: str, key_path: st
 
 
 def test_refill_slots_reach_the_runtime_and_refuse_negatives(tmp_path: Path) -> None:
-    from robot_llm.configured_model import model_settings
+    from robot_llm.night.model import model_settings
 
     text = BASE.replace('  vocab: "voc_100b.sp"', '  vocab: "voc_100b.sp"\n  refill_slots: 128')
     assert model_settings(load_config(write(tmp_path, text))).refill_slots == 128

@@ -14,8 +14,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, StatementError
 
-from robot_llm import migrate
-from robot_llm.db import (
+from robot_llm.store import migrate
+from robot_llm.store.db import (
     DatabaseError,
     NewsItem,
     NewsTicker,

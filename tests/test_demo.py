@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def _demo(workdir: Path) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "robot_llm.cli", "demo", "--workdir", str(workdir)],
+        [sys.executable, "-m", "robot_llm.commands.main", "demo", "--workdir", str(workdir)],
         capture_output=True,
         text=True,
         env=env,

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def _start(workdir: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "robot_llm.cli", "demo", "--workdir", str(workdir)],
+        [sys.executable, "-m", "robot_llm.commands.main", "demo", "--workdir", str(workdir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -62,7 +62,7 @@ def test_interrupted_demo_stops_cleanly_and_a_rerun_completes_the_night(tmp_path
         assert counts.get("done", 0) == counts["theses"] < 6
 
     rerun = subprocess.run(
-        [sys.executable, "-m", "robot_llm.cli", "demo", "--workdir", str(workdir)],
+        [sys.executable, "-m", "robot_llm.commands.main", "demo", "--workdir", str(workdir)],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import inspect, text
 
-from robot_llm import migrate
-from robot_llm.db import Base, make_engine
+from robot_llm.store import migrate
+from robot_llm.store.db import Base, make_engine
 
 
 def _tables(url: str) -> set[str]:

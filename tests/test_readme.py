@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.cli import build_parser
-from robot_llm.db import make_engine
-from robot_llm.migrate import upgrade
+from robot_llm.commands.main import build_parser
+from robot_llm.store.db import make_engine
+from robot_llm.store.migrate import upgrade
 from tests.conftest import DemoRun
 from tests.forecasts.conftest import load_strategy, seed_thesis
 
@@ -118,7 +118,7 @@ def _cli(command: str, cwd: Path, config: Path) -> subprocess.CompletedProcess[s
     assert args[0] in ("robot-llm", "python"), command
     rest = [str(config) if a == "FILE" else "-1" if a == "REV" else a for a in args[1:]]
     return subprocess.run(
-        [sys.executable, *(["-m", "robot_llm.cli"] if args[0] == "robot-llm" else []), *rest],
+        [sys.executable, *(["-m", "robot_llm.commands.main"] if args[0] == "robot-llm" else []), *rest],
         cwd=cwd,
         capture_output=True,
         text=True,

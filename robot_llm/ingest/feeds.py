@@ -53,12 +53,12 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from robot_llm.config import AppConfig, FeedConfig
-from robot_llm.db import FeedFetch, FeedState, NewsItem, NewsTicker, error_line, session_scope, utcnow
 from robot_llm.errors import RobotLLMError
 from robot_llm.ingest import insert_ignoring_duplicates
 from robot_llm.ingest.encoding import better_encoding
 from robot_llm.ingest.http import FetchError, FetchResult, fetch, make_client
 from robot_llm.ingest.tagging import Tagger
+from robot_llm.store.db import FeedFetch, FeedState, NewsItem, NewsTicker, error_line, session_scope, utcnow
 
 __all__ = [
     "FeedError",

@@ -78,9 +78,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from robot_llm.config import AppConfig, SignalSourceConfig
-from robot_llm.db import Signal, error_line, session_scope, utcnow
 from robot_llm.ingest import insert_ignoring_duplicates
-from robot_llm.signal_record import FIELDS, REQUIRED, SignalError, SignalRecord, make_signal
+from robot_llm.ingest.signal_record import FIELDS, REQUIRED, SignalError, SignalRecord, make_signal
+from robot_llm.store.db import Signal, error_line, session_scope, utcnow
 
 __all__ = [
     "Reject",

@@ -3,10 +3,10 @@
 :func:`generate` gives every prompt batch-1 semantics: its own token budget,
 its own random generator (so a sampled result does not depend on batch-mates),
 its own stop conditions. Prompts of different lengths share a batch by left
-padding (see :mod:`robot_llm.llm.family`); a finished row stays in the KV cache, masked
-(:mod:`robot_llm.llm.slots`), until its stance is scored and its slot takes a waiting prompt.
+padding (see :mod:`robot_llm.llm.families.family`); a finished row stays in the KV cache, masked
+(:mod:`robot_llm.llm.engine.slots`), until its stance is scored and its slot takes a waiting prompt.
 
-:func:`robot_llm.llm.original.generate_original` reproduces the original
+:func:`robot_llm.llm.families.original.generate_original` reproduces the original
 single-prompt loop; continuations are scored (by re-prefill, or from the cache) with :mod:`robot_llm.llm.scoring`.
 
 The token filter (:func:`filter_logits`) follows §7.4 exactly: temperature,
@@ -25,10 +25,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from robot_llm.llm.family import ForwardModel
-from robot_llm.llm.kv_cache import KVCache
+from robot_llm.llm.engine.kv_cache import KVCache
+from robot_llm.llm.engine.slots import tree_layout
+from robot_llm.llm.families.family import ForwardModel
 from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, tree_scores
-from robot_llm.llm.slots import tree_layout
 from robot_llm.llm.tokenizer import Tokenizer
 
 FinishReason = Literal["eos", "stop", "length"]

@@ -66,10 +66,10 @@ def check_gemma(gguf: Path, store_dir: Path) -> dict[str, Any]:
     ``greedy_match``/``greedy_total``, ``long_prompt_tokens``."""
     import torch
 
-    from robot_llm.llm.engine import StreamingModel
+    from robot_llm.llm.engine.streaming import StreamingModel
     from robot_llm.llm.generate import SamplingParams, generate
-    from robot_llm.llm.importers import import_model
-    from robot_llm.llm.store import MANIFEST
+    from robot_llm.llm.store.importers import import_model
+    from robot_llm.llm.store.reader import MANIFEST
     from robot_llm.llm.tokenizer import load_tokenizer
 
     try:

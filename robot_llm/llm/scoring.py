@@ -1,7 +1,7 @@
 """Scoring continuations: by re-prefill (:func:`score`), and after a finished completion from its row's live KV cache.
 
 A row that finished its thesis still holds its KV cache (masked, see
-:mod:`robot_llm.llm.slots`). Its followup (the stance cue, then each label) is fed as one
+:mod:`robot_llm.llm.engine.slots`). Its followup (the stance cue, then each label) is fed as one
 *tree* in the next batched step: the row is rewound to the longest prefix that the context
 ``prompt + text + cue`` shares with what the row was fed, the rest of the context is the
 trunk, and every label's pieces but the last form a branch that sees the trunk and not the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from robot_llm.llm.family import ForwardModel
+from robot_llm.llm.families.family import ForwardModel
 from robot_llm.llm.tokenizer import Tokenizer
 
 

@@ -1,7 +1,7 @@
 """The stance question's side of prompting: the content-free calibration context, and the labels' pieces.
 
 A template that asks a stance appends a cue after the thesis and has the model score label
-continuations after it (the scoring is :mod:`robot_llm.stance`). Here: the content-free
+continuations after it (the scoring is :mod:`robot_llm.night.stance`). Here: the content-free
 prompt whose label prior calibration divides out, and the check of how the tokenizer
 splits the labels, which decides whether the comparison ``method`` is fair.
 """

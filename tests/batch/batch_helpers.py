@@ -2,7 +2,7 @@
 
 Everything is real: the yalm-tiny release checkpoint run by the in-memory engine, its
 SentencePiece vocabulary, SQLite files and PostgreSQL schemas from the root conftest,
-and worker processes started as ``python -m robot_llm.cli batch run``.
+and worker processes started as ``python -m robot_llm.commands.main batch run``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
 from robot_llm.config import AppConfig, load_config
-from robot_llm.db import GenerationRequest, Run, Thesis, session_scope, utcnow
+from robot_llm.store.db import GenerationRequest, Run, Thesis, session_scope, utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "fixtures" / "yalm-tiny"
@@ -192,7 +192,7 @@ class BatchEnv:
 def start_worker(config: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A real ``robot-llm batch run`` process."""
     return subprocess.Popen(
-        [sys.executable, "-m", "robot_llm.cli", "batch", "run", "-c", str(config), *extra],
+        [sys.executable, "-m", "robot_llm.commands.main", "batch", "run", "-c", str(config), *extra],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE,

@@ -10,7 +10,7 @@ import pytest
 from batch_helpers import TINY_TEMPLATE, BatchEnv
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import utcnow
+from robot_llm.store.db import utcnow
 
 
 @pytest.fixture

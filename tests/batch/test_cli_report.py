@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from robot_llm.cli import main
-from robot_llm.db import Run
+from robot_llm.commands.main import main
+from robot_llm.store.db import Run
 
 
 def test_plan_run_status_and_report_commands(benv, night, capsys):

@@ -10,10 +10,10 @@ from datetime import timedelta
 import pytest
 from batch_helpers import start_worker, wait_for
 
-from robot_llm.batch import run_queue
-from robot_llm.cli import main
-from robot_llm.db import Run, session_scope, utcnow
+from robot_llm.commands.main import main
 from robot_llm.errors import EXIT_BLOCKED
+from robot_llm.night.worker import run_queue
+from robot_llm.store.db import Run, session_scope, utcnow
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import pytest
 from batch_helpers import TINY_TEMPLATE, BatchEnv
 from sqlalchemy import select
 
-from robot_llm.batch import BatchError, run_queue
 from robot_llm.config import load_config
-from robot_llm.db import GenerationRequest, Thesis, make_engine, session_scope, utcnow
-from robot_llm.migrate import upgrade
+from robot_llm.night.worker import BatchError, run_queue
+from robot_llm.store.db import GenerationRequest, Thesis, make_engine, session_scope, utcnow
+from robot_llm.store.migrate import upgrade
 from tests.conftest import fill_disk
 
 pytestmark = pytest.mark.slow

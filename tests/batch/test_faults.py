@@ -12,8 +12,8 @@ import pytest
 from batch_helpers import start_worker, wait_for
 from sqlalchemy import text
 
-from robot_llm.batch import run_queue
-from robot_llm.watchdog import WATCHDOG_EXIT_CODE
+from robot_llm.night.watchdog import WATCHDOG_EXIT_CODE
+from robot_llm.night.worker import run_queue
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ import uuid
 import pytest
 from batch_helpers import TINY, TINY_TEMPLATE
 
-from robot_llm.batch import run_queue
-from robot_llm.cli import main
-from robot_llm.preflight import PreflightError, doctor, preflight
+from robot_llm.commands.main import main
+from robot_llm.night.preflight import PreflightError, doctor, preflight
+from robot_llm.night.worker import run_queue
 
 SQLITE_ONLY = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 
@@ -87,7 +87,7 @@ def test_database_not_migrated(benv, tmp_path):
 
 @SQLITE_ONLY
 def test_store_missing_corrupt_and_deep_verified(benv, tmp_path):
-    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.store.writer import convert
 
     store = tmp_path / "store"
     stream = {"backend": "stream", "store": str(store), "dtype": "fp32"}
@@ -195,7 +195,7 @@ def _fake_gpu(monkeypatch, mem_get_info):
 
 @SQLITE_ONLY
 def test_doctor_does_not_probe_the_gpu_a_night_may_be_running_on(benv, monkeypatch):
-    from robot_llm.llm import rates
+    from robot_llm.llm.plan import rates
 
     rates.gpu_rates.cache_clear()
     _fake_gpu(monkeypatch, lambda device=None: (6 << 30, 8 << 30))

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from robot_llm.db import utcnow
-from robot_llm.request_queue import ClaimedRequest, RequestQueue
+from robot_llm.night.queue import ClaimedRequest, RequestQueue
+from robot_llm.store.db import utcnow
 
 
 @pytest.mark.parametrize("empty_db_url", ["postgresql"], indirect=True)

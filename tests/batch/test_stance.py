@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 from batch_helpers import TINY, TINY_TEMPLATE, VOCAB
 
-from robot_llm.batch import run_queue
 from robot_llm.llm import generate as gen
 from robot_llm.llm import scoring
+from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm
-from robot_llm.plan import plan_night
-from robot_llm.preflight import preflight
+from robot_llm.night.plan import plan_night
+from robot_llm.night.preflight import preflight
+from robot_llm.night.stance import StanceSpec, label_measure, parse_stance_spec, stance_from_pieces
+from robot_llm.night.worker import run_queue
 from robot_llm.prompting.loading import load_template
 from robot_llm.prompting.stance_prompt import content_free_context, stance_label_problems
 from robot_llm.prompting.template import TemplateError
-from robot_llm.stance import StanceSpec, label_measure, parse_stance_spec, stance_from_pieces
 
 CALIBRATED = TINY_TEMPLATE.replace('name: tiny\nversion: "1"', 'name: tiny\nversion: "2"').replace(
     '    " flat": 0\n', '    " flat": 0\n  method: mean\n  calibrate: true\n'
@@ -131,6 +131,6 @@ def test_a_calibrated_night_scores_the_prior_once(benv, night, monkeypatch) -> N
 
 
 def _tiny_config():  # type: ignore[no-untyped-def]
-    from robot_llm.llm.config import YalmConfig
+    from robot_llm.llm.families.config import YalmConfig
 
     return YalmConfig.from_json(TINY / "config.json")

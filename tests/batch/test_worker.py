@@ -10,9 +10,9 @@ import pytest
 from batch_helpers import TINY
 from sqlalchemy import update
 
-from robot_llm.batch import run_queue
-from robot_llm.db import GenerationRequest, NewsItem, NewsTicker, Run, Thesis, session_scope, utcnow
-from robot_llm.plan import plan_night
+from robot_llm.night.plan import plan_night
+from robot_llm.night.worker import run_queue
+from robot_llm.store.db import GenerationRequest, NewsItem, NewsTicker, Run, Thesis, session_scope, utcnow
 
 
 def _expected_stance(logprobs: dict[str, float], labels: dict[str, float]) -> tuple[float, str, float]:
@@ -129,7 +129,7 @@ def test_a_thesis_another_worker_stored_first_is_not_stored_twice(benv, night, c
             )
         )
 
-    with caplog.at_level(logging.INFO, logger="robot_llm.batch"):
+    with caplog.at_level(logging.INFO, logger="robot_llm.night.worker"):
         summary = run_queue(config, benv.engine, progress=False, preflight=False)
 
     assert (summary.status, summary.done, summary.duplicates) == ("ok", 0, 1)
@@ -177,7 +177,7 @@ def test_expired_lease_is_claimed_again_and_a_worker_that_died_too_often_fails_i
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_stream_backend_from_a_converted_store(benv, night, tmp_path):
-    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.store.writer import convert
 
     convert(TINY, tmp_path / "store", dtype="fp32", reserve_bytes=0)
     config = benv.config(model={"backend": "stream", "store": str(tmp_path / "store"), "checkpoint": None})

@@ -16,7 +16,7 @@ import yaml
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import Run, session_scope
+from robot_llm.store.db import Run, session_scope
 
 REPO = Path(__file__).resolve().parent.parent.parent
 TINY = REPO / "tests" / "fixtures" / "yalm-tiny"
@@ -125,7 +125,7 @@ def start_daemon(config: Path, log_path: Path, *extra: str) -> subprocess.Popen[
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     with log_path.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "robot_llm.cli", "run", "-c", str(config), *extra],
+            [sys.executable, "-m", "robot_llm.commands.main", "run", "-c", str(config), *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

@@ -146,8 +146,8 @@ def test_transitions_found() -> None:
 def test_the_daemons_trigger_fires_once_per_local_day_across_the_change(
     base: AppConfig, zone: str, cron: str, first_local_day: date
 ) -> None:
-    from robot_llm.daemon import Daemon
-    from robot_llm.db import make_engine
+    from robot_llm.daemon.scheduler import Daemon
+    from robot_llm.store.db import make_engine
 
     config = base.model_copy(update={"timezone": zone, "schedule": base.schedule.model_copy(update={"nightly": cron})})
     trigger = Daemon(config, make_engine(config.database.url), install_signals=False).build_scheduler(config)

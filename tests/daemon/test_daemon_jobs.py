@@ -16,13 +16,13 @@ from daemon_helpers import config_data, nightly_around, runs, wait_for, write_co
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
-from robot_llm.cli import main
+from robot_llm.commands.daemon import format_status
+from robot_llm.commands.main import main
 from robot_llm.config import AppConfig, load_config
-from robot_llm.daemon import Daemon
-from robot_llm.daemon_cli import format_status
-from robot_llm.db import GenerationRequest, Run, Thesis, make_engine, session_scope
-from robot_llm.lease import acquire_lease, read_lease
-from robot_llm.runs import NIGHTLY_KIND
+from robot_llm.daemon.lease import acquire_lease, read_lease
+from robot_llm.daemon.scheduler import Daemon
+from robot_llm.store.db import GenerationRequest, Run, Thesis, make_engine, session_scope
+from robot_llm.store.runs import NIGHTLY_KIND
 
 
 class Running:

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy.engine import Engine
 
-from robot_llm.lease import LeaseHeldError, acquire_lease, read_lease, release_lease, renew_lease
+from robot_llm.daemon.lease import LeaseHeldError, acquire_lease, read_lease, release_lease, renew_lease
 
 T0 = datetime(2026, 11, 26, 20, 0, tzinfo=timezone.utc)
 TTL = timedelta(minutes=3)

@@ -18,9 +18,9 @@ from daemon_helpers import REPO, config_data, nightly_around, runs, start_daemon
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import GenerationRequest, Thesis, make_engine, session_scope
-from robot_llm.lease import read_lease
-from robot_llm.runs import NIGHTLY_KIND
+from robot_llm.daemon.lease import read_lease
+from robot_llm.store.db import GenerationRequest, Thesis, make_engine, session_scope
+from robot_llm.store.runs import NIGHTLY_KIND
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_a_second_daemon_is_refused_and_a_bad_reload_keeps_the_old_config(
             "the first daemon's lease",
         )
         second = subprocess.run(
-            [sys.executable, "-m", "robot_llm.cli", "run", "-c", str(config)],
+            [sys.executable, "-m", "robot_llm.commands.main", "run", "-c", str(config)],
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -21,8 +21,8 @@ from robot_llm.clock import (
     upcoming_fires,
 )
 from robot_llm.config import AppConfig, load_config
-from robot_llm.daemon import Daemon
-from robot_llm.db import make_engine
+from robot_llm.daemon.scheduler import Daemon
+from robot_llm.store.db import make_engine
 
 UTC = timezone.utc
 
@@ -129,7 +129,7 @@ def test_upcoming_fires_say_when_a_night_will_be_skipped(tmp_path: Path) -> None
 
 def test_the_daemon_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, robot_llm.daemon, robot_llm.daemon_cli; "
+        "import sys, robot_llm.daemon.scheduler, robot_llm.commands.daemon; "
         "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.store_writer import convert
-from robot_llm.llm.yalm import Yalm
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import Yalm
+from robot_llm.llm.store.writer import convert
 
 # Tiny models: more intra-op threads only add synchronisation cost on shared CI cores.
 torch.set_num_threads(1)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from robot_llm.llm.backends.deepspeed import DeepSpeedModel
-from robot_llm.llm.cli import check_fixture
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.family import random_weights
-from robot_llm.llm.store_writer import write_store
-from robot_llm.llm.yalm import Yalm
+from robot_llm.commands.model import check_fixture
+from robot_llm.llm.engine.deepspeed import DeepSpeedModel
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.families.yalm import Yalm
+from robot_llm.llm.store.writer import write_store
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm import diskio
-from robot_llm.llm.diskio import MIN_CHUNK, chunk_size, io_pool, read_span
-from robot_llm.llm.store_layout import FileLayout, StoreError, aligned_buffer, direct_span, read_into
+from robot_llm.llm.store import diskio
+from robot_llm.llm.store.diskio import MIN_CHUNK, chunk_size, io_pool, read_span
+from robot_llm.llm.store.layout import FileLayout, StoreError, aligned_buffer, direct_span, read_into
 
 
 def _file(path: Path, size: int) -> bytes:
@@ -93,7 +93,7 @@ def test_read_bandwidth_is_measured_over_the_whole_file_without_torch(tmp_path: 
     # The probe `doctor` and a night's plan run: O_DIRECT into an anonymous mapping, no torch imported.
     _file(tmp_path / "layer", (5 << 20) + 4097)  # not a multiple of the alignment
     code = (
-        "import sys; from robot_llm.llm.diskio import measure_read_bandwidth as m; "
+        "import sys; from robot_llm.llm.store.diskio import measure_read_bandwidth as m; "
         f"bps = m({str(tmp_path / 'layer')!r}, depth=4); "
         "assert 'torch' not in sys.modules, 'torch imported'; print(bps)"
     )
@@ -124,7 +124,7 @@ def test_read_bandwidth_probe_stops_near_its_byte_limit(tmp_path: Path, monkeypa
 
 
 def test_a_night_plans_with_the_disk_measured_under_its_store(tmp_path: Path) -> None:
-    from robot_llm.llm import runtime
+    from robot_llm.llm.engine import runtime
 
     tiny, big = tmp_path / "tiny", tmp_path / "big"
     tiny.mkdir()

@@ -8,16 +8,16 @@ import pytest
 import torch
 from torch import Tensor
 
-from robot_llm.llm.cli import check_fixture
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.family import InMemoryModel, Weights
+from robot_llm.commands.model import check_fixture
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.family import InMemoryModel, Weights
+from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.generate import SamplingParams, generate
-from robot_llm.llm.quant import FUSED_MAX_ROWS, dequantize_int4_into, dequantize_int8_into
-from robot_llm.llm.store import Store
-from robot_llm.llm.store_layout import SCALE_SUFFIX
+from robot_llm.llm.store.layout import SCALE_SUFFIX
+from robot_llm.llm.store.quant import FUSED_MAX_ROWS, dequantize_int4_into, dequantize_int8_into
+from robot_llm.llm.store.reader import Store
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm
 
 PROMPTS = ["Акции выросли", "The index fell after the report", "Нефть", "Brent and WTI both rose on Monday"]
 

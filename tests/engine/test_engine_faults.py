@@ -1,7 +1,7 @@
 """Streaming engine under a failing disk: transient read errors are retried, a layer that stays
 unreadable fails that forward pass with its file named, and the engine stays usable.
 
-The fault injector wraps the engine's real read (:func:`robot_llm.llm.store_layout.read_into`): a disk
+The fault injector wraps the engine's real read (:func:`robot_llm.llm.store.layout.read_into`): a disk
 that fails on demand cannot exist here, so the test decides which read of which file fails.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from robot_llm.llm import engine as engine_module
-from robot_llm.llm.engine import READ_ATTEMPTS, LayerReadError, StreamingModel
-from robot_llm.llm.store_layout import StoreError
-from robot_llm.llm.yalm import Yalm
+from robot_llm.llm.engine import streaming as engine_module
+from robot_llm.llm.engine.streaming import READ_ATTEMPTS, LayerReadError, StreamingModel
+from robot_llm.llm.families.yalm import Yalm
+from robot_llm.llm.store.layout import StoreError
 
 
 class FaultyReader:

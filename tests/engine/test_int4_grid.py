@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from robot_llm.llm.quant import dequantize_int4_into, int4_grid, quantize_int4
+from robot_llm.llm.store.quant import dequantize_int4_into, int4_grid, quantize_int4
 
 
 def _error(groups: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

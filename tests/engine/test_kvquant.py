@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.engine.kv_cache import KVCache
+from robot_llm.llm.engine.kvquant import QuantKV, kv_bits_per_value
+from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.generate import SamplingParams, generate
-from robot_llm.llm.kv_cache import KVCache
-from robot_llm.llm.kvquant import QuantKV, kv_bits_per_value
 from robot_llm.llm.tokenizer import YalmTokenizer
 
 PROMPTS = ["Акции выросли", "The index fell after the report", "Нефть", "Brent and WTI both rose on Monday"]
@@ -71,7 +71,7 @@ def test_the_engine_generates_from_a_compressed_cache(
 
 
 def test_a_decode_step_attends_where_the_cache_is_stored_in_fp32() -> None:
-    from robot_llm.llm.kv_cache import LayerKV, attend_with
+    from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
 
     g = torch.Generator().manual_seed(1)
     for kv_dtype in (None, "int8", "int4"):

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.llm.config import PRESETS
-from robot_llm.llm.config_hf import HF_PRESETS
-from robot_llm.llm.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
-from robot_llm.llm.plan_timing import FUSED_RATES, INT8_WIDEN_ELEMS_PER_S
-from robot_llm.llm.planner import (
+from robot_llm.llm.families.config import PRESETS
+from robot_llm.llm.families.config_hf import HF_PRESETS
+from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
+from robot_llm.llm.plan.planner import (
     GB,
     PlanError,
     Work,
@@ -23,7 +22,8 @@ from robot_llm.llm.planner import (
     pinned_bytes,
     plan,
 )
-from robot_llm.llm.quant import FUSED_MAX_ROWS
+from robot_llm.llm.plan.timing import FUSED_RATES, INT8_WIDEN_ELEMS_PER_S
+from robot_llm.llm.store.quant import FUSED_MAX_ROWS
 
 YALM = PRESETS["yalm-100b"]
 JOB = Work(num_prompts=300, prompt_tokens=512, max_new_tokens=128)
@@ -162,11 +162,11 @@ def test_yalm_plans_on_a_gpu_stay_fp16_whatever_the_gpus_bf16() -> None:
 def test_fp16_pinned_for_gemma_on_a_gpu_warns_of_the_overflow(caplog: pytest.LogCaptureFixture) -> None:
     work = Work(8, 64, 16)
     gpu = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(24 * GB), gpu_bf16=True)
-    with caplog.at_level(logging.WARNING, logger="robot_llm.llm.planner"):
+    with caplog.at_level(logging.WARNING, logger="robot_llm.llm.plan.planner"):
         assert plan(GEMMA, work, gpu, compute_dtype="fp16").compute_dtype == "fp16"  # a warning, not an error
     assert any("gemma3" in r.message and "65504" in r.message for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="robot_llm.llm.planner"):
+    with caplog.at_level(logging.WARNING, logger="robot_llm.llm.plan.planner"):
         plan(GEMMA, work, gpu)  # auto: bf16, no warning
         plan(GEMMA, work, Machine(ram_bytes=int(64 * GB)), compute_dtype="fp16")  # the CPU: not the GPU's risk
         plan(YALM, work, Machine(ram_bytes=int(512 * GB), gpu_bytes=int(80 * GB)), compute_dtype="fp16")

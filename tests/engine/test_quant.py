@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from robot_llm.llm.config import ModelConfig, ModuleKind, module_plan
-from robot_llm.llm.config_hf import Gemma3Config, LlamaConfig
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.family import InMemoryModel, Params, Weights, linear, random_weights
-from robot_llm.llm.quant import (
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
+from robot_llm.llm.families.config_hf import Gemma3Config, LlamaConfig
+from robot_llm.llm.families.family import InMemoryModel, Params, Weights, linear, random_weights
+from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
+from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
     PackedInt4,
     PackedInt8,
@@ -28,9 +29,8 @@ from robot_llm.llm.quant import (
     quantize_int4,
     quantize_int8,
 )
-from robot_llm.llm.store import MANIFEST, Store, read_manifest, verify
-from robot_llm.llm.store_layout import SCALE_SUFFIX, StoreError
-from robot_llm.llm.store_writer import convert, write_store
+from robot_llm.llm.store.reader import MANIFEST, Store, read_manifest, verify
+from robot_llm.llm.store.writer import convert, write_store
 
 # N not a multiple of 64 (padded rows), K not a multiple of the group (padded columns), both, neither.
 SHAPES = [(64, 64), (172, 64), (64, 172), (172, 172), (200, 300), (7, 3)]

@@ -1,4 +1,4 @@
-"""Measured rates (robot_llm.llm.rates): what the probes measure, where a night uses them, and that the
+"""Measured rates (robot_llm.llm.plan.rates): what the probes measure, where a night uses them, and that the
 planner's formulas give back the measured numbers. Real torch, real probes; no wall-clock assertions."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm import rates
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.machine import GPUError, Machine, cpu_has_native_bf16, usable_gpu_bytes
-from robot_llm.llm.planner import Work, layer_bytes, layer_params, plan
-from robot_llm.llm.runtime import ModelSettings, machine_for, night_machine
+from robot_llm.llm.engine.runtime import ModelSettings, machine_for, night_machine
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.plan import rates
+from robot_llm.llm.plan.machine import GPUError, Machine, cpu_has_native_bf16, usable_gpu_bytes
+from robot_llm.llm.plan.planner import Work, layer_bytes, layer_params, plan
 
 CACHED = (rates.cpu_gemm_flops, rates.ram_read_bps, rates.gpu_rates)
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm import rates
-from robot_llm.llm.cli import main
+from robot_llm.commands.model import main
+from robot_llm.llm.engine.runtime import ModelSettings, open_model
 from robot_llm.llm.generate import SamplingParams
-from robot_llm.llm.machine import cpu_has_native_bf16
-from robot_llm.llm.planner import PlanError
-from robot_llm.llm.runtime import ModelSettings, open_model
+from robot_llm.llm.plan import rates
+from robot_llm.llm.plan.machine import cpu_has_native_bf16
+from robot_llm.llm.plan.planner import PlanError
 
 PROMPTS = ["Акции выросли", "The index fell after the report", "Нефть"]
 

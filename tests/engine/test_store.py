@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm.checkpoint import module_plan
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.store import MANIFEST, PROGRESS, Store, StoreFile, read_manifest, sha256_file, verify
-from robot_llm.llm.store_layout import SCALE_SUFFIX, StoreError
-from robot_llm.llm.store_writer import convert
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.store.checkpoint import module_plan
+from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
+from robot_llm.llm.store.reader import MANIFEST, PROGRESS, Store, StoreFile, read_manifest, sha256_file, verify
+from robot_llm.llm.store.writer import convert
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "int8", "int4"])
@@ -65,7 +65,7 @@ def test_fp16_store_holds_the_release_tensors_exactly(stores: dict[str, Path], r
 
 @pytest.fixture(scope="module")
 def reference_weights(tiny_dir: Path, tiny_config: YalmConfig) -> dict:
-    from robot_llm.llm.checkpoint import iter_release_modules
+    from robot_llm.llm.store.checkpoint import iter_release_modules
 
     return {(kind, index): params for kind, index, params in iter_release_modules(tiny_dir, tiny_config)}
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.llm.store import MANIFEST, PROGRESS, read_manifest, verify
-from robot_llm.llm.store_layout import StoreError
-from robot_llm.llm.store_writer import convert
+from robot_llm.llm.store.layout import StoreError
+from robot_llm.llm.store.reader import MANIFEST, PROGRESS, read_manifest, verify
+from robot_llm.llm.store.writer import convert
 from tests.conftest import fill_disk
 
 

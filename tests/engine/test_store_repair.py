@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from robot_llm.cli import main
-from robot_llm.llm.store import MANIFEST, PROGRESS, read_manifest, verify
+from robot_llm.commands.main import main
+from robot_llm.llm.store.reader import MANIFEST, PROGRESS, read_manifest, verify
 
 
 def test_convert_again_repairs_a_truncated_and_a_missing_file(

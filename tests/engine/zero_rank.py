@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from robot_llm.llm.backends.deepspeed import DeepSpeedModel
-from robot_llm.llm.config import YalmConfig
+from robot_llm.llm.engine.deepspeed import DeepSpeedModel
+from robot_llm.llm.families.config import YalmConfig
 
 
 def main(fixture: Path, out: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import delete
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import GenerationRequest, Signal, Thesis, session_scope, utcnow
+from robot_llm.store.db import GenerationRequest, Signal, Thesis, session_scope, utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import Engine
 
-from robot_llm.cli import main
-from robot_llm.db import utcnow
+from robot_llm.commands.main import main
+from robot_llm.store.db import utcnow
 from tests.forecasts.conftest import seed_thesis, write_config
 
 UTC = timezone.utc

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.db import make_engine
-from robot_llm.migrate import upgrade
+from robot_llm.store.db import make_engine
+from robot_llm.store.migrate import upgrade
 from tests.forecasts.conftest import seed_thesis, write_config
 
 REPO = Path(__file__).resolve().parents[2]

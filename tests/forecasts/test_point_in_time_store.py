@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from robot_llm import request_queue
 from robot_llm.config import load_config
-from robot_llm.db import GenerationRequest, db_clock, session_scope, utcnow
 from robot_llm.forecasts import Forecasts
-from robot_llm.request_queue import RequestQueue, Tally
+from robot_llm.night import queue as request_queue
+from robot_llm.night.queue import RequestQueue, Tally
+from robot_llm.store.db import GenerationRequest, db_clock, session_scope, utcnow
 from tests.forecasts.conftest import clear, write_config
 
 UTC = timezone.utc

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import DatabaseError, make_engine
 from robot_llm.errors import RobotLLMError
 from robot_llm.forecasts import (
     Forecasts,
@@ -24,6 +23,7 @@ from robot_llm.forecasts import (
     parse_moment,
     to_dataframe,
 )
+from robot_llm.store.db import DatabaseError, make_engine
 from tests.conftest import REPO
 from tests.forecasts.conftest import clear, seed_signal, seed_thesis, unique_template, write_config
 
@@ -57,7 +57,7 @@ def test_import_is_light() -> None:
 
 
 def test_reading_through_the_config_stays_light(tmp_path) -> None:
-    from robot_llm.migrate import upgrade
+    from robot_llm.store.migrate import upgrade
 
     db_url = f"sqlite:///{tmp_path / 'light.sqlite'}"  # one backend is enough: this is about imports
     upgrade(db_url)

@@ -10,7 +10,7 @@ import pytest
 from ingest_helpers import DEMO, write_config
 from sqlalchemy.engine import Engine
 
-from robot_llm.cli import main
+from robot_llm.commands.main import main
 
 
 def _url(engine: Engine) -> str:

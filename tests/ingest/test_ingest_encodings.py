@@ -14,10 +14,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from robot_llm.config import FeedConfig, InstrumentConfig
-from robot_llm.db import NewsItem, session_scope
 from robot_llm.ingest.encoding import better_encoding
 from robot_llm.ingest.feeds import ingest_feeds, parse_feed
 from robot_llm.ingest.tagging import Tagger
+from robot_llm.store.db import NewsItem, session_scope
 
 TAGGER = Tagger.from_instruments(InstrumentConfig(**i) for i in INSTRUMENTS)
 FEED = FeedConfig(name="t", url="https://example.org/feed")

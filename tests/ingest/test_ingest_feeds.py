@@ -9,8 +9,8 @@ from ingest_helpers import DEMO, FeedServer, Reply, item, make_config, rss
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import FeedFetch, FeedState, NewsItem, session_scope
 from robot_llm.ingest.feeds import ingest_feeds
+from robot_llm.store.db import FeedFetch, FeedState, NewsItem, session_scope
 
 RU_1251 = (DEMO / "feeds" / "ru-news-windows-1251.rss").read_bytes()
 RU_ATOM = (DEMO / "feeds" / "ru-markets-utf8.atom").read_bytes()

@@ -12,9 +12,9 @@ from ingest_helpers import DEMO, make_config
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import Signal, session_scope
 from robot_llm.ingest.signals import ingest_signals, pending_files
 from robot_llm.signals import SignalError, close, make_signal, publish, publish_many
+from robot_llm.store.db import Signal, session_scope
 
 
 def _signals(engine: Engine) -> list[Signal]:

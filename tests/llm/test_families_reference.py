@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from robot_llm.llm.config import module_plan
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.family import InMemoryModel, Weights
-from robot_llm.llm.importers import hf_config, import_model, iter_hf_modules
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families.config import module_plan
+from robot_llm.llm.families.family import InMemoryModel, Weights
+from robot_llm.llm.store.importers import hf_config, import_model, iter_hf_modules
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,7 +159,7 @@ def test_streaming_engine_on_the_imported_store(
 def test_cli_generates_from_an_imported_store(
     reference: tuple[Any, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_tokenizer: Any
 ) -> None:
-    from robot_llm.llm.cli import main
+    from robot_llm.commands.model import main
 
     model, folder = reference
     tokenizer_dir = tmp_path / "tok"

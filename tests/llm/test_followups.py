@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from robot_llm.llm.config_hf import Gemma3Config
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.family import ForwardModel, InMemoryModel, random_weights
+from robot_llm.llm.engine.slots import SlotState
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families.config_hf import Gemma3Config
+from robot_llm.llm.families.family import ForwardModel, InMemoryModel, random_weights
+from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.scoring import Followup, score_pieces
-from robot_llm.llm.slots import SlotState
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm
 
 REPO = Path(__file__).resolve().parents[2]
 RU = Followup("\nИтог для цены:", (" рост", " падение", " нейтрально"))
@@ -60,8 +60,8 @@ class Counting:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StreamingModel, YalmTokenizer]]:
     """The demo checkpoint, converted to an fp32 store and streamed from disk."""
-    from robot_llm.llm.demo_checkpoint import build_demo_checkpoint
-    from robot_llm.llm.store_writer import convert
+    from robot_llm.llm.store.demo_checkpoint import build_demo_checkpoint
+    from robot_llm.llm.store.writer import convert
 
     root = tmp_path_factory.mktemp("demo")
     sources = [REPO / "robot_llm" / "demo_data" / "feeds", REPO / "prompts"]
@@ -263,9 +263,9 @@ def test_shared_prefix_and_followups_on_gemma3_270m(tmp_path: Path) -> None:
     # window, so local layers must hide prefix keys by position; then stance followups from the cache.
     import os
 
-    from robot_llm.llm.demo_checkpoint import gemma_gguf
-    from robot_llm.llm.importers import import_model
     from robot_llm.llm.reference import long_prompt
+    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
+    from robot_llm.llm.store.importers import import_model
     from robot_llm.llm.tokenizer import load_tokenizer
 
     gguf = gemma_gguf()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.llm.demo_checkpoint import gemma_gguf
 from robot_llm.llm.reference import GREEDY_TOKENS, LOGIT_TOLERANCE, check_gemma
+from robot_llm.llm.store.demo_checkpoint import gemma_gguf
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")

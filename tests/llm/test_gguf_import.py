@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.importers import import_model
-from robot_llm.llm.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.store.importers import import_model
+from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

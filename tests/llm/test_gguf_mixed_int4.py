@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from robot_llm.llm.cli import main
-from robot_llm.llm.engine import StreamingModel
-from robot_llm.llm.importers import GGUF_INT4_MAX_BITS, gguf_bits_per_weight, import_model
-from robot_llm.llm.machine import Machine
-from robot_llm.llm.planner import Work, layer_bytes, plan
-from robot_llm.llm.quant import dequantize_int4_into, dequantize_int8_into, int4_bytes, int8_bytes
-from robot_llm.llm.store import (
+from robot_llm.commands.model import main
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.plan.machine import Machine
+from robot_llm.llm.plan.planner import Work, layer_bytes, plan
+from robot_llm.llm.store.importers import GGUF_INT4_MAX_BITS, gguf_bits_per_weight, import_model
+from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
+from robot_llm.llm.store.quant import dequantize_int4_into, dequantize_int8_into, int4_bytes, int8_bytes
+from robot_llm.llm.store.reader import (
     MANIFEST,
     PROGRESS,
     Manifest,
@@ -36,7 +37,6 @@ from robot_llm.llm.store import (
     read_manifest,
     verify,
 )
-from robot_llm.llm.store_layout import SCALE_SUFFIX, StoreError
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

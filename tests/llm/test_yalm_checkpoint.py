@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.checkpoint import (
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.store.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     iter_release_modules,
@@ -19,7 +20,6 @@ from robot_llm.llm.checkpoint import (
     read_module,
     save_release,
 )
-from robot_llm.llm.config import YalmConfig
 
 LAYER_04 = "layer_04-model_00-model_states.pt"
 

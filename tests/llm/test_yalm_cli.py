@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.llm.cli import main
+from robot_llm.commands.model import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _subprocess(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "robot_llm.llm.cli", "model", *map(str, args)],
+        [sys.executable, "-m", "robot_llm.commands.model", "model", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.llm.config import PRESETS, YalmConfig
+from robot_llm.llm.families.config import PRESETS, YalmConfig
 
 
 def test_fixture_config_is_the_tiny_preset(tiny_dir: Path) -> None:
@@ -44,7 +44,10 @@ def test_validation(tmp_path: Path) -> None:
 
 
 def test_package_import_does_not_import_torch() -> None:
-    code = "import sys, robot_llm.llm, robot_llm.llm.backends, robot_llm.llm.cli; print('torch' in sys.modules)"
+    code = (
+        "import sys, robot_llm.llm, robot_llm.llm.engine.backends, robot_llm.commands.model; "
+        "print('torch' in sys.modules)"
+    )
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert out.stdout.strip() == "False"

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import torch
 
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.original import generate_original
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.original import generate_original
+from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm
 
 
 def test_token_ids_and_pieces(tokenizer: YalmTokenizer, expected: dict[str, Any]) -> None:

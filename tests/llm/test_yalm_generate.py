@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+from robot_llm.llm.families.original import generate_original
+from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.generate import Completion, SamplingParams, filter_logits, generate
-from robot_llm.llm.original import generate_original
 from robot_llm.llm.scoring import score
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm
 
 GREEDY12 = SamplingParams(max_new_tokens=12, greedy=True)
 

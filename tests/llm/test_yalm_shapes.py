@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm.checkpoint import save_release
-from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.family import random_weights
+from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.scoring import score
+from robot_llm.llm.store.checkpoint import save_release
 from robot_llm.llm.tokenizer import YalmTokenizer
-from robot_llm.llm.yalm import Yalm
 
 SHAPES = {
     # E == H (no projector padding), 3 layers, 6 heads of 8, padded vocabulary rows beyond the 600 pieces.

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from robot_llm.db import NewsItem, NewsTicker, Signal
+from robot_llm.store.db import NewsItem, NewsTicker, Signal
 
 REPO = Path(__file__).resolve().parent.parent.parent
 TINY = REPO / "tests" / "fixtures" / "yalm-tiny"

@@ -10,7 +10,7 @@ from apscheduler.triggers.cron import CronTrigger
 
 from robot_llm.clock import cron_trigger, night_as_of, parse_as_of
 from robot_llm.errors import RobotLLMError
-from robot_llm.plan import derive_seed
+from robot_llm.night.plan import derive_seed
 
 MSK = ZoneInfo("Europe/Moscow")
 

@@ -10,9 +10,9 @@ import pytest
 from prompting_helpers import AS_OF, add_news, add_signal
 from sqlalchemy import func, select
 
-from robot_llm.cli import main
-from robot_llm.db import GenerationRequest, Run, session_scope
-from robot_llm.plan import NightNotPlannable, check_templates, derive_seed, plan_night
+from robot_llm.commands.main import main
+from robot_llm.night.plan import NightNotPlannable, check_templates, derive_seed, plan_night
+from robot_llm.store.db import GenerationRequest, Run, session_scope
 
 PARAM_KEYS = {"max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed", "stop", "stance"}
 

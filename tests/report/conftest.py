@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import Engine
 
-from robot_llm.db import NewsItem, Run, session_scope
+from robot_llm.store.db import NewsItem, Run, session_scope
 from tests.forecasts.conftest import seed_signal, seed_thesis, write_config
 
 UTC = timezone.utc

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from robot_llm.config import load_config
-from robot_llm.report_html import write_morning
+from robot_llm.report.html import write_morning
 from tests.report.conftest import DAY
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import Engine
 
-from robot_llm.cli import main
+from robot_llm.commands.main import main
 from robot_llm.config import load_config
-from robot_llm.report_html import (
+from robot_llm.report.html import (
     ReportExtraMissing,
     build_morning,
     render_html,
@@ -97,7 +97,7 @@ def test_without_plotly_the_error_names_the_extra(engine: Engine, month, tmp_pat
 
 
 def test_daemon_with_html_dir_refuses_to_start_without_plotly(engine: Engine, month, monkeypatch) -> None:
-    from robot_llm.daemon import Daemon
+    from robot_llm.daemon.scheduler import Daemon
 
     config_path, _ = month
     config = load_config(config_path)
@@ -118,7 +118,7 @@ def test_index_reads_each_pages_counts(tmp_path: Path) -> None:
 def test_the_report_does_not_import_torch() -> None:
     """The morning page is drawn on the daemon's side: neither torch nor DeepSpeed on its import path."""
     code = (
-        "import sys, robot_llm.report_html, plotly.graph_objects, plotly.subplots, plotly.io, plotly.offline; "
+        "import sys, robot_llm.report.html, plotly.graph_objects, plotly.subplots, plotly.io, plotly.offline; "
         "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     repo = Path(__file__).resolve().parents[2]

@@ -1,0 +1,32 @@
+"""``robot-llm config check``: validate a config and show what is in effect."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import yaml
+
+
+def _check(args: argparse.Namespace) -> int:
+    from robot_llm.commands.common import load_app_config
+    from robot_llm.config import effective_config
+
+    config = load_app_config(args)
+    data = effective_config(config)
+    if args.json:
+        print(json.dumps(data, ensure_ascii=False, indent=2))
+    else:
+        print(f"# {config.source}: OK")
+        print(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), end="")
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``config check``."""
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check = config_sub.add_parser("check", parents=[common], help="validate the config and print it (secrets masked)")
+    check.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    check.set_defaults(handler=_check)

@@ -1,0 +1,461 @@
+"""Streaming engine: run a model of any family layer by layer from a weight store, a whole batch at a time.
+
+Only the resident modules (embedding, YaLM's projector, the output head) stay
+on the compute device; the family's functions (:mod:`robot_llm.llm.families.family`)
+compute the embedding, each layer and the head. Transformer layers live in their *home* (the store on disk, or RAM)
+and pass through two preallocated slots: while layer ``l`` computes for every
+row of the batch, a background thread reads layer ``l+1`` into the other slot
+(pinned host memory, then a copy stream into a device slot when computing on
+CUDA). There are two such threads, so a layer's reads join the disk's queue
+while the layer before still has requests in flight; what follows a read runs
+one layer at a time. Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
+the family as they were read (:class:`~robot_llm.llm.store.quant.PackedInt4`,
+:class:`~robot_llm.llm.store.quant.PackedInt8`): :func:`robot_llm.llm.families.family.linear`
+runs torch's fused kernels on them at decode batch sizes, so nothing is
+dequantized; a call with more rows than the kernel is worth (a prefill; int8
+from 11 rows) makes the matrix dense once in a compute buffer. Otherwise (fp32
+compute on the CPU, or CUDA) quantized and mixed-dtype layers are converted into
+compute-dtype buffers: on the CPU by a reader thread, one set per slot, so
+dequantization overlaps compute like the read does; on CUDA on the GPU right
+before use, from the bytes copied up. Slots and buffers are allocated once
+and reused for every layer and every step, so memory does not grow with the
+number of steps. The last layer of a step prefetches layer 0 of the next
+step, so decode steps overlap too.
+
+:class:`StreamingModel` implements :class:`robot_llm.llm.families.yalm.ForwardModel`,
+so :mod:`robot_llm.llm.generate` runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from robot_llm.llm.engine.kv_cache import KVCache
+from robot_llm.llm.families.config import embedding_is_head
+from robot_llm.llm.families.family import Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.plan.machine import gpu_has_native_bf16
+from robot_llm.llm.plan.planner import gpu_compute_dtype
+from robot_llm.llm.store.diskio import DEFAULT_DEPTH, io_pool
+from robot_llm.llm.store.layout import SCALE_SUFFIX, FileLayout, StoreError, aligned_buffer, direct_span, read_into
+from robot_llm.llm.store.quant import PackedInt4, PackedInt8
+from robot_llm.llm.store.reader import Store
+
+log = logging.getLogger(__name__)
+
+WeightHome = Literal["disk", "ram"]
+KVHome = Literal["device", "cpu"]
+AttentionHome = Literal["compute", "kv"]
+
+#: Tries of one layer read before the forward pass fails (a transient EIO or short read is retried).
+READ_ATTEMPTS = 4
+#: Wait before the first retry; doubled before each next one.
+READ_BACKOFF_S = 0.05
+
+
+class LayerReadError(StoreError):
+    """A layer file stayed unreadable through every retry: that forward pass fails, the engine stays usable."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` means CUDA when available, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass
+class StreamStats:
+    """Counters of the weight stream, for progress logs and the benchmark.
+
+    ``read_seconds`` is time spent inside reads (background thread);
+    ``wait_seconds`` is time the compute thread sat waiting for a layer that
+    was not there yet, i.e. I/O that compute did not hide.
+    """
+
+    bytes_read: int = 0
+    layers_read: int = 0
+    read_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    read_retries: int = 0
+    forward_seconds: float = 0.0
+    forwards: int = 0
+
+    @property
+    def read_bandwidth(self) -> float:
+        """Bytes per second while reading."""
+        return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
+
+    @property
+    def io_hidden_fraction(self) -> float:
+        """Share of read time overlapped with compute (1 = the stream never stalled compute)."""
+        if not self.read_seconds:
+            return 1.0
+        return max(0.0, 1.0 - self.wait_seconds / self.read_seconds)
+
+
+@dataclass
+class _Slot:
+    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse.
+
+    On the CPU, ``buffers`` are the slot's own compute-dtype tensors and
+    ``params`` the layer's weights ready for compute, set by the reader.
+    """
+
+    host: Tensor | None
+    device: Tensor | None
+    free: torch.cuda.Event | None = None
+    ready: Future[int] | None = field(default=None, repr=False)
+    layer: int = -1
+    offset: int = 0  # where the layer's data section starts in the slot
+    buffers: Params = field(default_factory=dict, repr=False)
+    params: Params | None = field(default=None, repr=False)
+
+
+class StreamingModel:
+    """A model streamed from a :class:`~robot_llm.llm.store.reader.Store`; implements ``ForwardModel``.
+
+    ``home`` is where layers live between uses (``"disk"``: read from the store
+    files every step; ``"ram"``: loaded once into CPU memory). ``kv_home`` puts
+    the KV cache on the compute device or in CPU RAM. ``micro_batch`` splits the
+    rows of a multi-token (prefill) step so activations stay bounded while each
+    layer is still read once for the whole batch. ``prefetch=False`` reads
+    synchronously (the naive schedule, for comparison). ``ram_layers`` splits
+    a disk home: the first that many layers are held in RAM, the rest streamed
+    (for RAM that holds part of the model). ``read_depth`` is how many large
+    reads of a layer are in flight at once (:mod:`robot_llm.llm.store.diskio`).
+    ``kv_dtype`` ``int8``/``int4`` keeps the KV cache compressed
+    (:mod:`robot_llm.llm.engine.kvquant`); None keeps it in the compute dtype.
+    ``attention_home`` ``"kv"`` runs a decode step's attention where the KV cache
+    lives (FlexGen's CPU attention, for a cache in RAM on a GPU machine: the planner
+    chooses it when copying the cache up each step would cost more); ``"compute"``
+    copies the cache's slice to the compute device.
+    ``on_layer``, when set, is called after every layer of every micro-batch.
+    """
+
+    def __init__(
+        self,
+        store: Store | str | Path,
+        *,
+        home: WeightHome = "disk",
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype | None = None,
+        kv_home: KVHome = "device",
+        micro_batch: int | None = None,
+        prefetch: bool = True,
+        drop_cache: bool = True,
+        ram_layers: int = 0,
+        read_depth: int = DEFAULT_DEPTH,
+        kv_dtype: str | None = None,
+        attention_home: AttentionHome = "compute",
+    ) -> None:
+        self.store = store if isinstance(store, Store) else Store(store)
+        self.config = cfg = self.store.config
+        self.family = family_of(cfg)
+        self.device = resolve_device(device)
+        self.cuda = self.device.type == "cuda"
+        if dtype is None:  # as the planner's auto: the family's GPU dtype, fp32 on the CPU
+            dtype = gpu_compute_dtype(cfg, gpu_has_native_bf16(self.device)) if self.cuda else "fp32"
+        self.dtype = resolve_dtype(dtype)
+        self.home = home
+        self.kv_device = self.device if kv_home == "device" else torch.device("cpu")
+        self.kv_dtype = kv_dtype
+        self.attention_home = attention_home
+        self.micro_batch = micro_batch
+        # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
+        # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
+        self.on_layer: Callable[[], None] | None = None
+        self.prefetch = prefetch
+        if home not in ("disk", "ram"):
+            raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
+        self.ram_layers = cfg.num_layers if home == "ram" else max(0, min(ram_layers, cfg.num_layers))
+        streams = self.ram_layers < cfg.num_layers
+        self.drop_cache = drop_cache and streams
+        self.read_depth = read_depth
+        self.stats = StreamStats()
+        # Quantized matrices go to torch's fused CPU kernels as stored (they want bf16 activations).
+        self.fused = not self.cuda and self.dtype == torch.bfloat16
+        self.rope = self.family.rope(cfg)
+        # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
+        self.embed_device = self.device if embedding_is_head(cfg) else torch.device("cpu")
+        self.resident: Resident = {
+            kind: {
+                k: t.to(self.embed_device if kind == "embedding" else self.device, self.dtype)
+                for k, t in self.store.load(kind).items()
+            }
+            for kind in cfg.resident_shapes()
+        }
+        self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
+        self.paths = self.store.layer_files()
+        self._io = io_pool(read_depth) if read_depth > 1 else None
+        # Disk slots take whole files (O_DIRECT reads from offset 0); RAM-homed layers hold data sections.
+        slot_bytes = max(
+            layout.data_size if i < self.ram_layers else direct_span(layout) for i, layout in enumerate(self.layouts)
+        )
+        # RAM-homed layers: their bytes once in CPU memory (views are used in place on the CPU).
+        self.ram: list[Tensor | None] = [None] * cfg.num_layers
+        for i in range(self.ram_layers):
+            held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
+            read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
+        self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
+        # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
+        # does the fused CPU path, whose quantized matrices are dequantized (if ever) by the compute thread.
+        shared = self._compute_buffers()
+        for n, slot in enumerate(self.slots):
+            slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers(shared if self.fused else None)
+        self._next = 0
+        self._prefetched: _Slot | None = None
+        self._current = self.slots[0]
+        # Two reader threads: the next layer's reads join the disk pool's queue while the last requests of
+        # the layer before are still in flight, so the disk never waits at a file's end for the queue to
+        # refill. All that follows a read (the GPU copy, conversions, stats) runs one layer at a time.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="layer-reader") if prefetch else None
+        self._after_read = threading.Lock()
+        self._read_busy_until = 0.0
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    # ------------------------------------------------------------------ buffers
+
+    def _new_slot(self, nbytes: int) -> _Slot:
+        host = None
+        if self.ram_layers < self.config.num_layers:
+            host = aligned_buffer(nbytes, pin_memory=self.cuda)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if self.cuda else None
+        return _Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
+
+    def _compute_buffers(self, shared: Params | None = None) -> Params:
+        """One compute-dtype tensor per key whose stored dtype differs from the compute dtype.
+
+        With ``shared``, the quantized matrices' buffers are taken from it (the fused CPU path).
+        """
+        buffers: Params = {}
+        for layout in self.layouts:
+            for key, slot in layout.tensors.items():
+                if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
+                    continue
+                if shared is not None and slot.dtype in (torch.int8, torch.uint8):
+                    buffers[key] = shared[key]
+                else:
+                    buffers[key] = torch.empty(layout.shape(key), dtype=self.dtype, device=self.device)
+        return buffers
+
+    def buffer_pointers(self) -> list[int]:
+        """data_ptr of every preallocated buffer (constant for the engine's lifetime)."""
+        tensors = [t for s in self.slots for t in (s.host, s.device) if t is not None]
+        tensors += [t for s in self.slots for t in s.buffers.values()]
+        return list(dict.fromkeys(t.data_ptr() for t in tensors))
+
+    # ------------------------------------------------------------------ streaming
+
+    def _fill(self, slot: _Slot, layer: int) -> int:
+        """Bring ``layer`` into ``slot`` (runs on a reader thread when prefetching).
+
+        On the CPU the slot ends with the layer's compute-dtype weights in ``slot.params``.
+        """
+        layout, ram = self.layouts[layer], self.ram[layer]
+        if ram is not None and not self.cuda:
+            # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
+            with self._after_read:
+                slot.params = self._to_compute(layout, ram, slot.buffers)
+            return 0
+        started = time.perf_counter()
+        size = layout.data_size
+        offset = self._read_layer(layer, slot) if ram is None else 0
+        source = slot.host if ram is None else ram
+        assert source is not None
+        with self._after_read:
+            slot.offset = offset
+            if self.cuda:
+                assert self._copy_stream is not None and slot.device is not None and slot.free is not None
+                with torch.cuda.stream(self._copy_stream):
+                    # The slot may still feed kernels queued for the layer it held before.
+                    self._copy_stream.wait_event(slot.free)
+                    end = slot.offset + size
+                    slot.device[:end].copy_(source[:end], non_blocking=True)
+                self._copy_stream.synchronize()
+            done = time.perf_counter()
+            # Consecutive layers' reads overlap: the time the reader worked on this one counts once.
+            self.stats.read_seconds += max(0.0, done - max(started, self._read_busy_until))
+            self._read_busy_until = done
+            self.stats.bytes_read += size
+            self.stats.layers_read += 1
+            if not self.cuda:
+                slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
+        return size
+
+    def _read_layer(self, layer: int, slot: _Slot) -> int:
+        """Read a disk-homed layer into ``slot.host``, retrying transient failures with backoff."""
+        assert slot.host is not None
+        path = self.paths[layer]
+        delay, attempt = READ_BACKOFF_S, 1
+        while True:
+            try:
+                return read_into(
+                    path,
+                    self.layouts[layer],
+                    slot.host,
+                    direct=True,
+                    drop_cache=self.drop_cache,
+                    pool=self._io,
+                    depth=self.read_depth,
+                )
+            except (OSError, StoreError) as exc:  # EIO, a short read of a file being rewritten...
+                if attempt == READ_ATTEMPTS:
+                    raise LayerReadError(
+                        f"{path}: reading layer {layer} failed {READ_ATTEMPTS} times, last: {exc}"
+                    ) from exc
+                with self._after_read:
+                    self.stats.read_retries += 1
+                log.warning("%s: reading layer %d failed (%s); retry %d in %.2fs", path, layer, exc, attempt, delay)
+                time.sleep(delay)
+                delay, attempt = delay * 2, attempt + 1
+
+    def _request(self, layer: int) -> _Slot:
+        slot = self.slots[self._next % len(self.slots)]
+        self._next += 1
+        slot.layer = layer
+        if self._pool is None:
+            slot.ready = None
+            self._fill(slot, layer)
+        else:
+            slot.ready = self._pool.submit(self._fill, slot, layer)
+        return slot
+
+    def _acquire(self, layer: int) -> Params:
+        """Wait for ``layer`` and return its weights as compute-dtype tensors on the compute device."""
+        slot = self._current
+        if slot.ready is not None:
+            # Cleared before waiting: a failed read is raised once (this pass), not on every later one.
+            ready, slot.ready = slot.ready, None
+            started = time.perf_counter()
+            ready.result()
+            self.stats.wait_seconds += time.perf_counter() - started
+        if not self.cuda:
+            assert slot.params is not None
+            params, slot.params = slot.params, None
+            return params
+        assert slot.device is not None
+        layout = self.layouts[layer]
+        return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
+
+    def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params) -> Params:
+        """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path) or
+        conversions into ``buffers``."""
+        raw = layout.views(data)
+        params: Params = {}
+        for key, tensor in raw.items():
+            if key.endswith(SCALE_SUFFIX):
+                continue
+            shape = layout.shape(key)
+            packed: PackedInt4 | PackedInt8 | None = None
+            if tensor.dtype == torch.uint8:
+                packed = PackedInt4(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
+            elif tensor.dtype == torch.int8:
+                packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
+            if packed is not None:
+                params[key] = packed if self.fused else packed.dense(self.dtype)
+            elif tensor.dtype == self.dtype:
+                params[key] = tensor
+            else:
+                params[key] = buffers[key].copy_(tensor)
+        return params
+
+    # ------------------------------------------------------------------ ForwardModel
+
+    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
+        """An empty cache in the compute dtype on the KV home."""
+        cache = KVCache.allocate(
+            self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad, kv_dtype=self.kv_dtype
+        )
+        cache.attend_where_stored = self.attention_home == "kv"
+        return cache
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+        *,
+        last_only: bool = False,
+    ) -> Tensor:
+        """Run ``ids [B, T]``; returns fp32 CPU logits (see ``ForwardModel.forward``)."""
+        started = time.perf_counter()
+        cfg, fam = self.config, self.family
+        B, T = ids.shape
+        step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
+        x = fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device)
+        rows = B if T == 1 or not self.micro_batch else self.micro_batch
+        if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
+            self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
+            self._prefetched = self._request(0)
+        for i in range(cfg.num_layers):
+            self._current = self._prefetched
+            # Read the next layer (layer 0 of the next step after the last one) while this one computes.
+            self._prefetched = self._request((i + 1) % cfg.num_layers) if self._pool is not None else None
+            params = self._acquire(i)
+            for a in range(0, B, rows):
+                b = min(a + rows, B)
+                kv = cache.layer(i).rows(a, b) if cache is not None else None
+                x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
+                if self.on_layer is not None:
+                    self.on_layer()
+            if self.cuda:
+                assert self._current.free is not None
+                # On the compute device's stream: a bare record() takes the current device's (cuda:0 under cuda:1).
+                self._current.free.record(torch.cuda.current_stream(self.device))
+            if self._pool is None and i + 1 < cfg.num_layers:
+                self._prefetched = self._request(i + 1)
+        if self._pool is None:
+            self._prefetched = None
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:]
+        logits = fam.head(x, self.resident, cfg).float().cpu()
+        self.stats.forwards += 1
+        self.stats.forward_seconds += time.perf_counter() - started
+        log.debug(
+            "forward %d: %dx%d tokens in %.2fs, %.0f MiB/s read, %.0f%% of I/O hidden",
+            self.stats.forwards,
+            B,
+            T,
+            time.perf_counter() - started,
+            self.stats.read_bandwidth / 2**20,
+            100 * self.stats.io_hidden_fraction,
+        )
+        return logits
+
+    __call__ = forward
+
+    def _drain(self) -> None:
+        """Wait for every read in flight; their results are discarded (the stream restarts), errors too."""
+        for slot in self.slots:
+            ready, slot.ready = slot.ready, None
+            if ready is not None:
+                ready.exception()  # waits; the error, if any, belonged to a pass that already failed
+            slot.params = None
+
+    def close(self) -> None:
+        """Finish the outstanding read and stop the reader threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        self._prefetched = None
+
+
+def _failed(slot: _Slot) -> bool:
+    """The slot's read finished with an error (e.g. layer 0 prefetched at the end of a pass)."""
+    return slot.ready is not None and slot.ready.done() and slot.ready.exception() is not None

@@ -1,0 +1,376 @@
+"""What a model family supplies, and the machinery every family shares.
+
+A family (:mod:`~robot_llm.llm.families.yalm`, :mod:`~robot_llm.llm.families.llama`,
+:mod:`~robot_llm.llm.families.gemma3`) is a config dataclass (weight names and shapes
+per streamed module, see :mod:`robot_llm.llm.families.config`) plus a :class:`Family`:
+its rotary frequencies, its embedding, one transformer layer and its output
+head, as plain functions over ``dict[str, Tensor]`` weights. The in-memory
+model here, the streaming engine, the store, the planner and generation only
+ever call these. One forward step over ``ids [B, T]``::
+
+    fam = family_of(cfg)
+    step = prepare_step(cfg, fam.rope(cfg), cache, T, pad, device, dtype, batch=B)
+    x = fam.embed(ids, resident, cfg)                  # resident: {"embedding": ..., "output": ...}
+    for i in range(cfg.num_layers):
+        x = fam.layer(x, layers[i], cfg, i, step, cache.layer(i) if cache is not None else None)
+    if cache is not None:
+        cache.advance(T)
+    logits = fam.head(x, resident, cfg).float()
+
+Batching prompts of different lengths: left-pad every row to the same length
+and pass ``pad[b]`` (the number of pad slots at the front of row ``b``). Row
+``b``'s rotary position of slot ``s`` is ``s - pad[b]`` (BOS at position 0),
+and pad slots are masked out as keys, so each row computes exactly what it
+would compute alone. The KV cache and
+what a layer sees of it are :mod:`robot_llm.llm.engine.kv_cache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
+from robot_llm.llm.families.config import ModelConfig, module_plan
+from robot_llm.llm.store.quant import (
+    FUSED_MAX_ROWS,
+    PackedInt4,
+    PackedInt8,
+    int4_linear,
+    int8_linear,
+    int8_linear_widened,
+)
+
+#: A module's weights by key. The streaming engine may hand a layer's matrices over packed
+#: (:class:`PackedInt4`/:class:`PackedInt8`): families multiply them only through :func:`linear`.
+Params = dict[str, Tensor]
+Resident = dict[str, Params]
+
+#: Compute dtypes, by name.
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map ``"fp32"``/``"bf16"``/``"fp16"`` (or a torch dtype) to a supported torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported compute dtype {dtype}")
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` for a streamed matrix: a plain tensor, or one the engine handed over packed.
+
+    A packed matrix runs torch's fused kernel when ``x`` is a bf16 CPU tensor of
+    at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode
+    steps); otherwise it is made dense once, into its buffer, and multiplied densely
+    (int4: dequantized; int8: its codes widened, the scale applied to the output).
+    """
+    if isinstance(weight, Tensor):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    kernel = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    if isinstance(weight, PackedInt4):
+        if not (kernel and rows <= FUSED_MAX_ROWS["int4"]):
+            return F.linear(x, weight.dense(x.dtype), bias)
+        y = int4_linear(x, weight)
+    else:
+        y = int8_linear(x, weight) if kernel and rows <= FUSED_MAX_ROWS["int8"] else int8_linear_widened(x, weight)
+    return y if bias is None else y + bias
+
+
+# --------------------------------------------------------------------------- step metadata
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Everything a layer needs about the current step besides weights and activations.
+
+    ``positions [B, T]`` rotary positions; ``mask [B, 1, T, S]`` bool, True where
+    attention is forbidden (``S`` = slots visible after this step); ``windows[w]`` the
+    same mask for a sliding window of ``w`` positions; ``rotary[name]`` the
+    ``(cos, sin)`` factors ``[B, T, 1, head_dim]`` of the family's rotary table ``name``,
+    already in the compute dtype.
+    """
+
+    positions: Tensor
+    mask: Tensor
+    windows: dict[int, Tensor]
+    rotary: dict[str, tuple[Tensor, Tensor]]
+
+    def mask_for(self, window: int | None) -> Tensor:
+        """The attention mask of a layer with this sliding window (None: the causal mask)."""
+        return self.mask if window is None else self.windows[window]
+
+    def rows(self, a: int, b: int) -> StepInfo:
+        """The step metadata of rows ``a:b``."""
+        if a == 0 and b == self.positions.shape[0]:
+            return self
+        return StepInfo(
+            positions=self.positions[a:b],
+            mask=self.mask[a:b],
+            windows={w: m[a:b] for w, m in self.windows.items()},
+            rotary={name: (c[a:b], s[a:b]) for name, (c, s) in self.rotary.items()},
+        )
+
+
+def prepare_step(
+    cfg: ModelConfig,
+    rope: dict[str, Tensor],
+    cache: KVCache | None,
+    num_tokens: int,
+    pad: Tensor | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    batch: int | None = None,
+) -> StepInfo:
+    """Build positions, masks and rotary factors for a step feeding ``num_tokens`` per row.
+
+    ``rope`` maps each rotary table's name to its float32 inverse frequencies
+    ``[head_dim / 2]`` (:attr:`Family.rope`). With a cache, ``pad`` must be None (the
+    cache's slot state is used) and the step covers slots ``cache.length ..
+    cache.length + num_tokens - 1``, laid out by :meth:`KVCache.step_layout`. Without
+    a cache, ``pad`` (default: no padding) describes the left padding of the ``batch`` rows.
+    """
+    if cache is not None:
+        if pad is not None:
+            raise ValueError("pass the padding through the cache, not both")
+        layout = cache.step_layout(num_tokens)
+        positions = layout.positions
+        mask = cache.slots.forbidden(cache.length, layout)
+        key_pos = cache.slots.key_positions(cache.length, layout)
+    else:
+        if pad is None:
+            if batch is None:
+                raise ValueError("prepare_step needs pad or batch when there is no cache")
+            pad = torch.zeros(batch, dtype=torch.long)
+        pad_t = pad.to("cpu", torch.long)
+        slots = torch.arange(num_tokens)
+        positions = (slots[None, :] - pad_t[:, None]).clamp_min(0)
+        future = slots[None, :] > slots[:, None]  # [T, S]
+        padded = (slots[None, :] < pad_t[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        mask = future[None, None] | padded
+        key_pos = positions
+    if int(positions.max()) >= cfg.max_position_embeddings:
+        raise ValueError(
+            f"position {int(positions.max())} exceeds max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    windows = {}
+    for w in {cfg.sliding_window(i) for i in range(cfg.num_layers)} - {None}:
+        assert w is not None
+        too_far = key_pos[:, None, :] <= positions[:, :, None] - w  # a key w or more positions back
+        windows[w] = (mask | too_far[:, None]).to(device)
+    positions = positions.to(device)
+    rotary = {}
+    for name, inv_freq in rope.items():
+        # float32 angles exactly as torch.outer(t, inv_freq) computes them, then cos/sin, then the dtype.
+        freqs = positions[..., None].float() * inv_freq.to(device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        rotary[name] = (emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :])
+    return StepInfo(positions=positions, mask=mask.to(device), windows=windows, rotary=rotary)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half ("NeoX") rotary on ``x [B, T, heads, hd]`` with ``cos``/``sin`` ``[B, T, 1, hd]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+# --------------------------------------------------------------------------- the family interface
+
+
+@dataclass(frozen=True)
+class Family:
+    """The functions that make one model family; everything else is shared.
+
+    * ``rope(cfg)``: name -> float32 inverse frequencies of each rotary table the layers use;
+    * ``embed(ids, resident, cfg)``: ``ids [B, T]`` -> hidden states ``[B, T, H]``;
+    * ``layer(x, params, cfg, index, step, kv)``: one transformer layer; with ``kv`` it
+      writes the step's keys/values into the cache and attends to all filled slots;
+    * ``head(x, resident, cfg)``: hidden states -> logits ``[B, T, V]`` in x's dtype.
+
+    ``resident`` maps module kinds (``embedding``, ``projector``, ``output``) to their
+    weights; every function computes in the dtype and on the device of its tensors.
+    """
+
+    name: str
+    rope: Callable[[Any], dict[str, Tensor]]
+    embed: Callable[[Tensor, Resident, Any], Tensor]
+    layer: Callable[[Tensor, Params, Any, int, StepInfo, LayerKV | None], Tensor]
+    head: Callable[[Tensor, Resident, Any], Tensor]
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The :class:`Family` that computes models of this config."""
+    from robot_llm.llm.families import gemma3, llama, yalm
+
+    families = {"yalm": yalm.FAMILY, "llama": llama.FAMILY, "gemma3": gemma3.FAMILY}
+    return families[cfg.family]
+
+
+# --------------------------------------------------------------------------- models
+
+
+class ForwardModel(Protocol):
+    """What :mod:`robot_llm.llm.generate` needs from a model (in-memory or streamed)."""
+
+    config: Any
+
+    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
+        """An empty cache for ``batch`` left-padded rows (``pad[b]`` pad slots) of ``max_len`` slots."""
+        ...
+
+    def forward(
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+        *,
+        last_only: bool = False,
+    ) -> Tensor:
+        """Run ``ids [B, T]`` (CPU long); return fp32 CPU logits ``[B, T, V]`` (``[B, 1, V]`` if last_only).
+
+        With ``cache`` the tokens continue the cached rows and the cache is
+        advanced by ``T``; without it ``pad`` gives the left padding of each row.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class Weights:
+    """All weights of a model: the resident modules by kind, and the transformer layers."""
+
+    resident: Resident
+    layers: list[Params]
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> Weights:
+        """Copy every tensor to ``device`` and ``dtype``."""
+
+        def conv(p: Params) -> Params:
+            return {k: t.to(device=device, dtype=dtype) for k, t in p.items()}
+
+        return Weights(resident={k: conv(p) for k, p in self.resident.items()}, layers=[conv(p) for p in self.layers])
+
+
+class InMemoryModel:
+    """A whole model held in memory, any family; implements :class:`ForwardModel`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        *,
+        dtype: str | torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = cfg
+        self.family = family_of(cfg)
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.weights = weights.to(self.device, self.dtype)
+        self.rope = self.family.rope(cfg)
+
+    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
+        """An empty cache on the model's device in the compute dtype."""
+        return KVCache.allocate(self.config, batch, max_len, dtype=self.dtype, device=self.device, pad=pad)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+        *,
+        last_only: bool = False,
+    ) -> Tensor:
+        """See :meth:`ForwardModel.forward`."""
+        cfg, w, fam = self.config, self.weights, self.family
+        B, T = ids.shape
+        step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
+        x = fam.embed(ids.to(self.device), w.resident, cfg)
+        for i, layer in enumerate(w.layers):
+            x = fam.layer(x, layer, cfg, i, step, cache.layer(i) if cache is not None else None)
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:]
+        return fam.head(x, w.resident, cfg).float().cpu()
+
+    __call__ = forward
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> Weights:
+    """Random weights with the config's shapes (for tests, demos and benchmarks).
+
+    Norm gains are drawn around 1 and biases around 0 so that every parameter
+    matters; ``std`` scales the matrices.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(name: str, shape: tuple[int, ...]) -> Tensor:
+        t = torch.randn(shape, generator=g, dtype=torch.float32)
+        if len(shape) == 2:
+            t = t * std
+        elif name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * t
+        else:
+            t = 0.1 * t
+        return t.to(dtype)
+
+    resident: Resident = {}
+    layers: list[Params] = []
+    for kind, _, shapes in module_plan(cfg):
+        params = {k: draw(k, s) for k, s in shapes.items()}
+        if kind == "layer":
+            layers.append(params)
+        else:
+            resident[kind] = params
+    return Weights(resident=resident, layers=layers)
+
+
+# --------------------------------------------------------------------------- pieces the HF families share
+
+
+def rope_inv_freq(base: float, dim: int) -> Tensor:
+    """Default rotary inverse frequencies ``1 / base^(2i/dim)`` in float32, as transformers computes them."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
+) -> Tensor:
+    """Attention of ``q [B, T, n, hd]`` over ``k``/``v`` ``[B, S, kv, hd]``, query head ``j`` using KV head
+    ``j // (n / kv)``; ``mask [B, 1, T, S]`` True where forbidden. Returns ``[B, T, n * hd]``.
+
+    As transformers' eager attention: scores scaled after the matmul, optional tanh soft-capping,
+    softmax in float32, probabilities cast back to the compute dtype. Masked scores become the
+    dtype's minimum (not -inf) so that a fully masked row (a pad slot) stays finite.
+    """
+    B, T, n, hd = q.shape
+    group = n // k.shape[2]
+    q = q.transpose(1, 2)
+    k = k.transpose(1, 2).repeat_interleave(group, dim=1)
+    v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(B, T, n * hd)

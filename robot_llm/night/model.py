@@ -1,0 +1,205 @@
+"""The one door that opens the configured model: ``config.model`` -> a loaded model the worker can use.
+
+Everything that needs the model the config describes (the worker, preflight's shape and
+memory checks) comes through here, so the mapping of the config onto the runtime lives in
+one place. The runtime itself (:mod:`robot_llm.llm.engine.runtime`) is imported only when a model
+is opened: this module stays free of torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from robot_llm.errors import RobotLLMError
+
+if TYPE_CHECKING:
+    from robot_llm.config import AppConfig
+    from robot_llm.llm.engine.runtime import ModelSettings
+    from robot_llm.llm.generate import Completion, SamplingParams
+    from robot_llm.llm.scoring import Followup
+    from robot_llm.llm.tokenizer import Tokenizer
+
+__all__ = [
+    "BatchModel",
+    "ConfiguredModel",
+    "ModelConfigError",
+    "model_settings",
+    "model_shape",
+    "open_configured_model",
+]
+
+
+class ModelConfigError(RobotLLMError):
+    """The configured weights' shape cannot be read (a damaged manifest or config.json)."""
+
+
+class BatchModel(Protocol):
+    """What the worker needs from a loaded model (the engine's ``LoadedModel`` shape)."""
+
+    model_id: str
+    tokenizer: Tokenizer
+    max_positions: int
+
+    def generate(
+        self,
+        prompts: list[str],
+        params: list[SamplingParams],
+        on_progress: Callable[[int, int], None] | None = None,
+        followups: list[Followup | None] | None = None,
+    ) -> list[Completion]:
+        """One completion per prompt, in order (followups scored into ``followup_logprobs``)."""
+        ...
+
+    def score_pieces(self, prompt: str, continuations: list[str]) -> list[list[float]]:
+        """Log-probability of every token of each continuation after ``prompt``."""
+        ...
+
+    def close(self) -> None:
+        """Release the model's memory and files."""
+        ...
+
+
+@dataclass
+class ConfiguredModel:
+    """The runtime's ``LoadedModel`` plus what the worker needs: the window, per-step liveness."""
+
+    loaded: Any
+    max_positions: int
+    name: str
+
+    @property
+    def model_id(self) -> str:
+        # The user's name for the model (config model.id), then the runtime's id, which pins
+        # the exact weights: "yalm-100b:yalm-100b/fp16@3f2a9c1b7d0e".
+        return f"{self.name}:{self.loaded.model_id}"
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    def generate(
+        self,
+        prompts: list[str],
+        params: list[SamplingParams],
+        on_progress: Callable[[int, int], None] | None = None,
+        followups: list[Followup | None] | None = None,
+    ) -> list[Completion]:
+        if on_progress is None:
+            return self.loaded.generate(prompts, params, followups=followups)
+        done = [0]
+
+        def batch_done(finished: int, total: int) -> None:
+            done[0] = finished
+            on_progress(finished, total)
+
+        # Every forward pass (and every layer of one, with the stream engine) counts as liveness for
+        # the watchdog: one batch of the 100B model streamed from disk can outlast batch.stall_timeout.
+        return self.loaded.generate(
+            prompts,
+            params,
+            on_progress=batch_done,
+            on_step=lambda: on_progress(done[0], len(prompts)),
+            followups=followups,
+        )
+
+    def score_pieces(self, prompt: str, continuations: list[str]) -> list[list[float]]:
+        return self.loaded.score_pieces(prompt, continuations)
+
+    def close(self) -> None:
+        self.loaded.close()
+
+
+def release_config_file(config: AppConfig) -> Path | None:
+    checkpoint = config.model.checkpoint
+    if checkpoint is None:
+        return None
+    for candidate in (checkpoint / "config.json", checkpoint.parent / "config.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def model_shape(config: AppConfig) -> Any:
+    """The :class:`~robot_llm.llm.families.config.YalmConfig` of the configured weights, as the runtime will see it.
+
+    A store carries it in its manifest; a release checkpoint in a ``config.json`` next to
+    (or one folder above) the weight files; a release without one (the published
+    YaLM-100B) is the ``yalm-100b`` preset.
+    """
+    from robot_llm.llm.families.config import YalmConfig
+
+    m = config.model
+    if m.store is not None:
+        from robot_llm.llm.store.layout import StoreError
+        from robot_llm.llm.store.reader import read_manifest
+
+        try:
+            return read_manifest(m.store).config
+        except StoreError as exc:
+            raise ModelConfigError(f"model.store: {exc}") from None
+    found = release_config_file(config)
+    if found is None:
+        return YalmConfig.preset("yalm-100b")
+    try:
+        return YalmConfig.from_json(found)
+    except (ValueError, TypeError) as exc:
+        raise ModelConfigError(f"{found}: {exc}") from None
+
+
+def night_max_new_tokens(config: AppConfig) -> int:
+    """The most tokens any template generates (the night's plan is made for it)."""
+    from robot_llm.prompting.loading import load_templates
+
+    try:
+        templates = load_templates(config)
+    except RobotLLMError:  # doctor's templates check reports it
+        return config.prompts.generation.max_new_tokens
+    return max(t.generation_for(config).max_new_tokens for t in templates.values())
+
+
+def model_settings(config: AppConfig) -> ModelSettings:
+    """The runtime settings ``config.model`` means; the worker and doctor's plan both start here."""
+    from robot_llm.llm.engine.runtime import ModelSettings
+
+    m = config.model
+    assert m.vocab is not None  # required by the config validator
+    return ModelSettings(
+        vocab=m.vocab,
+        backend=m.backend,
+        checkpoint=m.checkpoint,
+        store=m.store,
+        home=m.home,
+        # int8/int4 are how a store keeps its weights, not compute dtypes: the plan picks one.
+        dtype="auto" if m.dtype in ("int8", "int4") else m.dtype,
+        threads=m.threads,
+        micro_batch=m.micro_batch,
+        kv_dtype=m.kv_dtype,
+        device=m.device,
+        max_batch_size=m.max_batch_size,
+        refill_slots=m.refill_slots,
+        memory_budget_bytes=m.memory_budget,
+        gpu_memory_budget_bytes=m.gpu_memory_budget,
+        offload_dir=m.offload_dir,
+        offload=m.offload,
+        preset="yalm-100b" if m.store is None and release_config_file(config) is None else None,
+        max_new_tokens=night_max_new_tokens(config),
+        max_positions=m.max_positions,
+    )
+
+
+def open_configured_model(config: AppConfig) -> BatchModel:
+    """Load the model ``config.model`` describes, placed as the night's plan says.
+
+    Raises the runtime's user-facing errors (RobotLLMError) with a one-line reason when the
+    weights, the vocabulary or the backend are not usable, or the night cannot fit.
+    """
+    from robot_llm.llm.engine.runtime import open_model
+
+    m = config.model
+    loaded = open_model(model_settings(config))
+    return ConfiguredModel(
+        loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings), name=m.id
+    )
