@@ -63,8 +63,9 @@ from robot_llm.llm.engine.runtime import ModelSettings, night_work, plan_run
 from robot_llm.llm.families.config import ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.families.family import Params
 from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine
-from robot_llm.llm.plan.planner import HEADROOM, Work, layer_bytes, layer_params, plan
+from robot_llm.llm.plan.planner import HEADROOM, Work, plan
 from robot_llm.llm.plan.rates import gemm_flops
+from robot_llm.llm.plan.sizes import layer_bytes, layer_params
 from robot_llm.llm.store.diskio import drop_page_cache, measure_read_bandwidth
 from robot_llm.llm.store.reader import Store
 from robot_llm.llm.store.writer import write_store

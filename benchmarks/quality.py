@@ -39,9 +39,10 @@ from pathlib import Path
 import feedparser
 import torch
 
+from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families.config import module_plan
-from robot_llm.llm.families.family import InMemoryModel, Weights
+from robot_llm.llm.families.family import Weights
 from robot_llm.llm.scoring import token_logprobs
 from robot_llm.llm.store.demo_checkpoint import gemma_gguf
 from robot_llm.llm.store.importers import import_model

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.engine.backends import BACKENDS, ModelRequest, create_model
+from robot_llm.llm.engine.backends import BACKENDS, create_model
+from robot_llm.llm.engine.request import ModelRequest
 from robot_llm.llm.families.config import PRESETS, YalmConfig
 
 #: check-fixture passes when every prompt's logits are within this of the reference (fp32).

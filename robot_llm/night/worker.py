@@ -231,16 +231,14 @@ def run_queue(
     stop: threading.Event | None = None,
     progress: bool | None = None,
     preflight: bool = True,
-    model: BatchModel | None = None,
 ) -> RunSummary:
     """Work the queue until nothing claimable is left (or ``stop`` is set); returns what was done.
 
     ``as_of`` limits the worker to one night's requests; ``stop`` ends the run after the
     batch in flight is stored; ``progress`` forces the terminal bar on or off (default:
     on when stderr is a terminal). ``preflight`` runs :func:`robot_llm.night.preflight.preflight`
-    first and refuses to start when a check fails. ``model`` is an already loaded model
-    (the daemon keeps one between nights); by default the configured model is loaded and
-    closed here. Raises :class:`BatchError` when the database fails mid-run; every thesis
+    first and refuses to start when a check fails. The configured model is opened here and
+    closed when the run ends. Raises :class:`BatchError` when the database fails mid-run; every thesis
     stored before that stays stored.
     """
     if as_of is not None:
@@ -260,14 +258,11 @@ def run_queue(
     if total == 0:
         log.info("generate: nothing to do")
         return RunSummary(run_id=None, worker_id=worker_id, status="ok")
-    owned = model is None
-    if model is None:
-        model = open_configured_model(config)
+    model = open_configured_model(config)
     try:
         return _work(config, engine, queue, model, tally, total, stop, progress)
     finally:
-        if owned:
-            model.close()
+        model.close()
 
 
 def _work(

@@ -10,7 +10,7 @@ from batch_helpers import TINY, TINY_TEMPLATE, VOCAB
 
 from robot_llm.llm import generate as gen
 from robot_llm.llm import scoring
-from robot_llm.llm.families.yalm import Yalm
+from robot_llm.llm.engine.memory import Yalm
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.night.plan import plan_night
 from robot_llm.night.preflight import preflight

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from robot_llm.llm.engine import streaming as engine_module
+from robot_llm.llm.engine.memory import Yalm
 from robot_llm.llm.engine.streaming import READ_ATTEMPTS, LayerReadError, StreamingModel
-from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.store.layout import StoreError
 
 

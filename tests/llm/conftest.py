@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from robot_llm.llm.engine.memory import Yalm
 from robot_llm.llm.families.config import YalmConfig
-from robot_llm.llm.families.yalm import Yalm
 
 # The models here are tiny: intra-op threads only add synchronisation cost, which
 # explodes when the test machine's cores are shared.

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families.config import module_plan
-from robot_llm.llm.families.family import InMemoryModel, Weights
+from robot_llm.llm.families.family import Weights
 from robot_llm.llm.store.importers import hf_config, import_model, iter_hf_modules
 
 transformers = pytest.importorskip("transformers")

@@ -23,7 +23,8 @@ import torch
 from robot_llm.commands.model import main
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.plan.machine import Machine
-from robot_llm.llm.plan.planner import Work, layer_bytes, plan
+from robot_llm.llm.plan.planner import Work, plan
+from robot_llm.llm.plan.sizes import layer_bytes
 from robot_llm.llm.store.importers import GGUF_INT4_MAX_BITS, gguf_bits_per_weight, import_model
 from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
 from robot_llm.llm.store.quant import dequantize_int4_into, dequantize_int8_into, int4_bytes, int8_bytes

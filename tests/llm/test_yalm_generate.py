@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from robot_llm.llm.engine.memory import Yalm
 from robot_llm.llm.families.original import generate_original
-from robot_llm.llm.families.yalm import Yalm
 from robot_llm.llm.generate import Completion, SamplingParams, filter_logits, generate
 from robot_llm.llm.scoring import score
 from robot_llm.llm.tokenizer import YalmTokenizer

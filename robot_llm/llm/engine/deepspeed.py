@@ -37,9 +37,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 
-from robot_llm.llm.engine.backends import BackendError, ModelRequest
 from robot_llm.llm.engine.deepspeed_ops import prepare_ops
 from robot_llm.llm.engine.kv_cache import KVCache
+from robot_llm.llm.engine.request import BackendError, ModelRequest
 from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.families.family import Params, StepInfo, prepare_step, resolve_dtype
 from robot_llm.llm.families.yalm import embed, output_head, rope, transformer_layer

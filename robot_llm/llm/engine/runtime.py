@@ -362,7 +362,8 @@ def open_model(settings: ModelSettings) -> LoadedModel:
     device = settings.device
     if settings.backend == "stream":
         return _open_stream(settings, config)
-    from robot_llm.llm.engine.backends import ModelRequest, create_model
+    from robot_llm.llm.engine.backends import create_model
+    from robot_llm.llm.engine.request import ModelRequest
 
     assert settings.checkpoint is not None or settings.store is not None
     source = settings.store or settings.checkpoint

@@ -12,7 +12,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
-from robot_llm.llm.engine.backends import BackendError, ModelRequest
+from robot_llm.llm.engine.request import BackendError, ModelRequest
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.store.reader import MANIFEST, QUANTIZED, Store
 from robot_llm.llm.store.writer import convert

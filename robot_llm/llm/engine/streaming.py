@@ -42,7 +42,8 @@ from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.families.config import embedding_is_head
-from robot_llm.llm.families.family import Params, Resident, family_of, prepare_step, resolve_dtype
+from robot_llm.llm.families.family import Params, Resident, prepare_step, resolve_dtype
+from robot_llm.llm.families.registry import family_of
 from robot_llm.llm.plan.machine import gpu_has_native_bf16
 from robot_llm.llm.plan.planner import gpu_compute_dtype
 from robot_llm.llm.store.diskio import DEFAULT_DEPTH, io_pool

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from robot_llm.llm.families.config import ModelConfig, ModuleKind, config_from_dict, module_plan
+from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.families.family import Params
+from robot_llm.llm.families.registry import config_from_dict
 from robot_llm.llm.store.layout import SCALE_SUFFIX, FileLayout, StoreError, read_into
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, int4_bytes, int4_padded_shape, int8_bytes, int8_padded_width
 
@@ -336,10 +337,6 @@ class Store:
     def layer_files(self) -> list[Path]:
         """Files of the transformer layers, in order."""
         return [self.file("layer", i) for i in range(self.config.num_layers)]
-
-    def max_layer_bytes(self) -> int:
-        """Largest data section among the transformer layers (the size of one streaming buffer)."""
-        return max(self.layout("layer", i).data_size for i in range(self.config.num_layers))
 
     def load(self, kind: ModuleKind, index: int = 0) -> Params:
         """Read one module into freshly allocated CPU tensors (used for the small resident modules)."""
