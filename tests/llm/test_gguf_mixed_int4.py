@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from reference_deps import require
 
 from robot_llm.commands.model import main
 from robot_llm.llm.engine.streaming import StreamingModel
@@ -39,7 +40,7 @@ from robot_llm.llm.store.reader import (
     verify,
 )
 
-gguf = pytest.importorskip("gguf")
+gguf = require("gguf")
 Q = gguf.GGMLQuantizationType
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 160
