@@ -26,6 +26,7 @@ __all__ = [
     "BatchModel",
     "ConfiguredModel",
     "ModelConfigError",
+    "backend_refusal",
     "model_settings",
     "model_shape",
     "open_configured_model",
@@ -122,6 +123,32 @@ def release_config_file(config: AppConfig) -> Path | None:
     return None
 
 
+def _store_family(store: Path) -> str | None:
+    """The family a store's manifest names, read as plain JSON (no torch); None when it cannot be read."""
+    import json
+
+    try:
+        data = json.loads((store / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # not converted yet, or damaged: preflight's store check says which
+    family = data.get("family", "yalm") if isinstance(data, dict) else None
+    return family if isinstance(family, str) else None
+
+
+def backend_refusal(config: AppConfig) -> str | None:
+    """Why ``model.backend`` cannot run the configured weights (``model.backend: ...``), or None.
+
+    A release checkpoint is YaLM; a store's family is in its manifest (a store not written yet
+    is not judged here).
+    """
+    from robot_llm.llm.engine.backends import refusal
+
+    m = config.model
+    family = "yalm" if m.store is None else _store_family(m.store)
+    reason = None if family is None else refusal(m.backend, family)
+    return None if reason is None else f"model.backend: {reason} (model.store {m.store} holds a {family} model)"
+
+
 def model_shape(config: AppConfig) -> Any:
     """The :class:`~robot_llm.llm.families.config.YalmConfig` of the configured weights, as the runtime will see it.
 
@@ -137,9 +164,13 @@ def model_shape(config: AppConfig) -> Any:
         from robot_llm.llm.store.reader import read_manifest
 
         try:
-            return read_manifest(m.store).config
+            shape = read_manifest(m.store).config
         except StoreError as exc:
             raise ModelConfigError(f"model.store: {exc}") from None
+        reason = backend_refusal(config)
+        if reason is not None:
+            raise ModelConfigError(reason)
+        return shape
     found = release_config_file(config)
     if found is None:
         return YalmConfig.preset("yalm-100b")

@@ -28,6 +28,22 @@ BACKENDS: dict[str, str] = {
 }
 
 
+#: The model families each backend computes; None: every family of the registry
+#: (:mod:`robot_llm.llm.families.registry`). The stream engine runs any family's forward; the memory
+#: backend loads a YaLM release folder and DeepSpeed wraps YaLM's own layer modules.
+SERVES: dict[str, tuple[str, ...] | None] = {"memory": ("yalm",), "stream": None, "deepspeed": ("yalm",)}
+
+
+def refusal(backend: str, family: str) -> str | None:
+    """Why ``backend`` cannot run a model of ``family`` (one line), or None when it can."""
+    served = SERVES.get(backend)
+    if served is None or family in served:
+        return None
+    others = [name for name, fams in SERVES.items() if fams is None or family in fams]
+    runs = ", ".join(served)
+    return f"the {backend} backend runs {runs} models only, not {family}: use backend {' or '.join(others)}"
+
+
 def get_backend(name: str) -> BackendFactory:
     """Import and return the factory of backend ``name``."""
     try:

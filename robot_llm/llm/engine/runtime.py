@@ -358,12 +358,16 @@ def _model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
 
 def open_model(settings: ModelSettings) -> LoadedModel:
     """Open the model described by ``settings`` (refuses a stream run whose weights cannot fit)."""
+    from robot_llm.llm.engine.backends import create_model, refusal
+    from robot_llm.llm.engine.request import BackendError, ModelRequest
+
     config = _config(settings)
+    reason = refusal(settings.backend, config.family)
+    if reason is not None:
+        raise BackendError(reason)
     device = settings.device
     if settings.backend == "stream":
         return _open_stream(settings, config)
-    from robot_llm.llm.engine.backends import create_model
-    from robot_llm.llm.engine.request import ModelRequest
 
     assert settings.checkpoint is not None or settings.store is not None
     source = settings.store or settings.checkpoint
