@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from robot_llm.llm.engine.runtime import ModelSettings
     from robot_llm.llm.generate import Completion, SamplingParams
     from robot_llm.llm.scoring import Followup
+    from robot_llm.llm.store.reader import Manifest
     from robot_llm.llm.tokenizer import Tokenizer
 
 __all__ = [
@@ -149,11 +150,25 @@ def backend_refusal(config: AppConfig) -> str | None:
     return None if reason is None else f"model.backend: {reason} (model.store {m.store} holds a {family} model)"
 
 
-def model_shape(config: AppConfig) -> Any:
+def read_store_manifest(config: AppConfig) -> Manifest | None:
+    """The configured store's manifest, read once for the night and handed to whatever needs it;
+    None without a store, or when it cannot be read (preflight's weights check says why)."""
+    if config.model.store is None:
+        return None
+    from robot_llm.llm.store.layout import StoreError
+    from robot_llm.llm.store.reader import read_manifest
+
+    try:
+        return read_manifest(config.model.store)
+    except StoreError:
+        return None
+
+
+def model_shape(config: AppConfig, manifest: Manifest | None = None) -> Any:
     """The :class:`~robot_llm.llm.families.config.YalmConfig` of the configured weights, as the runtime will see it.
 
-    A store carries it in its manifest; a release checkpoint in a ``config.json`` next to
-    (or one folder above) the weight files; a release without one (the published
+    A store carries it in its manifest (``manifest``, when read already); a release checkpoint
+    in a ``config.json`` next to (or one folder above) the weight files; a release without one (the published
     YaLM-100B) is the ``yalm-100b`` preset.
     """
     from robot_llm.llm.families.config import YalmConfig
@@ -164,7 +179,7 @@ def model_shape(config: AppConfig) -> Any:
         from robot_llm.llm.store.reader import read_manifest
 
         try:
-            shape = read_manifest(m.store).config
+            shape = (manifest or read_manifest(m.store)).config
         except StoreError as exc:
             raise ModelConfigError(f"model.store: {exc}") from None
         reason = backend_refusal(config)
@@ -221,16 +236,17 @@ def model_settings(config: AppConfig) -> ModelSettings:
     )
 
 
-def open_configured_model(config: AppConfig) -> BatchModel:
+def open_configured_model(config: AppConfig, manifest: Manifest | None = None) -> BatchModel:
     """Load the model ``config.model`` describes, placed as the night's plan says.
 
     Raises the runtime's user-facing errors (RobotLLMError) with a one-line reason when the
     weights, the vocabulary or the backend are not usable, or the night cannot fit.
+    ``manifest``: the store's, read once for the night (:func:`read_store_manifest`).
     """
     from robot_llm.llm.engine.runtime import open_model
 
     m = config.model
-    loaded = open_model(model_settings(config))
+    loaded = open_model(model_settings(config), manifest)
     return ConfiguredModel(
         loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings), name=m.id
     )

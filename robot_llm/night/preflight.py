@@ -112,12 +112,12 @@ def _disk(config: AppConfig, engine: Engine | None) -> Check:
     return Check("disk", True, f"{free / 2**30:.1f} GiB free in {folder}")
 
 
-def _store(store: Path, deep: bool) -> Check:
+def _store(store: Path, deep: bool, manifest: Manifest | None) -> Check:
     from robot_llm.llm.store.layout import StoreError
     from robot_llm.llm.store.reader import read_manifest, verify
 
     try:
-        manifest = read_manifest(store)
+        manifest = manifest or read_manifest(store)  # read again only to say why it could not be read
     except StoreError as exc:
         return Check("weights", False, f"model.store: {exc} (convert with `robot-llm model convert`)")
     problems: list[str] = []
@@ -155,10 +155,10 @@ def _checkpoint(config: AppConfig) -> Check:
     return Check("weights", True, f"checkpoint {folder}: all {len(names)} module files present")
 
 
-def _weights(config: AppConfig, deep: bool) -> Check:
+def _weights(config: AppConfig, deep: bool, manifest: Manifest | None) -> Check:
     m = config.model
     if m.store is not None:  # the runtime reads the store whenever one is set
-        return _store(m.store, deep)
+        return _store(m.store, deep, manifest)
     return _checkpoint(config)
 
 
@@ -173,7 +173,7 @@ def _vocab(config: AppConfig) -> Check:
     return Check("vocab", True, f"{config.model.vocab}: {tokenizer.vocab_size} pieces")
 
 
-def _memory(config: AppConfig) -> Check:
+def _memory(config: AppConfig, manifest: Manifest | None) -> Check:
     """The plan the night will use (made as the batch worker makes it when it opens the model), or why none fits."""
     from dataclasses import replace
 
@@ -183,13 +183,13 @@ def _memory(config: AppConfig) -> Check:
     from robot_llm.night.model import model_settings, model_shape
 
     m = config.model
-    shape = model_shape(config)
+    shape = model_shape(config, manifest)
     settings = model_settings(config)
     weights: str | Manifest
     if m.store is not None:  # the runtime reads the store whenever one is set (its own bytes per layer)
         from robot_llm.llm.store.reader import read_manifest
 
-        weights = read_manifest(m.store)
+        weights = manifest or read_manifest(m.store)
     else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
         weights = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
@@ -293,11 +293,15 @@ def _guarded(name: str, fn: Callable[[], Check]) -> Check:
         return Check(name, False, str(exc))
 
 
-def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
+def preflight(config: AppConfig, *, deep: bool = False, manifest: Manifest | None = None) -> list[Check]:
     """Run every check against ``config`` and return them all, in order.
 
     ``deep`` also hashes every store file against its manifest (minutes for 100B weights).
+    ``manifest``: the store's, when the night has read it already; otherwise it is read here, once.
     """
+    from robot_llm.night.model import read_store_manifest
+
+    manifest = manifest or read_store_manifest(config)
     source = str(config.source) if config.source else "(in memory)"
     checks = [Check("config", True, f"{source} is valid")]
     db_checks, engine = _database(config)
@@ -307,16 +311,16 @@ def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
     finally:
         if engine is not None:
             engine.dispose()
-    checks.append(_guarded("weights", lambda: _weights(config, deep)))
+    checks.append(_guarded("weights", lambda: _weights(config, deep, manifest)))
     checks.append(_guarded("vocab", lambda: _vocab(config)))
-    checks.append(_guarded("memory", lambda: _memory(config)))
+    checks.append(_guarded("memory", lambda: _memory(config, manifest)))
     checks.append(_guarded("templates", lambda: _templates(config)))
     return checks
 
 
-def require_preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
+def require_preflight(config: AppConfig, *, deep: bool = False, manifest: Manifest | None = None) -> list[Check]:
     """:func:`preflight`, raising :class:`PreflightError` (one line per failed check) when any failed."""
-    checks = preflight(config, deep=deep)
+    checks = preflight(config, deep=deep, manifest=manifest)
     failed = [c for c in checks if c.ok is False]
     if failed:
         raise PreflightError(

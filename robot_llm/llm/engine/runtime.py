@@ -334,7 +334,9 @@ def _dtype_name(dtype: object) -> str:
     return {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}[str(dtype)]
 
 
-def _config(settings: ModelSettings) -> ModelConfig:
+def _config(settings: ModelSettings, manifest: Manifest | None) -> ModelConfig:
+    if manifest is not None:
+        return manifest.config
     if settings.store is not None:
         from robot_llm.llm.store.reader import read_manifest
 
@@ -356,18 +358,23 @@ def _model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
     return f"{name}/{weights_dtype}@{hashlib.sha256(source).hexdigest()[:12]}"
 
 
-def open_model(settings: ModelSettings) -> LoadedModel:
-    """Open the model described by ``settings`` (refuses a stream run whose weights cannot fit)."""
+def open_model(settings: ModelSettings, manifest: Manifest | None = None) -> LoadedModel:
+    """Open the model described by ``settings`` (refuses a stream run whose weights cannot fit).
+
+    ``manifest``: ``settings.store``'s, when the caller has read it already (a night reads it once).
+    """
     from robot_llm.llm.engine.backends import create_model, refusal
     from robot_llm.llm.engine.request import BackendError, ModelRequest
 
-    config = _config(settings)
+    if settings.store is None:
+        manifest = None
+    config = _config(settings, manifest)
     reason = refusal(settings.backend, config.family)
     if reason is not None:
         raise BackendError(reason)
     device = settings.device
     if settings.backend == "stream":
-        return _open_stream(settings, config)
+        return _open_stream(settings, config, manifest)
 
     assert settings.checkpoint is not None or settings.store is not None
     source = settings.store or settings.checkpoint
@@ -397,7 +404,7 @@ def open_model(settings: ModelSettings) -> LoadedModel:
     return LoadedModel(settings, model, config, _model_id(config, source, dtype))
 
 
-def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
+def _open_stream(settings: ModelSettings, config: ModelConfig, manifest: Manifest | None) -> LoadedModel:
     from robot_llm.llm.engine.streaming import StreamingModel
     from robot_llm.llm.store.reader import MANIFEST, Store
     from robot_llm.llm.store.writer import convert
@@ -411,7 +418,7 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
         if not (store_dir / MANIFEST).is_file():
             log.info("converting %s into the store %s", settings.checkpoint, store_dir)
             convert(settings.checkpoint, store_dir, dtype="fp16", config=config)
-    store = Store(store_dir)
+    store = Store(store_dir, manifest if store_dir == settings.store else None)
     # Refuse now what cannot fit; otherwise open the engine exactly as planned.
     night = plan_run(settings, config, night_work(settings, config), store.manifest)
     log.info("the night's plan:\n%s", night.describe())

@@ -320,9 +320,10 @@ def _check_layout(path: Path, manifest: Manifest, kind: ModuleKind, shapes: dict
 class Store:
     """A converted store opened for reading: manifest plus parsed file headers."""
 
-    def __init__(self, store_dir: str | Path) -> None:
+    def __init__(self, store_dir: str | Path, manifest: Manifest | None = None) -> None:
+        """Open ``store_dir``; ``manifest``: its manifest, when the caller has read it already (a night: once)."""
         self.path = Path(store_dir)
-        self.manifest = read_manifest(self.path)
+        self.manifest = manifest if manifest is not None else read_manifest(self.path)
         self.config = self.manifest.config
         self.layouts = {f.name: FileLayout.read(self.path / f.name) for f in self.manifest.files}
 
