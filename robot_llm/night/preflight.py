@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from robot_llm.config import AppConfig
     from robot_llm.llm.store.reader import Manifest
+    from robot_llm.night.model import NightFacts
 
 __all__ = ["Check", "PreflightError", "doctor", "format_checks", "preflight", "require_preflight"]
 
@@ -117,7 +118,8 @@ def _store(store: Path, deep: bool, manifest: Manifest | None) -> Check:
     from robot_llm.llm.store.reader import read_manifest, verify
 
     try:
-        manifest = manifest or read_manifest(store)  # read again only to say why it could not be read
+        # Read again only to say why it could not be read.
+        manifest = manifest if manifest is not None else read_manifest(store)
     except StoreError as exc:
         return Check("weights", False, f"model.store: {exc} (convert with `robot-llm model convert`)")
     problems: list[str] = []
@@ -162,18 +164,19 @@ def _weights(config: AppConfig, deep: bool, manifest: Manifest | None) -> Check:
     return _checkpoint(config)
 
 
-def _vocab(config: AppConfig) -> Check:
+def _vocab(config: AppConfig, facts: NightFacts) -> Check:
     from robot_llm.llm.tokenizer import load_tokenizer
 
     assert config.model.vocab is not None
     try:
-        tokenizer = load_tokenizer(config.model.vocab)
+        # Built again only to say why it does not load.
+        tokenizer = facts.tokenizer if facts.tokenizer is not None else load_tokenizer(config.model.vocab)
     except (OSError, ValueError, RuntimeError) as exc:
         return Check("vocab", False, f"model.vocab: {exc}")
     return Check("vocab", True, f"{config.model.vocab}: {tokenizer.vocab_size} pieces")
 
 
-def _memory(config: AppConfig, manifest: Manifest | None) -> Check:
+def _memory(config: AppConfig, facts: NightFacts) -> Check:
     """The plan the night will use (made as the batch worker makes it when it opens the model), or why none fits."""
     from dataclasses import replace
 
@@ -183,13 +186,14 @@ def _memory(config: AppConfig, manifest: Manifest | None) -> Check:
     from robot_llm.night.model import model_settings, model_shape
 
     m = config.model
+    manifest = facts.manifest
     shape = model_shape(config, manifest)
-    settings = model_settings(config)
+    settings = model_settings(config, facts.templates)
     weights: str | Manifest
     if m.store is not None:  # the runtime reads the store whenever one is set (its own bytes per layer)
         from robot_llm.llm.store.reader import read_manifest
 
-        weights = manifest or read_manifest(m.store)
+        weights = manifest if manifest is not None else read_manifest(m.store)
     else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
         weights = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
@@ -229,7 +233,7 @@ def _memory(config: AppConfig, manifest: Manifest | None) -> Check:
     return Check("memory", True, summary + "".join(f"\n       {line}" for line in lines))
 
 
-def _templates(config: AppConfig) -> Check:
+def _templates(config: AppConfig, facts: NightFacts) -> Check:
     from datetime import timedelta
 
     from robot_llm.llm.tokenizer import load_tokenizer
@@ -241,10 +245,10 @@ def _templates(config: AppConfig) -> Check:
 
     assert config.model.vocab is not None
     try:
-        tokenizer = load_tokenizer(config.model.vocab)
+        tokenizer = facts.tokenizer if facts.tokenizer is not None else load_tokenizer(config.model.vocab)
     except (OSError, ValueError, RuntimeError):
         return Check("templates", None, "not checked: the tokenizer does not load (see vocab)")
-    templates = load_templates(config)
+    templates = facts.templates if facts.templates is not None else load_templates(config)
     now = utcnow()
     problems: list[str] = []
     for template in templates.values():
@@ -293,15 +297,16 @@ def _guarded(name: str, fn: Callable[[], Check]) -> Check:
         return Check(name, False, str(exc))
 
 
-def preflight(config: AppConfig, *, deep: bool = False, manifest: Manifest | None = None) -> list[Check]:
+def preflight(config: AppConfig, *, deep: bool = False, facts: NightFacts | None = None) -> list[Check]:
     """Run every check against ``config`` and return them all, in order.
 
     ``deep`` also hashes every store file against its manifest (minutes for 100B weights).
-    ``manifest``: the store's, when the night has read it already; otherwise it is read here, once.
+    ``facts``: the night's manifest, tokenizer and templates when it has derived them already
+    (:func:`robot_llm.night.model.night_facts`); otherwise they are derived here, once.
     """
-    from robot_llm.night.model import read_store_manifest
+    from robot_llm.night.model import night_facts
 
-    manifest = manifest or read_store_manifest(config)
+    facts = facts or night_facts(config)
     source = str(config.source) if config.source else "(in memory)"
     checks = [Check("config", True, f"{source} is valid")]
     db_checks, engine = _database(config)
@@ -311,16 +316,16 @@ def preflight(config: AppConfig, *, deep: bool = False, manifest: Manifest | Non
     finally:
         if engine is not None:
             engine.dispose()
-    checks.append(_guarded("weights", lambda: _weights(config, deep, manifest)))
-    checks.append(_guarded("vocab", lambda: _vocab(config)))
-    checks.append(_guarded("memory", lambda: _memory(config, manifest)))
-    checks.append(_guarded("templates", lambda: _templates(config)))
+    checks.append(_guarded("weights", lambda: _weights(config, deep, facts.manifest)))
+    checks.append(_guarded("vocab", lambda: _vocab(config, facts)))
+    checks.append(_guarded("memory", lambda: _memory(config, facts)))
+    checks.append(_guarded("templates", lambda: _templates(config, facts)))
     return checks
 
 
-def require_preflight(config: AppConfig, *, deep: bool = False, manifest: Manifest | None = None) -> list[Check]:
+def require_preflight(config: AppConfig, *, deep: bool = False, facts: NightFacts | None = None) -> list[Check]:
     """:func:`preflight`, raising :class:`PreflightError` (one line per failed check) when any failed."""
-    checks = preflight(config, deep=deep, manifest=manifest)
+    checks = preflight(config, deep=deep, facts=facts)
     failed = [c for c in checks if c.ok is False]
     if failed:
         raise PreflightError(

@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from robot_llm.clock import aware_utc
 from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, RobotLLMError
-from robot_llm.night.model import BatchModel, open_configured_model, read_store_manifest
+from robot_llm.night.model import BatchModel, night_facts, open_configured_model
 from robot_llm.night.queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
 from robot_llm.night.stance import Calibration, StanceResult, StanceSpec, parse_stance_spec, score_stance
 from robot_llm.night.watchdog import Watchdog
@@ -243,12 +243,12 @@ def run_queue(
     """
     if as_of is not None:
         as_of = aware_utc(as_of, "as_of")
-    # Read once for the night: preflight's checks and the model's door take it from here.
-    manifest = read_store_manifest(config)
+    # Derived once for the night (manifest, tokenizer, templates): preflight and the model's door take them.
+    facts = night_facts(config)
     if preflight:
         from robot_llm.night.preflight import require_preflight
 
-        require_preflight(config, manifest=manifest)
+        require_preflight(config, facts=facts)
     worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     stop = stop or threading.Event()
     queue = RequestQueue(config, engine, worker_id, as_of)
@@ -260,7 +260,7 @@ def run_queue(
     if total == 0:
         log.info("generate: nothing to do")
         return RunSummary(run_id=None, worker_id=worker_id, status="ok")
-    model = open_configured_model(config, manifest)
+    model = open_configured_model(config, facts)
     try:
         return _work(config, engine, queue, model, tally, total, stop, progress)
     finally:

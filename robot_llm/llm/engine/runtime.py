@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from robot_llm.llm.generate import Completion, SamplingParams
     from robot_llm.llm.scoring import Followup
     from robot_llm.llm.store.reader import Manifest
+    from robot_llm.llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +121,16 @@ class ModelSettings:
 class LoadedModel:
     """An open model: tokenizer, engine, and generation/scoring with planned batch sizes."""
 
-    def __init__(self, settings: ModelSettings, model: object, config: ModelConfig, model_id: str) -> None:
+    def __init__(
+        self, settings: ModelSettings, model: object, config: ModelConfig, model_id: str, tokenizer: Tokenizer | None
+    ) -> None:
         from robot_llm.llm.tokenizer import load_tokenizer
 
         self.settings = settings
         self.model = model
         self.config = config
         self.model_id = model_id
-        self.tokenizer = load_tokenizer(settings.vocab)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.vocab)
 
     def generate(
         self,
@@ -358,10 +361,13 @@ def _model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
     return f"{name}/{weights_dtype}@{hashlib.sha256(source).hexdigest()[:12]}"
 
 
-def open_model(settings: ModelSettings, manifest: Manifest | None = None) -> LoadedModel:
+def open_model(
+    settings: ModelSettings, manifest: Manifest | None = None, tokenizer: Tokenizer | None = None
+) -> LoadedModel:
     """Open the model described by ``settings`` (refuses a stream run whose weights cannot fit).
 
-    ``manifest``: ``settings.store``'s, when the caller has read it already (a night reads it once).
+    ``manifest`` (``settings.store``'s) and ``tokenizer`` (``settings.vocab``'s): when the caller has
+    them already (a night derives them once); otherwise they are read here.
     """
     from robot_llm.llm.engine.backends import create_model, refusal
     from robot_llm.llm.engine.request import BackendError, ModelRequest
@@ -374,7 +380,7 @@ def open_model(settings: ModelSettings, manifest: Manifest | None = None) -> Loa
         raise BackendError(reason)
     device = settings.device
     if settings.backend == "stream":
-        return _open_stream(settings, config, manifest)
+        return _open_stream(settings, config, manifest, tokenizer)
 
     assert settings.checkpoint is not None or settings.store is not None
     source = settings.store or settings.checkpoint
@@ -401,10 +407,12 @@ def open_model(settings: ModelSettings, manifest: Manifest | None = None) -> Loa
     else:
         request = ModelRequest(checkpoint=source, config=config, dtype=dtype, device=device)
         model = create_model("memory", request)
-    return LoadedModel(settings, model, config, _model_id(config, source, dtype))
+    return LoadedModel(settings, model, config, _model_id(config, source, dtype), tokenizer)
 
 
-def _open_stream(settings: ModelSettings, config: ModelConfig, manifest: Manifest | None) -> LoadedModel:
+def _open_stream(
+    settings: ModelSettings, config: ModelConfig, manifest: Manifest | None, tokenizer: Tokenizer | None
+) -> LoadedModel:
     from robot_llm.llm.engine.streaming import StreamingModel
     from robot_llm.llm.store.reader import MANIFEST, Store
     from robot_llm.llm.store.writer import convert
@@ -434,4 +442,4 @@ def _open_stream(settings: ModelSettings, config: ModelConfig, manifest: Manifes
         micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
         kv_dtype=night.kv_dtype if night.kv_dtype in ("int8", "int4") else None,
     )
-    return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype))
+    return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype), tokenizer)
