@@ -1,9 +1,10 @@
 """The model families: one line each, naming the family's config class and the module of its forward pass.
 
-A config is read without torch (a store's manifest, ``config check``); the forward module, which
-imports torch, is imported only when a model is built. Adding a family is one module in this
-folder (its config class and its :class:`~robot_llm.llm.families.family.Family` named ``FAMILY``)
-and one line here.
+A config class is imported without torch; the forward module, which imports torch, only when a
+model is built. A family today is its forward module here (a
+:class:`~robot_llm.llm.families.family.Family` named ``FAMILY``), its config class (``config.py``
+for YaLM, ``config_hf.py`` for the Hugging Face families), its importer names in
+:mod:`robot_llm.llm.store.importers`, and one line below.
 """
 
 from __future__ import annotations
