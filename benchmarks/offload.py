@@ -58,7 +58,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from robot_llm.llm.plan.sizes import layer_bytes, layer_params
 
 from robot_llm.llm.engine.runtime import ModelSettings, night_work, plan_run
 from robot_llm.llm.families.config import ModuleKind, YalmConfig, module_plan
@@ -66,6 +65,7 @@ from robot_llm.llm.families.family import Params
 from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.plan.planner import HEADROOM, Work, plan
 from robot_llm.llm.plan.rates import gemm_flops
+from robot_llm.llm.plan.sizes import layer_bytes, layer_params
 from robot_llm.llm.store.diskio import drop_page_cache, measure_read_bandwidth
 from robot_llm.llm.store.reader import Store
 from robot_llm.llm.store.writer import write_store
@@ -207,8 +207,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         sys.path.insert(0, str(BENCHMARKS))
         from night import run_night
 
-        drop_page_cache([store.path / f.name for f in store.manifest.files])
-        result = run_night(store.path, spec, Path(spec["vocab"]))
+        files = [store.path / f.name for f in store.manifest.files]
+        result = run_night(store.path, spec, Path(spec["vocab"]), cold=lambda: drop_page_cache(files))
         result["peak_rss"] = peak_rss()
         return result
     model: Any
@@ -431,7 +431,15 @@ def benchmark(
     for kind, label in (("night-rescore", "stance re-prefilled (before)"), ("night", "stance from the cache (now)")):
         shape = {"prompt": 0, "new": N, "batch": night_batch, "prompts": 2 * night_batch, "threads": threads}
         spec = shape | {"label": f"night, {label}", "kind": kind, "store": str(stores["fp32"])}
-        nights[label] = run_child(spec | {"vocab": str(_vocabulary(work))})
+        # --repeat rounds like every other row: the fastest run is kept, the spread shown.
+        spec |= {"vocab": str(_vocabulary(work))}
+        rounds = []
+        for i in range(repeat):
+            round_label = spec["label"] + (f" (round {i + 1} of {repeat})" if repeat > 1 else "")
+            rounds.append(run_child(spec | {"label": round_label}))
+        nights[label] = min(rounds, key=lambda r: r["seconds"]) | {
+            "spread": max(r["seconds"] for r in rounds) / min(r["seconds"] for r in rounds)
+        }
     result = report(cfg, specs, runs, threads, failed)
     for label, r in nights.items():
         if "failed" in r:
@@ -442,6 +450,7 @@ def benchmark(
             f"{r['stance_passes']} stance weight passes ({r['passes_per_thesis']:.2f} per thesis, "
             f"{r['stance_passes_per_batch']:.2f} stance per batch), "
             f"{r['bytes_streamed_per_thesis'] / 2**20:.0f} MiB streamed per thesis, {r['seconds']:.1f} s"
+            f" (spread {r['spread']:.2f}x over {repeat} runs)"
         )
     now, before = nights["stance from the cache (now)"], nights["stance re-prefilled (before)"]
     if "failed" in now or "failed" in before:

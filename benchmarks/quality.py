@@ -245,7 +245,8 @@ def main() -> None:
         if args.sensitivity:
             sensitivity(stores(work, ["fp32"])["fp32"], args.group)
             return
-        paths = stores(work, args.dtypes.split(","))
+        # Δ is against the fp32 store (the dequantised GGUF), measured first whether listed or not.
+        paths = stores(work, ["fp32", *(d for d in args.dtypes.split(",") if d != "fp32")])
         docs = documents()
         print("\nPerplexity of Gemma 3 270M on the bundled demo news (streaming engine, fp32 compute)")
         print(f"{'store':<13} {'MiB':>5} {'ru ppl':>9} {'en ppl':>9} {'ru Δ vs fp32':>13} {'en Δ vs fp32':>13}")
@@ -258,7 +259,8 @@ def main() -> None:
             for lang, texts in docs.items():
                 ppl[lang], tokens[lang] = perplexity(model, tokenizer, texts)
             model.close()
-            base = base or ppl
+            if dtype == "fp32":
+                base = ppl
             size = read_manifest(path).total_bytes / 2**20
             delta = {lang: 100 * (ppl[lang] / base[lang] - 1) for lang in ppl}
             print(
@@ -266,11 +268,10 @@ def main() -> None:
                 f"{delta['ru']:>+12.2f}% {delta['en']:>+12.2f}%"
             )
         print(f"(scored tokens: ru {tokens['ru']}, en {tokens['en']})")
-        first = next(iter(paths.values()))
-        model = StreamingModel(first, home="ram", device="cpu", dtype="fp32")
-        acc = stance_accuracy(model, load_tokenizer(first))
+        model = StreamingModel(paths["fp32"], home="ram", device="cpu", dtype="fp32")
+        acc = stance_accuracy(model, load_tokenizer(paths["fp32"]))
         model.close()
-        print(f"\nStance accuracy on {HEADLINES.name} ({first.name} store, first-piece labels, 3 classes)")
+        print(f"\nStance accuracy on {HEADLINES.name} (fp32 store, first-piece labels, 3 classes)")
         print(f"{'lang':<5} {'n':>3} {'raw':>8} {'calibrated':>11}")
         for lang, (raw, cal, n) in acc.items():
             print(f"{lang:<5} {n:>3} {raw / n:>8.1%} {cal / n:>11.1%}")

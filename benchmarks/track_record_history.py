@@ -205,7 +205,8 @@ def replay_availability(config_path: Path, delay: timedelta) -> int:
 def cli(*args: str) -> str:
     """Run ``robot-llm ARGS`` in a fresh process; return its output."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "robot_llm.commands.main", *args], capture_output=True, text=True, env=env)
+    command = [sys.executable, "-m", "robot_llm.commands.main", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"robot-llm {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
     return proc.stdout

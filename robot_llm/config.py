@@ -2,11 +2,8 @@
 
 Every error names the file, the line and the key path, e.g.
 ``config/robot-llm.yaml:14: feeds[2].interval: expected a duration like '15m', got 'often'``.
-
-PyYAML implements YAML 1.1, whose implicit typing bites trading configs: an unquoted
-``22:30`` becomes the integer 1350 and a ticker ``ON`` or ``NO`` becomes a boolean. Our
-loader is ``yaml.SafeLoader`` with those two resolvers narrowed to YAML 1.2 rules, so such
-scalars stay the strings the user wrote and the validators below judge them.
+Reading the text (YAML 1.2 typing, ``${VAR}``, line numbers, value parsers) is
+:mod:`robot_llm.config_parsing`.
 """
 
 from __future__ import annotations
@@ -15,11 +12,10 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator
 from datetime import date, time, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo
 
 import yaml
 from pydantic import (
@@ -34,7 +30,22 @@ from pydantic import (
     model_validator,
 )
 
-from robot_llm.errors import RobotLLMError
+from robot_llm.config_parsing import (
+    ConfigError,
+    PathError,
+    Yaml12SafeLoader,
+    format_duration,
+    format_path,
+    interpolate,
+    line_index,
+    located,
+    parse_clock,
+    parse_duration,
+    parse_size,
+    validate_cron,
+    validate_zone,
+    validation_message,
+)
 
 __all__ = [
     "AppConfig",
@@ -46,201 +57,12 @@ __all__ = [
 ]
 
 
-class ConfigError(RobotLLMError):
-    """A configuration problem, already phrased as ``file:line: key.path: message``."""
-
-
-# --------------------------------------------------------------------------- YAML loading
-
-
-class _Yaml12SafeLoader(yaml.SafeLoader):
-    """SafeLoader whose booleans and integers follow YAML 1.2 (see module docstring).
-
-    It also refuses a key given twice in one mapping: PyYAML would silently keep the last
-    one, so a second ``model:`` section pasted further down would quietly win.
-    """
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str | int | float | bool) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (it appears twice in this mapping)", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_Yaml12SafeLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12SafeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-_Yaml12SafeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
-)
-# YAML 1.1 floats include sexagesimal forms such as 190:20:30.15; drop them too.
-_Yaml12SafeLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if not (tag == "tag:yaml.org,2002:float" and ":" in rx.pattern)]
-    for first, resolvers in _Yaml12SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12SafeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."),
-)
-
-
-def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], int]]:
-    """Yield (key path, 1-based line) for every node of a composed YAML document."""
-    yield path, node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = key_node.value
-            yield (*path, key), key_node.start_mark.line + 1
-            for sub_path, line in _line_index(value_node, (*path, key)):
-                if sub_path != (*path, key):
-                    yield sub_path, line
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            yield from _line_index(item, (*path, i))
-
-
-_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def _interpolate(value: Any, path: tuple[Any, ...], missing: list[tuple[tuple[Any, ...], str]]) -> Any:
-    """Replace ``${VAR}`` / ``${VAR:-default}`` in every string; collect unset variables."""
-    if isinstance(value, str):
-
-        def sub(m: re.Match[str]) -> str:
-            name, default = m.group(1), m.group(2)
-            if name in os.environ:
-                return os.environ[name]
-            if default is not None:
-                return default
-            missing.append((path, name))
-            return m.group(0)
-
-        return _ENV_RE.sub(sub, value)
-    if isinstance(value, dict):
-        return {k: _interpolate(v, (*path, k), missing) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_interpolate(v, (*path, i), missing) for i, v in enumerate(value)]
-    return value
-
-
-def format_path(path: tuple[Any, ...]) -> str:
-    """Render a key path the way a user reads it: ``feeds[2].interval``."""
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
-# --------------------------------------------------------------------------- value parsers
-
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)\s*$")
-_DURATION_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(value: Any) -> timedelta:
-    """Parse '90s', '15m', '2h', '1d', '1w' (or a number of seconds) into a timedelta."""
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool):
-        raise ValueError(f"expected a duration like '15m', got {value!r}")
-    if isinstance(value, int | float) and value >= 0:
-        return timedelta(seconds=value)
-    if isinstance(value, str):
-        m = _DURATION_RE.match(value)
-        if m:
-            return timedelta(seconds=float(m.group(1)) * _DURATION_UNITS[m.group(2)])
-    raise ValueError(f"expected a duration like '15m', got {value!r}")
-
-
-def format_duration(value: timedelta) -> str:
-    """A duration the way the config writes it: the largest unit that divides it ('15m', '1d', '90s')."""
-    seconds = value.total_seconds()
-    for unit in ("w", "d", "h", "m", "s"):
-        count = seconds / _DURATION_UNITS[unit]
-        if count == int(count) and count != 0:
-            return f"{int(count)}{unit}"
-    return f"{seconds:g}s"
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
-_SIZE_UNITS = {
-    None: 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-}
-
-
-def parse_size(value: Any) -> int:
-    """Parse '64GiB', '500MB' or a plain byte count into bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size like '64GiB', got {value!r}")
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-    raise ValueError(f"expected a size like '64GiB', got {value!r}")
-
-
-def _parse_clock(value: Any) -> time:
-    if isinstance(value, time):
-        return value
-    if isinstance(value, str):
-        m = re.match(r"^\s*([01]?\d|2[0-3]):([0-5]\d)\s*$", value)
-        if m:
-            return time(int(m.group(1)), int(m.group(2)))
-    raise ValueError(f"expected a local time like '08:30', got {value!r}")
-
-
-def _validate_cron(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a cron expression like '0 23 * * 0-4' (quote it), got {value!r}")
-    from apscheduler.triggers.cron import CronTrigger  # light: no scheduler is started
-
-    try:
-        CronTrigger.from_crontab(value, timezone="UTC")
-    except ValueError as exc:
-        raise ValueError(f"invalid cron expression {value!r}: {exc}") from None
-    return value
-
-
-def _validate_zone(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected an IANA time zone like 'Europe/Moscow', got {value!r}")
-    try:
-        ZoneInfo(value)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise ValueError(f"unknown time zone {value!r} (use an IANA name like 'Europe/Moscow')") from None
-    return value
-
-
 # Written back (config check, JSON) the way a user writes it: '15m', not ISO 8601's 'PT15M'.
 Duration = Annotated[timedelta, BeforeValidator(parse_duration), PlainSerializer(format_duration, when_used="json")]
 Size = Annotated[int, BeforeValidator(parse_size)]
-Clock = Annotated[time, BeforeValidator(_parse_clock), PlainSerializer(lambda t: t.strftime("%H:%M"), when_used="json")]
-Cron = Annotated[str, BeforeValidator(_validate_cron)]
-TimeZone = Annotated[str, BeforeValidator(_validate_zone)]
+Clock = Annotated[time, BeforeValidator(parse_clock), PlainSerializer(lambda t: t.strftime("%H:%M"), when_used="json")]
+Cron = Annotated[str, BeforeValidator(validate_cron)]
+TimeZone = Annotated[str, BeforeValidator(validate_zone)]
 
 
 def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
@@ -514,7 +336,7 @@ def _parse_zoned_clock(value: Any) -> tuple[time, str | None]:
     parts = value.split() if isinstance(value, str) else []
     if len(parts) not in (1, 2):
         raise ValueError(f"expected a local time like '18:50' or '16:00 America/New_York', got {value!r}")
-    return _parse_clock(parts[0]), _validate_zone(parts[1]) if len(parts) == 2 else None
+    return parse_clock(parts[0]), validate_zone(parts[1]) if len(parts) == 2 else None
 
 
 def _format_zoned_clock(value: tuple[time, str | None]) -> str:
@@ -621,23 +443,16 @@ class AppConfig(_Section):
         seen: set[str] = set()
         for i, inst in enumerate(self.instruments):
             if inst.ticker in seen:
-                raise _PathError(("instruments", i, "ticker"), f"duplicate ticker {inst.ticker!r}")
+                raise PathError(("instruments", i, "ticker"), f"duplicate ticker {inst.ticker!r}")
             seen.add(inst.ticker)
         names: set[str] = set()
         for i, feed in enumerate(self.feeds):
             if feed.name in names:
-                raise _PathError(("feeds", i, "name"), f"duplicate feed name {feed.name!r}")
+                raise PathError(("feeds", i, "name"), f"duplicate feed name {feed.name!r}")
             names.add(feed.name)
             for ticker in feed.tickers or ():
                 if ticker not in seen:
-                    raise _PathError(("feeds", i, "tickers"), f"unknown ticker {ticker!r} (not in instruments)")
-        family = _store_family(self.model.store or self.model.checkpoint)
-        if self.model.backend == "deepspeed" and family not in (None, "yalm"):
-            raise _PathError(
-                ("model", "backend"),
-                f"backend 'deepspeed' runs YaLM only; the weights at {self.model.store or self.model.checkpoint} are "
-                f"a {family} model: use backend 'stream' (or 'memory' for a small one)",
-            )
+                    raise PathError(("feeds", i, "tickers"), f"unknown ticker {ticker!r} (not in instruments)")
         self._known_price_tickers(seen)
         return self
 
@@ -651,7 +466,7 @@ class AppConfig(_Section):
             for ticker in tickers:
                 if ticker not in allowed:
                     message = f"unknown ticker {ticker!r} (not in instruments or prices.benchmark)"
-                    raise _PathError((*path, ticker), message)
+                    raise PathError((*path, ticker), message)
 
     @property
     def tz(self) -> ZoneInfo:
@@ -673,61 +488,7 @@ class AppConfig(_Section):
         raise KeyError(name)
 
 
-def _store_family(weights: Path | None) -> str | None:
-    """The model family a weight store's manifest names (None: no store there, or it cannot be read; doctor says)."""
-    if weights is None:
-        return None
-    try:
-        data = json.loads((weights / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    family = data.get("family", "yalm") if isinstance(data, dict) else None
-    return family if isinstance(family, str) else None
-
-
-class _PathError(ValueError):
-    """A cross-field error that knows the exact key path it belongs to."""
-
-    def __init__(self, path: tuple[Any, ...], message: str) -> None:
-        super().__init__(message)
-        self.path = path
-        self.message = message
-
-
 # --------------------------------------------------------------------------- entry point
-
-
-def _located(source: str, lines: dict[tuple[Any, ...], int], path: tuple[Any, ...], message: str) -> str:
-    probe = path
-    while probe and probe not in lines:
-        probe = probe[:-1]
-    line = lines.get(probe, 1)
-    return f"{source}:{line}: {format_path(path)}: {message}"
-
-
-def _message(err: dict[str, Any]) -> str:
-    kind, msg, value = err["type"], err["msg"], err.get("input")
-    if kind == "extra_forbidden":
-        return "unknown key (check the spelling; see config/robot-llm.example.yaml)"
-    if kind == "missing":
-        return "required key is missing"
-    msg = re.sub(r"^(Value|Assertion) error, ", "", msg)
-    if kind in (
-        "string_type",
-        "int_type",
-        "float_type",
-        "bool_type",
-        "int_parsing",
-        "float_parsing",
-        "bool_parsing",
-        "literal_error",
-        "dict_type",
-        "list_type",
-        "tuple_type",
-        "model_type",
-    ):
-        return f"{msg[0].lower()}{msg[1:]}, got {value!r}"
-    return msg
 
 
 def load_config(path: str | os.PathLike[str]) -> AppConfig:
@@ -744,8 +505,8 @@ def load_config(path: str | os.PathLike[str]) -> AppConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: cannot read config file: {exc}") from None
     try:
-        node = yaml.compose(text, Loader=_Yaml12SafeLoader)
-        data = yaml.load(text, Loader=_Yaml12SafeLoader)
+        node = yaml.compose(text, Loader=Yaml12SafeLoader)
+        data = yaml.load(text, Loader=Yaml12SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
@@ -757,13 +518,13 @@ def load_config(path: str | os.PathLike[str]) -> AppConfig:
         raise ConfigError(f"{source}:1: the config file is empty")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}:1: expected a mapping of sections at the top level")
-    lines = dict(_line_index(node)) if node is not None else {}
+    lines = dict(line_index(node)) if node is not None else {}
 
     missing: list[tuple[tuple[Any, ...], str]] = []
-    data = _interpolate(data, (), missing)
+    data = interpolate(data, (), missing)
     if missing:
         raise ConfigError(
-            "\n".join(_located(source, lines, p, f"environment variable ${{{name}}} is not set") for p, name in missing)
+            "\n".join(located(source, lines, p, f"environment variable ${{{name}}} is not set") for p, name in missing)
         )
     try:
         config = AppConfig.model_validate(data, context={"base_dir": path.resolve().parent})
@@ -771,11 +532,11 @@ def load_config(path: str | os.PathLike[str]) -> AppConfig:
         problems = []
         for err in exc.errors():
             ctx_err = (err.get("ctx") or {}).get("error")
-            if isinstance(ctx_err, _PathError):
-                problems.append(_located(source, lines, ctx_err.path, ctx_err.message))
+            if isinstance(ctx_err, PathError):
+                problems.append(located(source, lines, ctx_err.path, ctx_err.message))
                 continue
             loc = tuple(err["loc"])
-            problems.append(_located(source, lines, loc, _message(err)))
+            problems.append(located(source, lines, loc, validation_message(err)))
         raise ConfigError("\n".join(problems)) from None
     return config.model_copy(update={"source": path.resolve()})
 
@@ -825,7 +586,7 @@ def config_from_snapshot(text: str, origin: str = "the config snapshot") -> AppC
             data["config"], context={"base_dir": source.parent if source is not None else Path.cwd()}
         )
     except ValidationError as exc:
-        problems = "; ".join(f"{format_path(tuple(e['loc']))}: {_message(e)}" for e in exc.errors())
+        problems = "; ".join(f"{format_path(tuple(e['loc']))}: {validation_message(e)}" for e in exc.errors())
         raise ConfigError(f"{origin}: {problems}") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{origin}: not a config snapshot ({type(exc).__name__}: {exc})") from None

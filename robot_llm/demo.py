@@ -19,7 +19,6 @@ of the newest ingested item, which a second run does not change.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import signal
@@ -351,12 +350,13 @@ def run_demo(workdir: Path, out: TextIO = sys.stdout) -> DemoResult:
     )
 
 
-def _demo(args: argparse.Namespace) -> int:
-    if args.clean and args.workdir.exists():
-        shutil.rmtree(args.workdir)
+def demo_command(workdir: Path, *, clean: bool = False) -> int:
+    """``robot-llm demo``: run the demo in ``workdir`` (emptied first if ``clean``); returns the exit code."""
+    if clean and workdir.exists():
+        shutil.rmtree(workdir)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = run_demo(args.workdir)
+        result = run_demo(workdir)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if result.stopped_by is not None:
@@ -364,19 +364,8 @@ def _demo(args: argparse.Namespace) -> int:
     if result.theses < result.instruments:
         print(
             f"error: {result.instruments - result.theses} of {result.instruments} instruments have no thesis; "
-            f"`robot-llm batch status -c {args.workdir / 'demo.yaml'}` shows why",
+            f"`robot-llm batch status -c {workdir / 'demo.yaml'}` shows why",
             file=sys.stderr,
         )
         return EXIT_REQUESTS_FAILED
     return 0
-
-
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add ``robot-llm demo``."""
-    demo = sub.add_parser("demo", help="run a whole night on bundled data with a tiny random model")
-    demo.add_argument(
-        "--workdir", type=Path, default=Path("robot-llm-demo"), help="working folder (default: %(default)s)"
-    )
-    demo.add_argument("--clean", action="store_true", help="start from an empty working folder")
-    demo.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
-    demo.set_defaults(handler=_demo)

@@ -11,9 +11,13 @@ import yaml
 
 def _check(args: argparse.Namespace) -> int:
     from robot_llm.commands.common import load_app_config
-    from robot_llm.config import effective_config
+    from robot_llm.config import ConfigError, effective_config
+    from robot_llm.night.model import backend_refusal
 
     config = load_app_config(args)
+    reason = backend_refusal(config)
+    if reason is not None:
+        raise ConfigError(f"{config.source}: {reason}")
     data = effective_config(config)
     if args.json:
         print(json.dumps(data, ensure_ascii=False, indent=2))

@@ -88,28 +88,11 @@ def _model_config(args: argparse.Namespace) -> YalmConfig:
     )
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from robot_llm.llm.generate import SamplingParams, generate
-    from robot_llm.llm.tokenizer import load_tokenizer
+def _sampling(args: argparse.Namespace) -> Any:
+    from robot_llm.llm.generate import SamplingParams
 
-    if (args.store is None) == (args.checkpoint is None):
-        raise RobotLLMError("give either --store STORE_DIR or --checkpoint RELEASE_DIR")
-    if args.store is not None:
-        from robot_llm.llm.store.layout import StoreError
-        from robot_llm.llm.store.reader import read_manifest
-
-        try:
-            config = read_manifest(args.store).config
-        except StoreError as exc:
-            raise RobotLLMError(str(exc)) from exc
-        engine = "stream" if args.engine == "memory" else args.engine
-    else:
-        if args.vocab is None:
-            raise RobotLLMError("--checkpoint needs --vocab (the SentencePiece model)")
-        config, engine = _model_config(args), args.engine
     try:
-        tokenizer = load_tokenizer(args.vocab or args.store)
-        params = SamplingParams(
+        return SamplingParams(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
@@ -118,10 +101,11 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=tuple(args.stop or ()),
         )
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise RobotLLMError(str(exc)) from exc
-    model = create_model(engine, _request(args, args.store or args.checkpoint, config))
-    completions = generate(model, tokenizer, args.prompts, params, batch_size=args.batch_size)
+
+
+def _print_completions(args: argparse.Namespace, completions: Sequence[Any]) -> None:
     for prompt, c in zip(args.prompts, completions, strict=True):
         if args.json:
             record = {
@@ -135,6 +119,66 @@ def _generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"{prompt}\u2192{c.text}  [{c.new_token_count} tokens, {c.finish_reason}]")
+
+
+def _generate_planned(args: argparse.Namespace) -> int:
+    """A store through the stream engine, opened and planned the way a night opens it (runtime.open_model):
+    the weight home, KV home and threads from the plan unless pinned, each batch planned for its prompts."""
+    from robot_llm.llm.engine.runtime import ModelSettings, open_model
+
+    device = "cuda" if args.device.startswith("cuda") else args.device
+    if device not in ("auto", "cpu", "cuda"):
+        raise RobotLLMError(f"--device {args.device}: the stream engine takes cpu, cuda or auto")
+    if args.offload is not None:
+        raise RobotLLMError("--offload applies to the deepspeed engine; the stream engine takes --home disk|ram")
+    settings = ModelSettings(
+        vocab=args.vocab or args.store,
+        backend="stream",
+        store=args.store,
+        home=args.home or "auto",
+        # int8/int4 name how a store keeps its weights, not a compute dtype: the store says which it is.
+        dtype="auto" if args.dtype in ("int8", "int4") else args.dtype,
+        device=device,
+        max_batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
+    params = _sampling(args)
+    model = open_model(settings)
+    try:
+        _print_completions(args, model.generate(args.prompts, params))
+    finally:
+        model.close()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from robot_llm.llm.generate import generate
+    from robot_llm.llm.tokenizer import load_tokenizer
+
+    if (args.store is None) == (args.checkpoint is None):
+        raise RobotLLMError("give either --store STORE_DIR or --checkpoint RELEASE_DIR")
+    if args.store is not None:
+        from robot_llm.llm.store.layout import StoreError
+        from robot_llm.llm.store.reader import read_manifest
+
+        try:
+            config = read_manifest(args.store).config
+        except StoreError as exc:
+            raise RobotLLMError(str(exc)) from exc
+        engine = "stream" if args.engine == "memory" else args.engine
+        if engine == "stream":
+            return _generate_planned(args)
+    else:
+        if args.vocab is None:
+            raise RobotLLMError("--checkpoint needs --vocab (the SentencePiece model)")
+        config, engine = _model_config(args), args.engine
+    try:
+        tokenizer = load_tokenizer(args.vocab or args.store)
+    except (OSError, ValueError) as exc:
+        raise RobotLLMError(str(exc)) from exc
+    params = _sampling(args)
+    model = create_model(engine, _request(args, args.store or args.checkpoint, config))
+    _print_completions(args, generate(model, tokenizer, args.prompts, params, batch_size=args.batch_size))
     return 0
 
 

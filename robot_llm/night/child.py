@@ -124,7 +124,7 @@ class ChildOutcome:
 
 def child_env() -> dict[str, str]:
     # The package may run from a checkout (not installed): let the child import it the same way.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in parts:

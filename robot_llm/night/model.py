@@ -8,6 +8,7 @@ is opened: this module stays free of torch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,16 @@ if TYPE_CHECKING:
     from robot_llm.llm.engine.runtime import ModelSettings
     from robot_llm.llm.generate import Completion, SamplingParams
     from robot_llm.llm.scoring import Followup
+    from robot_llm.llm.store.reader import Manifest
     from robot_llm.llm.tokenizer import Tokenizer
+    from robot_llm.prompting.template import Template
 
 __all__ = [
     "BatchModel",
     "ConfiguredModel",
     "ModelConfigError",
+    "NightFacts",
+    "backend_refusal",
     "model_settings",
     "model_shape",
     "open_configured_model",
@@ -122,11 +127,72 @@ def release_config_file(config: AppConfig) -> Path | None:
     return None
 
 
-def model_shape(config: AppConfig) -> Any:
+def _store_family(store: Path) -> str | None:
+    """The family a store's manifest names, read as plain JSON (no torch); None when it cannot be read."""
+    import json
+
+    try:
+        data = json.loads((store / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # not converted yet, or damaged: preflight's store check says which
+    family = data.get("family", "yalm") if isinstance(data, dict) else None
+    return family if isinstance(family, str) else None
+
+
+def backend_refusal(config: AppConfig) -> str | None:
+    """Why ``model.backend`` cannot run the configured weights (``model.backend: ...``), or None.
+
+    A release checkpoint is YaLM; a store's family is in its manifest (a store not written yet
+    is not judged here).
+    """
+    from robot_llm.llm.engine.backends import refusal
+
+    m = config.model
+    family = "yalm" if m.store is None else _store_family(m.store)
+    reason = None if family is None else refusal(m.backend, family)
+    return None if reason is None else f"model.backend: {reason} (model.store {m.store} holds a {family} model)"
+
+
+@dataclass(frozen=True)
+class NightFacts:
+    """What a night derives once from its config and hands down to preflight and the model's door.
+
+    Each is None when it cannot be derived (no store; a damaged manifest, vocabulary or template):
+    whoever needs it then derives it again, only to say why it fails (preflight names the problem).
+    """
+
+    manifest: Manifest | None
+    tokenizer: Tokenizer | None
+    templates: dict[str, Template] | None
+
+
+def night_facts(config: AppConfig) -> NightFacts:
+    """Read the store's manifest, build the tokenizer and load the templates, once for the night."""
+    from robot_llm.llm.tokenizer import load_tokenizer
+    from robot_llm.prompting.loading import load_templates
+
+    manifest = None
+    if config.model.store is not None:
+        from robot_llm.llm.store.layout import StoreError
+        from robot_llm.llm.store.reader import read_manifest
+
+        with contextlib.suppress(StoreError):
+            manifest = read_manifest(config.model.store)
+    tokenizer: Tokenizer | None = None
+    assert config.model.vocab is not None  # required by the config validator
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
+        tokenizer = load_tokenizer(config.model.vocab)
+    templates: dict[str, Template] | None = None
+    with contextlib.suppress(RobotLLMError):
+        templates = load_templates(config)
+    return NightFacts(manifest=manifest, tokenizer=tokenizer, templates=templates)
+
+
+def model_shape(config: AppConfig, manifest: Manifest | None = None) -> Any:
     """The :class:`~robot_llm.llm.families.config.YalmConfig` of the configured weights, as the runtime will see it.
 
-    A store carries it in its manifest; a release checkpoint in a ``config.json`` next to
-    (or one folder above) the weight files; a release without one (the published
+    A store carries it in its manifest (``manifest``, when read already); a release checkpoint
+    in a ``config.json`` next to (or one folder above) the weight files; a release without one (the published
     YaLM-100B) is the ``yalm-100b`` preset.
     """
     from robot_llm.llm.families.config import YalmConfig
@@ -137,9 +203,13 @@ def model_shape(config: AppConfig) -> Any:
         from robot_llm.llm.store.reader import read_manifest
 
         try:
-            return read_manifest(m.store).config
+            shape = (manifest if manifest is not None else read_manifest(m.store)).config
         except StoreError as exc:
             raise ModelConfigError(f"model.store: {exc}") from None
+        reason = backend_refusal(config)
+        if reason is not None:
+            raise ModelConfigError(reason)
+        return shape
     found = release_config_file(config)
     if found is None:
         return YalmConfig.preset("yalm-100b")
@@ -149,18 +219,18 @@ def model_shape(config: AppConfig) -> Any:
         raise ModelConfigError(f"{found}: {exc}") from None
 
 
-def night_max_new_tokens(config: AppConfig) -> int:
-    """The most tokens any template generates (the night's plan is made for it)."""
+def night_max_new_tokens(config: AppConfig, templates: dict[str, Template] | None = None) -> int:
+    """The most tokens any template generates (the night's plan is made for it); ``templates``: loaded already."""
     from robot_llm.prompting.loading import load_templates
 
     try:
-        templates = load_templates(config)
+        templates = templates if templates is not None else load_templates(config)
     except RobotLLMError:  # doctor's templates check reports it
         return config.prompts.generation.max_new_tokens
     return max(t.generation_for(config).max_new_tokens for t in templates.values())
 
 
-def model_settings(config: AppConfig) -> ModelSettings:
+def model_settings(config: AppConfig, templates: dict[str, Template] | None = None) -> ModelSettings:
     """The runtime settings ``config.model`` means; the worker and doctor's plan both start here."""
     from robot_llm.llm.engine.runtime import ModelSettings
 
@@ -185,21 +255,23 @@ def model_settings(config: AppConfig) -> ModelSettings:
         offload_dir=m.offload_dir,
         offload=m.offload,
         preset="yalm-100b" if m.store is None and release_config_file(config) is None else None,
-        max_new_tokens=night_max_new_tokens(config),
+        max_new_tokens=night_max_new_tokens(config, templates),
         max_positions=m.max_positions,
     )
 
 
-def open_configured_model(config: AppConfig) -> BatchModel:
+def open_configured_model(config: AppConfig, facts: NightFacts | None = None) -> BatchModel:
     """Load the model ``config.model`` describes, placed as the night's plan says.
 
     Raises the runtime's user-facing errors (RobotLLMError) with a one-line reason when the
     weights, the vocabulary or the backend are not usable, or the night cannot fit.
+    ``facts``: the night's manifest, tokenizer and templates, derived once (:func:`night_facts`).
     """
     from robot_llm.llm.engine.runtime import open_model
 
     m = config.model
-    loaded = open_model(model_settings(config))
+    facts = facts or NightFacts(manifest=None, tokenizer=None, templates=None)
+    loaded = open_model(model_settings(config, facts.templates), facts.manifest, facts.tokenizer)
     return ConfiguredModel(
         loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings), name=m.id
     )

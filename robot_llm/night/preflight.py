@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from robot_llm.config import AppConfig
     from robot_llm.llm.store.reader import Manifest
+    from robot_llm.night.model import NightFacts
 
 __all__ = ["Check", "PreflightError", "doctor", "format_checks", "preflight", "require_preflight"]
 
@@ -129,7 +130,7 @@ def _disk(config: AppConfig, engine: Engine | None) -> Check:
     return Check("disk", True, f"{free / 2**30:.1f} GiB free in {folder}")
 
 
-def _store(store: Path, deep: bool) -> Check:
+def _store(store: Path, deep: bool, manifest: Manifest | None) -> Check:
     """The store's files: ``deep`` hashes every byte; the default reads headers and sampled blocks.
 
     The default guarantees every file is present at its manifest size with a header that
@@ -145,7 +146,8 @@ def _store(store: Path, deep: bool) -> Check:
     from robot_llm.llm.store.reader import read_manifest, verify
 
     try:
-        manifest = read_manifest(store)
+        # Read again only to say why it could not be read.
+        manifest = manifest if manifest is not None else read_manifest(store)
     except StoreError as exc:
         return Check("weights", False, f"model.store: {exc} (convert with `robot-llm model convert`)")
     problems: list[str] = []
@@ -208,25 +210,26 @@ def _checkpoint(config: AppConfig) -> Check:
     return Check("weights", True, f"checkpoint {folder}: all {len(names)} module files present")
 
 
-def _weights(config: AppConfig, deep: bool) -> Check:
+def _weights(config: AppConfig, deep: bool, manifest: Manifest | None) -> Check:
     m = config.model
     if m.store is not None:  # the runtime reads the store whenever one is set
-        return _store(m.store, deep)
+        return _store(m.store, deep, manifest)
     return _checkpoint(config)
 
 
-def _vocab(config: AppConfig) -> Check:
+def _vocab(config: AppConfig, facts: NightFacts) -> Check:
     from robot_llm.llm.tokenizer import load_tokenizer
 
     assert config.model.vocab is not None
     try:
-        tokenizer = load_tokenizer(config.model.vocab)
+        # Built again only to say why it does not load.
+        tokenizer = facts.tokenizer if facts.tokenizer is not None else load_tokenizer(config.model.vocab)
     except (OSError, ValueError, RuntimeError) as exc:
         return Check("vocab", False, f"model.vocab: {exc}")
     return Check("vocab", True, f"{config.model.vocab}: {tokenizer.vocab_size} pieces")
 
 
-def _memory(config: AppConfig) -> Check:
+def _memory(config: AppConfig, facts: NightFacts) -> Check:
     """The plan the night will use (made as the batch worker makes it when it opens the model), or why none fits."""
     from dataclasses import replace
 
@@ -236,13 +239,14 @@ def _memory(config: AppConfig) -> Check:
     from robot_llm.night.model import model_settings, model_shape
 
     m = config.model
-    shape = model_shape(config)
-    settings = model_settings(config)
+    manifest = facts.manifest
+    shape = model_shape(config, manifest)
+    settings = model_settings(config, facts.templates)
     weights: str | Manifest
     if m.store is not None:  # the runtime reads the store whenever one is set (its own bytes per layer)
         from robot_llm.llm.store.reader import read_manifest
 
-        weights = read_manifest(m.store)
+        weights = manifest if manifest is not None else read_manifest(m.store)
     else:  # a release is converted to fp16 (stream) or loaded in the compute dtype (memory)
         weights = m.dtype if m.dtype in ("fp32", "bf16", "fp16") else "fp16"
     if m.backend == "memory":  # holds every layer in RAM, like the stream engine homed in RAM
@@ -282,7 +286,7 @@ def _memory(config: AppConfig) -> Check:
     return Check("memory", True, summary + "".join(f"\n       {line}" for line in lines))
 
 
-def _templates(config: AppConfig) -> Check:
+def _templates(config: AppConfig, facts: NightFacts) -> Check:
     from datetime import timedelta
 
     from robot_llm.llm.tokenizer import load_tokenizer
@@ -295,10 +299,10 @@ def _templates(config: AppConfig) -> Check:
 
     assert config.model.vocab is not None
     try:
-        tokenizer = load_tokenizer(config.model.vocab)
+        tokenizer = facts.tokenizer if facts.tokenizer is not None else load_tokenizer(config.model.vocab)
     except (OSError, ValueError, RuntimeError):
         return Check("templates", None, "not checked: the tokenizer does not load (see vocab)")
-    templates = load_templates(config)
+    templates = facts.templates if facts.templates is not None else load_templates(config)
     now = utcnow()
     problems: list[str] = []
     for template in templates.values():
@@ -368,11 +372,16 @@ def _guarded(name: str, fn: Callable[[], Check]) -> Check:
         return Check(name, False, str(exc))
 
 
-def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
+def preflight(config: AppConfig, *, deep: bool = False, facts: NightFacts | None = None) -> list[Check]:
     """Run every check against ``config`` and return them all, in order.
 
     ``deep`` also hashes every store file against its manifest (minutes for 100B weights).
+    ``facts``: the night's manifest, tokenizer and templates when it has derived them already
+    (:func:`robot_llm.night.model.night_facts`); otherwise they are derived here, once.
     """
+    from robot_llm.night.model import night_facts
+
+    facts = facts or night_facts(config)
     source = str(config.source) if config.source else "(in memory)"
     checks = [Check("config", True, f"{source} is valid")]
     db_checks, engine = _database(config)
@@ -386,16 +395,16 @@ def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
     finally:
         if engine is not None:
             engine.dispose()
-    checks.append(_guarded("weights", lambda: _weights(config, deep)))
-    checks.append(_guarded("vocab", lambda: _vocab(config)))
-    checks.append(_guarded("memory", lambda: _memory(config)))
-    checks.append(_guarded("templates", lambda: _templates(config)))
+    checks.append(_guarded("weights", lambda: _weights(config, deep, facts.manifest)))
+    checks.append(_guarded("vocab", lambda: _vocab(config, facts)))
+    checks.append(_guarded("memory", lambda: _memory(config, facts)))
+    checks.append(_guarded("templates", lambda: _templates(config, facts)))
     return checks
 
 
-def require_preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
+def require_preflight(config: AppConfig, *, deep: bool = False, facts: NightFacts | None = None) -> list[Check]:
     """:func:`preflight`, raising :class:`PreflightError` (one line per failed check) when any failed."""
-    checks = preflight(config, deep=deep)
+    checks = preflight(config, deep=deep, facts=facts)
     failed = [c for c in checks if c.ok is False]
     if failed:
         raise PreflightError(

@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from robot_llm.clock import aware_utc
 from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, ModelFault, RobotLLMError
-from robot_llm.night.model import BatchModel, open_configured_model
+from robot_llm.night.model import BatchModel, night_facts, open_configured_model
 from robot_llm.night.queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
 from robot_llm.night.stance import Calibration, StanceResult, StanceSpec, label_pieces, parse_stance_spec
 from robot_llm.night.watchdog import Watchdog
@@ -249,24 +249,24 @@ def run_queue(
     stop: threading.Event | None = None,
     progress: bool | None = None,
     preflight: bool = True,
-    model: BatchModel | None = None,
 ) -> RunSummary:
     """Work the queue until nothing claimable is left (or ``stop`` is set); returns what was done.
 
     ``as_of`` limits the worker to one night's requests; ``stop`` ends the run after the
     batch in flight is stored; ``progress`` forces the terminal bar on or off (default:
     on when stderr is a terminal). ``preflight`` runs :func:`robot_llm.night.preflight.preflight`
-    first and refuses to start when a check fails. ``model`` is an already loaded model
-    (the daemon keeps one between nights); by default the configured model is loaded and
-    closed here. Raises :class:`BatchError` when the database fails mid-run; every thesis
+    first and refuses to start when a check fails. The configured model is opened here and
+    closed when the run ends. Raises :class:`BatchError` when the database fails mid-run; every thesis
     stored before that stays stored.
     """
     if as_of is not None:
         as_of = aware_utc(as_of, "as_of")
+    # Derived once for the night (manifest, tokenizer, templates): preflight and the model's door take them.
+    facts = night_facts(config)
     if preflight:
         from robot_llm.night.preflight import require_preflight
 
-        require_preflight(config)
+        require_preflight(config, facts=facts)
     worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     stop = stop or threading.Event()
     queue = RequestQueue(config, engine, worker_id, as_of)
@@ -279,14 +279,11 @@ def run_queue(
     if total == 0:
         log.info("generate: nothing to do")
         return RunSummary(run_id=None, worker_id=worker_id, status="ok")
-    owned = model is None
-    if model is None:
-        model = open_configured_model(config)
+    model = open_configured_model(config, facts)
     try:
         return _work(config, engine, queue, model, tally, total, stop, progress)
     finally:
-        if owned:
-            model.close()
+        model.close()
 
 
 def _work(

@@ -16,10 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from robot_llm.config import AppConfig
-from robot_llm.config_parsing import Yaml12SafeLoader as _Yaml12SafeLoader
-from robot_llm.config_parsing import line_index as _line_index
-from robot_llm.config_parsing import located as _located
-from robot_llm.config_parsing import validation_message as _message
+from robot_llm.config_parsing import Yaml12SafeLoader, line_index, located, validation_message
 from robot_llm.prompting.render import compile_template
 from robot_llm.prompting.template import Template, TemplateError, TemplateHeader
 
@@ -76,26 +73,26 @@ def load_template(path: str | Path) -> Template:
     offset = 1  # front matter line 1 is file line 2
 
     try:
-        node = yaml.compose(front, Loader=_Yaml12SafeLoader)
-        data = yaml.load(front, Loader=_Yaml12SafeLoader)
+        node = yaml.compose(front, Loader=Yaml12SafeLoader)
+        data = yaml.load(front, Loader=Yaml12SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = (mark.line + 1 if mark else 0) + offset
         raise TemplateError(f"{source}:{line}: YAML syntax error: {exc.problem or exc.context}") from None
     if not isinstance(data, dict):
         raise TemplateError(f"{source}:2: the front matter must be a mapping (name, version, language, ...)")
-    line_of = {key: line + offset for key, line in _line_index(node)} if node is not None else {}
+    line_of = {key: line + offset for key, line in line_index(node)} if node is not None else {}
     try:
         header = TemplateHeader.model_validate(data)
     except ValidationError as exc:
         problems = [
-            _located(
+            located(
                 source,
                 line_of,
                 tuple(err["loc"]),
                 "unknown key (check the spelling; see prompts/README.md)"
                 if err["type"] == "extra_forbidden"
-                else _message(err),
+                else validation_message(err),
             )
             for err in exc.errors()
         ]

@@ -1,1 +1,1 @@
-"""robot_llm.report.summary."""
+"""The morning report: what ran and how it went (:mod:`.summary`), and its HTML page (:mod:`.html`)."""

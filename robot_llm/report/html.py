@@ -312,7 +312,7 @@ def render_html(morning: Morning, config: AppConfig) -> str:
     env.filters["local"] = lambda t, fmt="%Y-%m-%d %H:%M": t.astimezone(tz).strftime(fmt) if t else "-"
     env.filters["duration"] = format_duration
     env.filters.update(TRACK_FILTERS)
-    template = env.from_string((resources.files("robot_llm") / "report_html.j2").read_text(encoding="utf-8"))
+    template = env.from_string((resources.files("robot_llm.report") / "html.j2").read_text(encoding="utf-8"))
     summary = {"day": morning.day.isoformat(), "theses": morning.report.theses, "failed": len(morning.report.failures)}
     return template.render(
         m=morning,

@@ -7,7 +7,6 @@ that says which command fixes it.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +22,8 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 # Alembic is imported inside the functions that use it: every `robot-llm` command builds the
-# parser (and so imports this module), and most of them never migrate anything.
+# parser (and so imports this module, through robot_llm.commands.migrate), and most of them never
+# migrate anything.
 
 __all__ = [
     "MigrationError",
@@ -33,7 +33,6 @@ __all__ = [
     "ensure_current",
     "head",
     "include_object",
-    "register",
     "schema_diff",
     "script_location",
     "upgrade",
@@ -71,7 +70,7 @@ def script_location() -> Path:
     spec = importlib.util.find_spec("robot_llm.migrations")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
-    return Path(__file__).resolve().parent.parent / "migrations"
+    return Path(__file__).resolve().parents[2] / "migrations"
 
 
 def _alembic_config(connection: Connection | None = None) -> Config:
@@ -182,65 +181,3 @@ def schema_diff(url_or_engine: str | Engine) -> list[Any]:
     with _connection(url_or_engine) as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True, "include_object": include_object})
         return list(compare_metadata(ctx, Base.metadata))
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _engine_for(args: argparse.Namespace) -> Engine:
-    from robot_llm.commands.common import load_app_config, open_database
-
-    return open_database(load_app_config(args))
-
-
-def _upgrade(args: argparse.Namespace) -> int:
-    engine = _engine_for(args)
-    try:
-        before = current(engine)
-        upgrade(engine, args.revision)
-        after = current(engine)
-    finally:
-        engine.dispose()
-    if before == after:
-        print(f"database already at {after or 'base'}")
-    else:
-        print(f"upgraded {before or 'base'} -> {after}")
-    return 0
-
-
-def _downgrade(args: argparse.Namespace) -> int:
-    engine = _engine_for(args)
-    try:
-        before = current(engine)
-        downgrade(engine, args.revision)
-        after = current(engine)
-    finally:
-        engine.dispose()
-    print(f"downgraded {before or 'base'} -> {after or 'base'}")
-    return 0
-
-
-def _current(args: argparse.Namespace) -> int:
-    engine = _engine_for(args)
-    try:
-        at = current(engine)
-    finally:
-        engine.dispose()
-    want = head()
-    state = "up to date" if at == want else f"out of date, head is {want}: run `robot-llm db upgrade -c {args.config}`"
-    print(f"{at or 'none (never migrated)'} ({state})")
-    return 0 if at == want else 1
-
-
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add ``db upgrade [REV]``, ``db downgrade REV`` and ``db current``."""
-    db = sub.add_parser("db", help="database schema migrations")
-    db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
-    up = db_sub.add_parser("upgrade", parents=[common], help="migrate the database to the newest schema")
-    up.add_argument("revision", nargs="?", default="head", help="target revision (default: %(default)s)")
-    up.set_defaults(handler=_upgrade)
-    down = db_sub.add_parser("downgrade", parents=[common], help="migrate the database down to REV ('base': empty)")
-    down.add_argument("revision", help="target revision, e.g. base or -1")
-    down.set_defaults(handler=_downgrade)
-    cur = db_sub.add_parser("current", parents=[common], help="show the database's schema revision")
-    cur.set_defaults(handler=_current)

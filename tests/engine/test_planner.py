@@ -11,17 +11,8 @@ import pytest
 from robot_llm.llm.families.config import PRESETS
 from robot_llm.llm.families.config_hf import HF_PRESETS
 from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
-from robot_llm.llm.plan.planner import (
-    GB,
-    PlanError,
-    Work,
-    auto_compute_dtype,
-    gpu_compute_dtype,
-    layer_bytes,
-    layer_params,
-    pinned_bytes,
-    plan,
-)
+from robot_llm.llm.plan.planner import GB, PlanError, Work, auto_compute_dtype, gpu_compute_dtype, plan
+from robot_llm.llm.plan.sizes import layer_bytes, layer_params, pinned_bytes
 from robot_llm.llm.plan.timing import FUSED_RATES, INT8_WIDEN_ELEMS_PER_S
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS
 

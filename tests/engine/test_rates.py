@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from robot_llm.llm.plan.sizes import layer_bytes, layer_params
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.engine.runtime import ModelSettings, machine_for, night_machine
@@ -18,6 +17,7 @@ from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.plan import rates
 from robot_llm.llm.plan.machine import GPUError, Machine, cpu_has_native_bf16, usable_gpu_bytes
 from robot_llm.llm.plan.planner import Work, plan
+from robot_llm.llm.plan.sizes import layer_bytes, layer_params
 
 CACHED = (rates.cpu_gemm_flops, rates.ram_read_bps, rates.gpu_rates)
 

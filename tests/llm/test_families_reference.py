@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference_deps import require
 
 from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
@@ -20,7 +21,7 @@ from robot_llm.llm.families.config import module_plan
 from robot_llm.llm.families.family import Weights
 from robot_llm.llm.store.importers import hf_config, import_model, iter_hf_modules
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 TOLERANCE = 1e-4
 COMMON = {

@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 
 import pytest
+from reference_deps import require
 
 from robot_llm.llm.reference import GREEDY_TOKENS, LOGIT_TOLERANCE, check_gemma
 from robot_llm.llm.store.demo_checkpoint import gemma_gguf
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("transformers")
+require("transformers")
 
 
 def test_gemma_270m_matches_transformers(tmp_path: Path) -> None:

@@ -14,14 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from reference_deps import require
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.store.importers import import_model
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+transformers = require("transformers")
+gguf = require("gguf")
 
 HEADS, KV_HEADS, LAYERS = 4, 2, 2
 

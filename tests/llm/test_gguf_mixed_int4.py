@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from robot_llm.llm.plan.sizes import layer_bytes
+from reference_deps import require
 
 from robot_llm.commands.model import main
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.plan.machine import Machine
 from robot_llm.llm.plan.planner import Work, plan
+from robot_llm.llm.plan.sizes import layer_bytes
 from robot_llm.llm.store.importers import GGUF_INT4_MAX_BITS, gguf_bits_per_weight, import_model
 from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
 from robot_llm.llm.store.quant import dequantize_int4_into, dequantize_int8_into, int4_bytes, int8_bytes
@@ -39,7 +40,7 @@ from robot_llm.llm.store.reader import (
     verify,
 )
 
-gguf = pytest.importorskip("gguf")
+gguf = require("gguf")
 Q = gguf.GGMLQuantizationType
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 160

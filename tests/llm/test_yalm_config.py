@@ -44,7 +44,10 @@ def test_validation(tmp_path: Path) -> None:
 
 
 def test_package_import_does_not_import_torch() -> None:
-    code = "import sys, robot_llm.llm, robot_llm.llm.engine.backends, robot_llm.commands.model; print('torch' in sys.modules)"
+    code = (
+        "import sys, robot_llm.llm, robot_llm.llm.engine.backends, robot_llm.commands.model; "
+        "print('torch' in sys.modules)"
+    )
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert out.stdout.strip() == "False"

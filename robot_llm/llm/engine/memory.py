@@ -1,10 +1,92 @@
-"""The ``memory`` backend: the whole model in memory (:class:`robot_llm.llm.engine.memory.Yalm`)."""
+"""The whole model in memory, any family (:class:`InMemoryModel`); the ``memory`` backend: YaLM from a release."""
 
 from __future__ import annotations
 
-from robot_llm.llm.engine.memory import Yalm
+import torch
+from torch import Tensor
+
+from robot_llm.llm.engine.finite import FiniteWatch
+from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.request import BackendError, ModelRequest
-from robot_llm.llm.families.family import DTYPES
+from robot_llm.llm.families.config import ModelConfig, YalmConfig
+from robot_llm.llm.families.family import DTYPES, Weights, prepare_step, resolve_dtype
+from robot_llm.llm.families.registry import family_of
+
+
+class InMemoryModel:
+    """A whole model held in memory, any family; implements :class:`ForwardModel`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        *,
+        dtype: str | torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = cfg
+        self.family = family_of(cfg)
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.weights = weights.to(self.device, self.dtype)
+        self.rope = self.family.rope(cfg)
+        self.watch = FiniteWatch()
+
+    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
+        """An empty cache on the model's device in the compute dtype."""
+        return KVCache.allocate(self.config, batch, max_len, dtype=self.dtype, device=self.device, pad=pad)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+        *,
+        last_only: bool = False,
+    ) -> Tensor:
+        """See :meth:`ForwardModel.forward`."""
+        cfg, w, fam = self.config, self.weights, self.family
+        B, T = ids.shape
+        step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
+        x = fam.embed(ids.to(self.device), w.resident, cfg)
+        self.watch.reset()
+        self.watch.note("the embedding", x)
+        for i, layer in enumerate(w.layers):
+            x = fam.layer(x, layer, cfg, i, step, cache.layer(i) if cache is not None else None)
+            self.watch.note(f"layer {i}", x)
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:]
+        return fam.head(x, w.resident, cfg).float().cpu()
+
+    __call__ = forward
+
+    def first_nonfinite(self) -> str:
+        """Where the last pass first went non-finite (:func:`robot_llm.llm.engine.finite.check_logits` asks)."""
+        return self.watch.first_bad() or "the output head"
+
+
+class Yalm(InMemoryModel):
+    """The whole YaLM held in memory (see :class:`InMemoryModel`)."""
+
+    @classmethod
+    def from_release(
+        cls,
+        directory: str,
+        cfg: YalmConfig,
+        *,
+        dtype: str | torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        trust_pickle: bool = False,
+    ) -> Yalm:
+        """Load a release-layout checkpoint folder (``layer_NN-model_00-model_states.pt`` files)."""
+        from robot_llm.llm.store.checkpoint import load_release
+
+        weights = load_release(directory, cfg, trust_pickle=trust_pickle)
+        return cls(cfg, weights, dtype=resolve_dtype(dtype), device=device)
+
 
 
 def create(request: ModelRequest) -> Yalm:

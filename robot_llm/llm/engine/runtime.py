@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from robot_llm.llm.generate import Completion, SamplingParams
     from robot_llm.llm.scoring import Followup
     from robot_llm.llm.store.reader import Manifest
+    from robot_llm.llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +121,16 @@ class ModelSettings:
 class LoadedModel:
     """An open model: tokenizer, engine, and generation/scoring with planned batch sizes."""
 
-    def __init__(self, settings: ModelSettings, model: object, config: ModelConfig, model_id: str) -> None:
+    def __init__(
+        self, settings: ModelSettings, model: object, config: ModelConfig, model_id: str, tokenizer: Tokenizer | None
+    ) -> None:
         from robot_llm.llm.tokenizer import load_tokenizer
 
         self.settings = settings
         self.model = model
         self.config = config
         self.model_id = model_id
-        self.tokenizer = load_tokenizer(settings.vocab)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.vocab)
 
     def generate(
         self,
@@ -334,7 +337,9 @@ def _dtype_name(dtype: object) -> str:
     return {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}[str(dtype)]
 
 
-def _config(settings: ModelSettings) -> ModelConfig:
+def _config(settings: ModelSettings, manifest: Manifest | None) -> ModelConfig:
+    if manifest is not None:
+        return manifest.config
     if settings.store is not None:
         from robot_llm.llm.store.reader import read_manifest
 
@@ -356,14 +361,26 @@ def _model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
     return f"{name}/{weights_dtype}@{hashlib.sha256(source).hexdigest()[:12]}"
 
 
-def open_model(settings: ModelSettings) -> LoadedModel:
-    """Open the model described by ``settings`` (refuses a stream run whose weights cannot fit)."""
-    config = _config(settings)
+def open_model(
+    settings: ModelSettings, manifest: Manifest | None = None, tokenizer: Tokenizer | None = None
+) -> LoadedModel:
+    """Open the model described by ``settings`` (refuses a stream run whose weights cannot fit).
+
+    ``manifest`` (``settings.store``'s) and ``tokenizer`` (``settings.vocab``'s): when the caller has
+    them already (a night derives them once); otherwise they are read here.
+    """
+    from robot_llm.llm.engine.backends import create_model, refusal
+    from robot_llm.llm.engine.request import BackendError, ModelRequest
+
+    if settings.store is None:
+        manifest = None
+    config = _config(settings, manifest)
+    reason = refusal(settings.backend, config.family)
+    if reason is not None:
+        raise BackendError(reason)
     device = settings.device
     if settings.backend == "stream":
-        return _open_stream(settings, config)
-    from robot_llm.llm.engine.backends import create_model
-    from robot_llm.llm.engine.request import ModelRequest
+        return _open_stream(settings, config, manifest, tokenizer)
 
     assert settings.checkpoint is not None or settings.store is not None
     source = settings.store or settings.checkpoint
@@ -390,10 +407,12 @@ def open_model(settings: ModelSettings) -> LoadedModel:
     else:
         request = ModelRequest(checkpoint=source, config=config, dtype=dtype, device=device)
         model = create_model("memory", request)
-    return LoadedModel(settings, model, config, _model_id(config, source, dtype))
+    return LoadedModel(settings, model, config, _model_id(config, source, dtype), tokenizer)
 
 
-def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
+def _open_stream(
+    settings: ModelSettings, config: ModelConfig, manifest: Manifest | None, tokenizer: Tokenizer | None
+) -> LoadedModel:
     from robot_llm.llm.engine.streaming import StreamingModel
     from robot_llm.llm.store.reader import MANIFEST, Store
     from robot_llm.llm.store.writer import convert
@@ -407,7 +426,7 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
         if not (store_dir / MANIFEST).is_file():
             log.info("converting %s into the store %s", settings.checkpoint, store_dir)
             convert(settings.checkpoint, store_dir, dtype="fp16", config=config)
-    store = Store(store_dir)
+    store = Store(store_dir, manifest if store_dir == settings.store else None)
     # Refuse now what cannot fit; otherwise open the engine exactly as planned.
     night = plan_run(settings, config, night_work(settings, config), store.manifest)
     log.info("the night's plan:\n%s", night.describe())
@@ -423,4 +442,4 @@ def _open_stream(settings: ModelSettings, config: ModelConfig) -> LoadedModel:
         micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
         kv_dtype=night.kv_dtype if night.kv_dtype in ("int8", "int4") else None,
     )
-    return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype))
+    return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype), tokenizer)

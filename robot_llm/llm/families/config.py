@@ -260,23 +260,6 @@ def module_plan(cfg: ModelConfig) -> list[tuple[ModuleKind, int, Shapes]]:
     return plan
 
 
-def config_class(family: str) -> Any:
-    """The config dataclass of ``family`` (``yalm``, ``llama``, ``gemma3``)."""
-    from robot_llm.llm.families.config_hf import Gemma3Config, LlamaConfig
-
-    classes: dict[str, Any] = {"yalm": YalmConfig, "llama": LlamaConfig, "gemma3": Gemma3Config}
-    try:
-        return classes[family]
-    except KeyError:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(classes)}") from None
-
-
-def config_from_dict(data: dict[str, Any], family: str = "yalm") -> ModelConfig:
-    """Build the config of ``family`` from its :meth:`ModelConfig.to_dict` form."""
-    config: ModelConfig = config_class(family).from_dict(data)
-    return config
-
-
 def embedding_is_head(cfg: ModelConfig) -> bool:
     """True when the output head multiplies by the embedding matrix (YaLM, Gemma, tied Llama/Qwen).
 

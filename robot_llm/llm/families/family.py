@@ -5,8 +5,9 @@ A family (:mod:`~robot_llm.llm.families.yalm`, :mod:`~robot_llm.llm.families.lla
 per streamed module, see :mod:`robot_llm.llm.families.config`) plus a :class:`Family`:
 its rotary frequencies, its embedding, one transformer layer and its output
 head, as plain functions over ``dict[str, Tensor]`` weights. The in-memory
-model here, the streaming engine, the store, the planner and generation only
-ever call these. One forward step over ``ids [B, T]``::
+model (:mod:`robot_llm.llm.engine.memory`), the streaming engine, the store, the
+planner and generation only ever call these; :func:`~robot_llm.llm.families.registry.family_of`
+finds a config's family. One forward step over ``ids [B, T]``::
 
     fam = family_of(cfg)
     step = prepare_step(cfg, fam.rope(cfg), cache, T, pad, device, dtype, batch=B)
@@ -35,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.store.quant import (
@@ -218,14 +218,6 @@ class Family:
     head: Callable[[Tensor, Resident, Any], Tensor]
 
 
-def family_of(cfg: ModelConfig) -> Family:
-    """The :class:`Family` that computes models of this config."""
-    from robot_llm.llm.families import gemma3, llama, yalm
-
-    families = {"yalm": yalm.FAMILY, "llama": llama.FAMILY, "gemma3": gemma3.FAMILY}
-    return families[cfg.family]
-
-
 # --------------------------------------------------------------------------- models
 
 
@@ -268,61 +260,6 @@ class Weights:
             return {k: t.to(device=device, dtype=dtype) for k, t in p.items()}
 
         return Weights(resident={k: conv(p) for k, p in self.resident.items()}, layers=[conv(p) for p in self.layers])
-
-
-class InMemoryModel:
-    """A whole model held in memory, any family; implements :class:`ForwardModel`."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: Weights,
-        *,
-        dtype: str | torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.config = cfg
-        self.family = family_of(cfg)
-        self.dtype = resolve_dtype(dtype)
-        self.device = torch.device(device)
-        self.weights = weights.to(self.device, self.dtype)
-        self.rope = self.family.rope(cfg)
-        self.watch = FiniteWatch()
-
-    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
-        """An empty cache on the model's device in the compute dtype."""
-        return KVCache.allocate(self.config, batch, max_len, dtype=self.dtype, device=self.device, pad=pad)
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        ids: Tensor,
-        cache: KVCache | None = None,
-        pad: Tensor | None = None,
-        *,
-        last_only: bool = False,
-    ) -> Tensor:
-        """See :meth:`ForwardModel.forward`."""
-        cfg, w, fam = self.config, self.weights, self.family
-        B, T = ids.shape
-        step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        x = fam.embed(ids.to(self.device), w.resident, cfg)
-        self.watch.reset()
-        self.watch.note("the embedding", x)
-        for i, layer in enumerate(w.layers):
-            x = fam.layer(x, layer, cfg, i, step, cache.layer(i) if cache is not None else None)
-            self.watch.note(f"layer {i}", x)
-        if cache is not None:
-            cache.advance(T)
-        if last_only:
-            x = x[:, -1:]
-        return fam.head(x, w.resident, cfg).float().cpu()
-
-    __call__ = forward
-
-    def first_nonfinite(self) -> str:
-        """Where the last pass first went non-finite (:func:`robot_llm.llm.engine.finite.check_logits` asks)."""
-        return self.watch.first_bad() or "the output head"
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> Weights:

@@ -30,9 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
-from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.families.config import YalmConfig
-from robot_llm.llm.families.family import Family, Params, Resident, StepInfo, apply_rotary, linear, resolve_dtype
+from robot_llm.llm.families.family import Family, Params, Resident, StepInfo, apply_rotary, linear
 
 #: Score written over masked attention logits (masked_fill, as the original does).
 MASK_VALUE = -10000.0
@@ -131,23 +130,3 @@ def output_head(x: Tensor, resident: Resident, cfg: YalmConfig) -> Tensor:
 
 
 FAMILY = Family(name="yalm", rope=rope, embed=embed, layer=transformer_layer, head=output_head)
-
-
-class Yalm(InMemoryModel):
-    """The whole YaLM held in memory (see :class:`~robot_llm.llm.engine.memory.InMemoryModel`)."""
-
-    @classmethod
-    def from_release(
-        cls,
-        directory: str,
-        cfg: YalmConfig,
-        *,
-        dtype: str | torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        trust_pickle: bool = False,
-    ) -> Yalm:
-        """Load a release-layout checkpoint folder (``layer_NN-model_00-model_states.pt`` files)."""
-        from robot_llm.llm.store.checkpoint import load_release
-
-        weights = load_release(directory, cfg, trust_pickle=trust_pickle)
-        return cls(cfg, weights, dtype=resolve_dtype(dtype), device=device)

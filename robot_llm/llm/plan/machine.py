@@ -12,7 +12,7 @@ the CPU, RAM and GPU rates (:mod:`robot_llm.llm.plan.rates`); given options win.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from robot_llm.errors import RobotLLMError
@@ -71,11 +71,6 @@ class Machine:
         """Bytes/s at which a one-row GEMM in ``dtype`` reads its weight out of RAM (fp32's rate unless bf16's
         was measured or given)."""
         return self.ram_bf16_bps if dtype == "bf16" and self.ram_bf16_bps else self.ram_bps
-
-
-def with_label(machine: Machine, label: str) -> Machine:
-    """A copy of ``machine`` with a label (for printing)."""
-    return replace(machine, label=label)
 
 
 def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:

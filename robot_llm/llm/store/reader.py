@@ -373,9 +373,10 @@ def _check_layout(path: Path, manifest: Manifest, kind: ModuleKind, shapes: dict
 class Store:
     """A converted store opened for reading: manifest plus parsed file headers."""
 
-    def __init__(self, store_dir: str | Path) -> None:
+    def __init__(self, store_dir: str | Path, manifest: Manifest | None = None) -> None:
+        """Open ``store_dir``; ``manifest``: its manifest, when the caller has read it already (a night: once)."""
         self.path = Path(store_dir)
-        self.manifest = read_manifest(self.path)
+        self.manifest = manifest if manifest is not None else read_manifest(self.path)
         self.config = self.manifest.config
         self.layouts = {f.name: FileLayout.read(self.path / f.name) for f in self.manifest.files}
         self.entries = {f.name: f for f in self.manifest.files}
@@ -437,10 +438,6 @@ class Store:
     def layer_files(self) -> list[Path]:
         """Files of the transformer layers, in order."""
         return [self.file("layer", i) for i in range(self.config.num_layers)]
-
-    def max_layer_bytes(self) -> int:
-        """Largest data section among the transformer layers (the size of one streaming buffer)."""
-        return max(self.layout("layer", i).data_size for i in range(self.config.num_layers))
 
     def load(self, kind: ModuleKind, index: int = 0) -> Params:
         """Read one module into freshly allocated CPU tensors (used for the small resident modules)."""

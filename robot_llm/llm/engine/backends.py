@@ -4,43 +4,19 @@ A backend is a factory ``create(request: ModelRequest) -> ForwardModel`` named
 by a ``"module:function"`` string, imported only when chosen (this package
 does not import torch). ``memory`` holds the whole model in RAM/VRAM
 (:mod:`robot_llm.llm.engine.memory`); ``stream`` and ``deepspeed`` are the
-offloading engines, provided by the modules named below. Other code may add
-entries with :func:`register_backend`.
+offloading engines, provided by the modules named below.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from robot_llm.errors import RobotLLMError
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.engine.request import BackendError, ModelRequest
 
 if TYPE_CHECKING:
     from robot_llm.llm.families.family import ForwardModel
-
-
-@dataclass(frozen=True)
-class ModelRequest:
-    """What the user asked for on the command line.
-
-    ``checkpoint`` is a release folder (or anything the backend understands,
-    e.g. a weight store); ``dtype`` is ``fp32``/``bf16``/``fp16``; ``device`` a
-    torch device string; ``home`` (``disk``/``ram``) and ``offload``
-    (``cpu``/``nvme``) only mean something to the offloading engines and are
-    None when not given.
-    """
-
-    checkpoint: Path
-    config: YalmConfig
-    dtype: str = "fp32"
-    device: str = "cpu"
-    home: str | None = None
-    offload: str | None = None
-    trust_pickle: bool = False
 
 
 BackendFactory = Callable[[ModelRequest], "ForwardModel"]
@@ -52,15 +28,20 @@ BACKENDS: dict[str, str] = {
 }
 
 
-class BackendError(RobotLLMError):
-    """The chosen backend does not exist or cannot serve the request."""
+#: The model families each backend computes; None: every family of the registry
+#: (:mod:`robot_llm.llm.families.registry`). The stream engine runs any family's forward; the memory
+#: backend loads a YaLM release folder and DeepSpeed wraps YaLM's own layer modules.
+SERVES: dict[str, tuple[str, ...] | None] = {"memory": ("yalm",), "stream": None, "deepspeed": ("yalm",)}
 
 
-def register_backend(name: str, target: str) -> None:
-    """Add or replace backend ``name``; ``target`` is ``"package.module:function"``."""
-    if ":" not in target:
-        raise ValueError(f"backend target must look like 'module:function', got {target!r}")
-    BACKENDS[name] = target
+def refusal(backend: str, family: str) -> str | None:
+    """Why ``backend`` cannot run a model of ``family`` (one line), or None when it can."""
+    served = SERVES.get(backend)
+    if served is None or family in served:
+        return None
+    others = [name for name, fams in SERVES.items() if fams is None or family in fams]
+    runs = ", ".join(served)
+    return f"the {backend} backend runs {runs} models only, not {family}: use backend {' or '.join(others)}"
 
 
 def get_backend(name: str) -> BackendFactory:

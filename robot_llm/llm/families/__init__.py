@@ -1,0 +1,1 @@
+"""Model families: each family's config and forward pass, and the interface they share (:mod:`.family`)."""

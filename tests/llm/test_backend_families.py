@@ -1,0 +1,86 @@
+"""A backend that cannot run a store's family says so, in one line, at ``config check`` and at the door."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from robot_llm.commands.main import main
+from robot_llm.llm.engine.request import BackendError
+from robot_llm.llm.engine.runtime import ModelSettings, open_model
+from robot_llm.llm.families.config import module_plan
+from robot_llm.llm.families.config_hf import Gemma3Config
+from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.store.writer import convert_modules
+
+GEMMA = Gemma3Config(
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=100,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=64,
+    vocab_size=300,
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window_size=4,
+    query_pre_attn_scalar=32,
+)
+
+CONFIG = """\
+database:
+  url: "sqlite:///robot-llm.sqlite"
+instruments:
+  - ticker: "SBER"
+    name: "Сбербанк"
+model:
+  backend: "{backend}"
+  store: "store"
+  vocab: "store/tokenizer.json"
+"""
+
+
+@pytest.fixture(scope="module")
+def gemma_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("gemma") / "store"
+    weights = random_weights(GEMMA, seed=1)
+    layers = iter(weights.layers)
+    modules = (
+        (kind, index, next(layers) if kind == "layer" else weights.resident[kind])
+        for kind, index, _ in module_plan(GEMMA)
+    )
+    convert_modules(GEMMA, modules, store, dtype="fp32", reserve_bytes=0)
+    return store
+
+
+def _config(folder: Path, store: Path, backend: str) -> Path:
+    (folder / "store").symlink_to(store, target_is_directory=True)
+    path = folder / "robot-llm.yaml"
+    path.write_text(CONFIG.format(backend=backend), encoding="utf-8")
+    return path
+
+
+def test_config_check_refuses_deepspeed_for_a_gemma_store(
+    tmp_path: Path, gemma_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, gemma_store, "deepspeed")
+    assert main(["config", "check", "-c", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err  # one line
+    assert str(config.resolve()) in err
+    assert "model.backend: the deepspeed backend runs yalm models only, not gemma3: use backend stream" in err
+
+
+def test_config_check_accepts_the_stream_backend_for_it(
+    tmp_path: Path, gemma_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, gemma_store, "stream")
+    assert main(["config", "check", "-c", str(config)]) == 0
+    assert ": OK" in capsys.readouterr().out
+
+
+def test_the_door_refuses_it_before_loading_anything(gemma_store: Path) -> None:
+    settings = ModelSettings(vocab=gemma_store, backend="deepspeed", store=gemma_store, device="cpu")
+    with pytest.raises(BackendError, match="the deepspeed backend runs yalm models only, not gemma3"):
+        open_model(settings)
