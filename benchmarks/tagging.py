@@ -139,7 +139,7 @@ def generated_news(count: int, seed: int = 17) -> list[tuple[str, str]]:
 
 
 def demo_news() -> list[tuple[str, str]]:
-    from robot_llm.config import FeedConfig
+    from robot_llm.config_sections import FeedConfig
     from robot_llm.ingest.feeds import parse_feed
     from robot_llm.ingest.tagging import Tagger
 
@@ -153,7 +153,8 @@ def demo_news() -> list[tuple[str, str]]:
 
 
 def _instruments(which: str) -> list[Any]:
-    from robot_llm.config import InstrumentConfig, load_config
+    from robot_llm.config import load_config
+    from robot_llm.config_sections import InstrumentConfig
 
     if which == "demo":
         return list(load_config(DEMO / "demo.yaml").instruments)

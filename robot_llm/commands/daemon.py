@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
 
 
 def _run(args: argparse.Namespace) -> int:
-    from robot_llm.commands.main import console_level
+    from robot_llm.commands.common import console_level
     from robot_llm.daemon.scheduler import Daemon
     from robot_llm.logs import add_log_file, setup_logging
     from robot_llm.store.migrate import ensure_current

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from robot_llm import __version__
-from robot_llm.commands import batch, config, daemon, demo, forecasts, ingest, migrate, model, prompts, track_record
+from robot_llm.commands import batch, config, daemon, demo, forecasts, ingest, migrate, model, prompts
 from robot_llm.commands.common import console_level
 from robot_llm.errors import RobotLLMError, closed_pipe, missing_extra
 from robot_llm.logs import setup_logging
@@ -24,7 +24,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 # The command groups, in the order `robot-llm --help` lists them; each has ``register(subparsers, common)``.
 # They are kept free of torch at import time: building the parser must stay fast.
-COMMAND_MODULES = (config, migrate, prompts, forecasts, track_record, ingest, batch, daemon, model, demo)
+COMMAND_MODULES = (config, migrate, prompts, forecasts, ingest, batch, daemon, model, demo)
 
 
 def common_parser() -> argparse.ArgumentParser:

@@ -52,7 +52,8 @@ import httpx
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from robot_llm.config import AppConfig, FeedConfig
+from robot_llm.config import AppConfig
+from robot_llm.config_sections import FeedConfig
 from robot_llm.errors import RobotLLMError
 from robot_llm.ingest import insert_ignoring_duplicates
 from robot_llm.ingest.encoding import better_encoding

@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
-from robot_llm.config import HttpConfig
+from robot_llm.config_sections import HttpConfig
 from robot_llm.errors import RobotLLMError
 
 __all__ = ["FetchError", "FetchResult", "fetch", "is_local", "make_client"]

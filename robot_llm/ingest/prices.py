@@ -49,7 +49,8 @@ from robot_llm.store.db import Price, Signal, error_line, session_scope, utcnow
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-    from robot_llm.config import AppConfig, FreqtradePricesConfig
+    from robot_llm.config import AppConfig
+    from robot_llm.config_sections import FreqtradePricesConfig
 
 __all__ = [
     "PriceRow",

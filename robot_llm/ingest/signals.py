@@ -77,7 +77,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from robot_llm.config import AppConfig, SignalSourceConfig
+from robot_llm.config import AppConfig
+from robot_llm.config_sections import SignalSourceConfig
 from robot_llm.ingest import insert_ignoring_duplicates
 from robot_llm.ingest.signal_record import FIELDS, REQUIRED, SignalError, SignalRecord, make_signal
 from robot_llm.store.db import Signal, error_line, session_scope, utcnow

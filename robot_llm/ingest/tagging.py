@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from robot_llm.config import InstrumentConfig
+from robot_llm.config_sections import InstrumentConfig
 from robot_llm.errors import RobotLLMError
 
 __all__ = ["Tagger", "TaggingError", "word_forms"]

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
     from sqlalchemy.orm import Session
 
-    from robot_llm.config import AppConfig, InstrumentConfig
+    from robot_llm.config import AppConfig
+    from robot_llm.config_sections import InstrumentConfig
 
 __all__ = [
     "NO_INPUTS",

@@ -15,7 +15,8 @@ from datetime import datetime
 from typing import Literal, Protocol
 
 from robot_llm.clock import aware_utc
-from robot_llm.config import AppConfig, GenerationConfig, InstrumentConfig
+from robot_llm.config import AppConfig
+from robot_llm.config_sections import GenerationConfig, InstrumentConfig
 from robot_llm.errors import RobotLLMError
 from robot_llm.prompting.context import (
     InstrumentView,

@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from robot_llm.config import AppConfig, Duration, GenerationConfig
+from robot_llm.config import AppConfig
+from robot_llm.config_sections import Duration, GenerationConfig
 from robot_llm.errors import RobotLLMError
 from robot_llm.prompting.sanitize import ALWAYS_MARKERS
 

@@ -240,9 +240,8 @@ def _with_nan_weights(store: Path, layer: int) -> None:
     from dataclasses import replace
 
     from robot_llm.llm.store.checksum import file_digests
-    from robot_llm.llm.store.layout import save_aligned
+    from robot_llm.llm.store.layout import save_aligned, write_json_atomic
     from robot_llm.llm.store.reader import MANIFEST, Store
-    from robot_llm.llm.store.writer import write_json_atomic
 
     opened = Store(store)
     name = f"layer_{layer:03d}.safetensors"

@@ -152,7 +152,7 @@ def test_verify_reports_a_block_mismatch_even_when_sha256_was_recomputed(store: 
     # A manifest whose sha256 was refreshed by hand but not its blocks: verify names the file.
     from dataclasses import replace
 
-    from robot_llm.llm.store.writer import write_json_atomic
+    from robot_llm.llm.store.layout import write_json_atomic
 
     manifest = read_manifest(store)
     victim = store / "layer_000.safetensors"

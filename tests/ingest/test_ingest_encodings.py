@@ -13,7 +13,7 @@ from ingest_helpers import INSTRUMENTS, FeedServer, Reply, item, make_config, rs
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from robot_llm.config import FeedConfig, InstrumentConfig
+from robot_llm.config_sections import FeedConfig, InstrumentConfig
 from robot_llm.ingest.encoding import better_encoding
 from robot_llm.ingest.feeds import ingest_feeds, parse_feed
 from robot_llm.ingest.tagging import Tagger

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ingest_helpers import FeedServer, Reply, item, rss
 
-from robot_llm.config import HttpConfig
+from robot_llm.config_sections import HttpConfig
 from robot_llm.ingest.http import FetchError, fetch
 
 FAST = HttpConfig(

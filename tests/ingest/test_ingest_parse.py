@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ingest_helpers import INSTRUMENTS, item, rss
 
-from robot_llm.config import FeedConfig, InstrumentConfig
+from robot_llm.config_sections import FeedConfig, InstrumentConfig
 from robot_llm.ingest.feeds import FeedError, parse_feed, strip_html
 from robot_llm.ingest.tagging import Tagger
 

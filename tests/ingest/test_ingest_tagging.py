@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ingest_helpers import INSTRUMENTS
 
-from robot_llm.config import InstrumentConfig
+from robot_llm.config_sections import InstrumentConfig
 from robot_llm.ingest.tagging import Tagger, TaggingError, word_forms
 
 TAGGER = Tagger.from_instruments(InstrumentConfig(**i) for i in INSTRUMENTS)

@@ -340,7 +340,7 @@ def verify(
         if on_file is not None:
             on_file(entry, n, len(manifest.files))
     if record_checksums and not problems and manifest.checksums is None:
-        from robot_llm.llm.store.writer import write_json_atomic
+        from robot_llm.llm.store.layout import write_json_atomic
 
         write_json_atomic(
             store / MANIFEST, replace(manifest, files=computed, checksums=ChecksumSpec(block_bytes=block)).to_json()

@@ -27,7 +27,7 @@ from robot_llm.llm.families.config import ModelConfig, ModuleKind, YalmConfig, m
 from robot_llm.llm.families.family import Params
 from robot_llm.llm.store.checkpoint import iter_release_modules
 from robot_llm.llm.store.checksum import ChecksumSpec, aux_digests, file_digests
-from robot_llm.llm.store.layout import LOGICAL_SHAPES, SCALE_SUFFIX, StoreError, save_aligned
+from robot_llm.llm.store.layout import LOGICAL_SHAPES, SCALE_SUFFIX, StoreError, save_aligned, write_json_atomic
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, check_group_size, quantize_int4, quantize_int8
 from robot_llm.llm.store.reader import (
     FORMAT,
@@ -44,16 +44,6 @@ from robot_llm.llm.store.reader import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` through a fsynced temporary file (never half a file)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _store_tensors(
