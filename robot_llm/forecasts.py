@@ -51,10 +51,13 @@ from sqlalchemy.exc import DBAPIError
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.store.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
-from robot_llm.track.ledger import STANCE_LABELS, LedgerRow, LedgerSettings, stance_labels, up_probability
+from robot_llm.track.figures import LedgerSettings
+from robot_llm.track.outcomes import STANCE_LABELS, stance_labels, up_probability
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from robot_llm.track.ledger import LedgerRow
 
 __all__ = [
     "Forecasts",
@@ -139,7 +142,7 @@ class ThesisRecord:
     news_ids: tuple[int, ...]
     signal_ids: tuple[int, ...]
     # The probability the stance gave its "up" label, where the template's labels define one
-    # (see robot_llm.track.ledger.up_probability); the track record's Brier score uses it.
+    # (see robot_llm.track.outcomes.up_probability); the track record's Brier score uses it.
     up_probability: float | None = None
     kind: str = "thesis"
     flags: tuple[str, ...] = ()
