@@ -1,7 +1,7 @@
 """Closing prices into the ``prices`` table: a CSV drop folder, freqtrade's data folder, the robot's signals.
 
 Every source becomes rows ``(ticker, time, close)`` where ``time`` is the moment the close
-was known, in UTC; the track record (:mod:`robot_llm.track.ledger`) joins theses to them.
+was known, in UTC; the track record (:mod:`robot_llm.track.outcomes`) joins theses to them.
 
 Sources (the ``prices:`` section of the config):
 

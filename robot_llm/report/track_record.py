@@ -13,18 +13,10 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import inspect
 
 from robot_llm.store.db import utcnow
-from robot_llm.track.ledger import (
-    LedgerRow,
-    LedgerSettings,
-    Outcome,
-    compute_outcomes,
-    format_ledger,
-    ledger,
-    load_closes,
-    load_theses,
-    span_text,
-    spearman,
-)
+from robot_llm.track.figures import LedgerSettings
+from robot_llm.track.ledger import LedgerRow, format_ledger, ledger
+from robot_llm.track.outcomes import Outcome, compute_outcomes, load_closes, load_theses, span_text
+from robot_llm.track.stats import spearman
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine

@@ -16,7 +16,7 @@ from robot_llm.commands.main import main
 from robot_llm.night.stance import stance_from_logprobs
 from robot_llm.store.db import make_engine
 from robot_llm.store.migrate import upgrade
-from robot_llm.track.ledger import up_probability
+from robot_llm.track.outcomes import up_probability
 
 
 def _outcomes(cfg: Path, template: str | None, capsys) -> dict[tuple[str, str], dict]:

@@ -16,7 +16,7 @@ from track_helpers import DEMO_TICKERS, MSK, config_file, seed, seed_nights, wri
 from robot_llm.commands.main import main
 from robot_llm.forecasts import Forecasts
 from robot_llm.store.db import Price, make_engine, session_scope
-from robot_llm.track.ledger import LedgerSettings
+from robot_llm.track.figures import LedgerSettings
 
 SETTINGS = LedgerSettings(
     horizons=(timedelta(days=1), timedelta(days=5)), min_count=5, window=timedelta(days=7), bootstrap=100, seed=3
