@@ -8,13 +8,15 @@ row of the batch, a background thread reads layer ``l+1`` into the other slot
 (pinned host memory, then a copy stream into a device slot when computing on
 CUDA). There are two such threads, so a layer's reads join the disk's queue
 while the layer before still has requests in flight; what follows a read runs
-one layer at a time. Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
+one layer at a time. Quantized (int8, int4) matrices computed in bf16 or fp32 on the CPU are handed to
 the family as they were read (:class:`~robot_llm.llm.quant.PackedInt4`,
 :class:`~robot_llm.llm.quant.PackedInt8`): :func:`robot_llm.llm.family.linear`
-runs torch's fused kernels on them at decode batch sizes, so nothing is
-dequantized; a call with more rows than the kernel is worth (a prefill; int8
-from 11 rows) makes the matrix dense once in a compute buffer. Otherwise (fp32
-compute on the CPU, or CUDA) quantized and mixed-dtype layers are converted into
+runs torch's fused kernels on them at decode batch sizes (fp32 activations cast
+to bf16 for the call), so nothing is dequantized; a call with more rows than the
+kernel is worth (a prefill; int8 from 11 rows) makes the matrix dense once in a
+compute buffer. The LM head of a quantized store is held in int8 on the CPU
+(:mod:`robot_llm.llm.qhead`). Otherwise (fp16 compute on the CPU, or CUDA)
+quantized and mixed-dtype layers are converted into
 compute-dtype buffers: on the CPU by a reader thread, one set per slot, so
 dequantization overlaps compute like the read does; on CUDA on the GPU right
 before use, from the bytes copied up. Slots and buffers are allocated once
@@ -46,8 +48,15 @@ from robot_llm.llm.family import Params, Resident, family_of, prepare_step, reso
 from robot_llm.llm.kv_cache import KVCache
 from robot_llm.llm.machine import gpu_has_native_bf16
 from robot_llm.llm.planner import gpu_compute_dtype
-from robot_llm.llm.quant import PackedInt4, PackedInt8
-from robot_llm.llm.store import Store
+from robot_llm.llm.qhead import QuantizedTable
+from robot_llm.llm.quant import (
+    PackedInt4,
+    PackedInt8,
+    fused_on_cpu,
+    int4_kernel_codes,
+    int4_kernel_reads_stored_layout,
+)
+from robot_llm.llm.store import QUANTIZED, Store
 from robot_llm.llm.store_layout import SCALE_SUFFIX, FileLayout, StoreError, aligned_buffer, direct_span, read_into
 
 log = logging.getLogger(__name__)
@@ -60,6 +69,9 @@ AttentionHome = Literal["compute", "kv"]
 READ_ATTEMPTS = 4
 #: Wait before the first retry; doubled before each next one.
 READ_BACKOFF_S = 0.05
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class LayerReadError(StoreError):
@@ -118,6 +130,7 @@ class _Slot:
     layer: int = -1
     offset: int = 0  # where the layer's data section starts in the slot
     buffers: Params = field(default_factory=dict, repr=False)
+    kernel_codes: Params = field(default_factory=dict, repr=False)  # int4 codes repacked for this CPU's kernel
     params: Params | None = field(default=None, repr=False)
 
 
@@ -139,6 +152,8 @@ class StreamingModel:
     lives (FlexGen's CPU attention, for a cache in RAM on a GPU machine: the planner
     chooses it when copying the cache up each step would cost more); ``"compute"``
     copies the cache's slice to the compute device.
+    ``quantized_head`` holds the LM head (and an embedding tied to it) as int8 per vocabulary row
+    (:mod:`robot_llm.llm.qhead`); None (default): where a quantized store computes on the CPU.
     ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
@@ -157,6 +172,7 @@ class StreamingModel:
         read_depth: int = DEFAULT_DEPTH,
         kv_dtype: str | None = None,
         attention_home: AttentionHome = "compute",
+        quantized_head: bool | None = None,
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -182,18 +198,16 @@ class StreamingModel:
         self.drop_cache = drop_cache and streams
         self.read_depth = read_depth
         self.stats = StreamStats()
-        # Quantized matrices go to torch's fused CPU kernels as stored (they want bf16 activations).
-        self.fused = not self.cuda and self.dtype == torch.bfloat16
+        # Quantized matrices go to torch's fused CPU kernels as stored, fp32 activations cast to bf16 for them:
+        # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (see quant.fused_on_cpu).
+        self.fused = not self.cuda and fused_on_cpu(self.store.manifest.dtype, _DTYPE_NAMES.get(self.dtype, ""))
         self.rope = self.family.rope(cfg)
         # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
         self.embed_device = self.device if embedding_is_head(cfg) else torch.device("cpu")
-        self.resident: Resident = {
-            kind: {
-                k: t.to(self.embed_device if kind == "embedding" else self.device, self.dtype)
-                for k, t in self.store.load(kind).items()
-            }
-            for kind in cfg.resident_shapes()
-        }
+        if quantized_head is None:
+            quantized_head = not self.cuda and self.store.manifest.dtype in QUANTIZED
+        self.quantized_head = quantized_head
+        self.resident: Resident = {kind: self._load_resident(kind) for kind in cfg.resident_shapes()}
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
         self._io = io_pool(read_depth) if read_depth > 1 else None
@@ -206,12 +220,30 @@ class StreamingModel:
         for i in range(self.ram_layers):
             held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
             read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
+        # Where this CPU's int4 kernel reads another layout than the stored one (AVX2): RAM-homed layers are
+        # repacked once here, streamed ones by the reader into each slot's own buffers.
+        self.repack = (
+            self.fused
+            and any(t.dtype == torch.uint8 for layout in self.layouts for t in layout.tensors.values())
+            and not int4_kernel_reads_stored_layout()
+        )
+        self.ram_kernel_codes: list[Params] = [
+            self._repacked(self.layouts[i], held, {}) if self.repack and held is not None else {}
+            for i, held in enumerate(self.ram)
+        ]
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
         # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
         # does the fused CPU path, whose quantized matrices are dequantized (if ever) by the compute thread.
         shared = self._compute_buffers()
         for n, slot in enumerate(self.slots):
             slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers(shared if self.fused else None)
+            if self.repack and self.ram_layers < cfg.num_layers:
+                slot.kernel_codes = {
+                    key: torch.empty(t.shape, dtype=torch.uint8)
+                    for layout in self.layouts
+                    for key, t in layout.tensors.items()
+                    if t.dtype == torch.uint8
+                }
         self._next = 0
         self._prefetched: _Slot | None = None
         self._current = self.slots[0]
@@ -222,6 +254,18 @@ class StreamingModel:
         self._after_read = threading.Lock()
         self._read_busy_until = 0.0
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def _load_resident(self, kind: str) -> Params:
+        """A resident module in the compute dtype on its device; with ``quantized_head``, its vocabulary-sized
+        matrices (the LM head, the embedding tied to it) as int8 tables, quantized from the stored dtype."""
+        device = self.embed_device if kind == "embedding" else self.device
+        params: Params = {}
+        for key, tensor in self.store.load(kind).items():
+            if self.quantized_head and tensor.dim() == 2 and tensor.shape[0] == self.config.vocab_size:
+                params[key] = QuantizedTable.quantize(tensor, self.dtype)  # type: ignore[assignment]
+            else:
+                params[key] = tensor.to(device, self.dtype)
+        return params
 
     # ------------------------------------------------------------------ buffers
 
@@ -265,7 +309,7 @@ class StreamingModel:
         if ram is not None and not self.cuda:
             # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
             with self._after_read:
-                slot.params = self._to_compute(layout, ram, slot.buffers)
+                slot.params = self._to_compute(layout, ram, slot.buffers, self.ram_kernel_codes[layer])
             return 0
         started = time.perf_counter()
         size = layout.data_size
@@ -289,7 +333,11 @@ class StreamingModel:
             self.stats.bytes_read += size
             self.stats.layers_read += 1
             if not self.cuda:
-                slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
+                data = source[slot.offset : slot.offset + size]
+                kernel = (
+                    self.ram_kernel_codes[layer] if ram is not None else self._repacked(layout, data, slot.kernel_codes)
+                )
+                slot.params = self._to_compute(layout, data, slot.buffers, kernel)
         return size
 
     def _read_layer(self, layer: int, slot: _Slot) -> int:
@@ -347,9 +395,22 @@ class StreamingModel:
         layout = self.layouts[layer]
         return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
 
-    def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params) -> Params:
-        """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path) or
-        conversions into ``buffers``."""
+    def _repacked(self, layout: FileLayout, data: Tensor, out: Params) -> Params:
+        """The layer's int4 codes in this CPU's kernel layout (into ``out``'s buffers where it has them);
+        empty unless the engine repacks."""
+        if not self.repack:
+            return {}
+        return {
+            key: int4_kernel_codes(tensor, out.get(key))
+            for key, tensor in layout.views(data).items()
+            if tensor.dtype == torch.uint8
+        }
+
+    def _to_compute(
+        self, layout: FileLayout, data: Tensor, buffers: Params, kernel_codes: Params | None = None
+    ) -> Params:
+        """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path; int4 ones
+        with ``kernel_codes``, their codes repacked for this CPU, where given) or conversions into ``buffers``."""
         raw = layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
@@ -358,7 +419,13 @@ class StreamingModel:
             shape = layout.shape(key)
             packed: PackedInt4 | PackedInt8 | None = None
             if tensor.dtype == torch.uint8:
-                packed = PackedInt4(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
+                packed = PackedInt4(
+                    tensor,
+                    raw[key + SCALE_SUFFIX],
+                    (shape[0], shape[1]),
+                    buffers[key],
+                    kernel_codes=(kernel_codes or {}).get(key),
+                )
             elif tensor.dtype == torch.int8:
                 packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
             if packed is not None:

@@ -30,7 +30,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.config import YalmConfig
-from robot_llm.llm.family import Family, InMemoryModel, Params, Resident, StepInfo, apply_rotary, linear, resolve_dtype
+from robot_llm.llm.family import (
+    Family,
+    InMemoryModel,
+    Params,
+    Resident,
+    StepInfo,
+    apply_rotary,
+    embedding,
+    linear,
+    resolve_dtype,
+)
 from robot_llm.llm.kv_cache import LayerKV, attend_with
 
 #: Score written over masked attention logits (masked_fill, as the original does).
@@ -55,7 +65,7 @@ def embed(ids: Tensor, resident: Resident, cfg: YalmConfig) -> Tensor:
 
     Computes in the dtype of ``word_embeddings.weight``; ``ids`` must be on its device.
     """
-    e = F.embedding(ids, resident["embedding"]["word_embeddings.weight"])
+    e = embedding(ids, resident["embedding"]["word_embeddings.weight"])
     p = _layer_norm(e, resident["projector"], "input_layernorm", cfg.layernorm_epsilon)
     if cfg.embedding_size == cfg.hidden_size:
         return p
@@ -126,7 +136,7 @@ def output_head(x: Tensor, resident: Resident, cfg: YalmConfig) -> Tensor:
     y = _layer_norm(x, out_params, "input_layer_norm", eps)
     z = F.linear(y, out_params["dense.weight"]) + out_params["dense.bias"]
     z = _layer_norm(F.gelu(z), out_params, "output_layer_norm", eps)
-    return F.linear(z, word_embeddings, out_params["output_bias"])
+    return linear(z, word_embeddings, out_params["output_bias"])
 
 
 FAMILY = Family(name="yalm", rope=rope, embed=embed, layer=transformer_layer, head=output_head)
