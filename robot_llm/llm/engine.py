@@ -48,7 +48,7 @@ from robot_llm.llm.family import Params, Resident, family_of, prepare_step, reso
 from robot_llm.llm.kv_cache import KVCache
 from robot_llm.llm.machine import gpu_has_native_bf16
 from robot_llm.llm.planner import gpu_compute_dtype
-from robot_llm.llm.qhead import QuantizedTable
+from robot_llm.llm.qhead import QuantizedTable, RowSource
 from robot_llm.llm.quant import (
     PackedInt4,
     PackedInt8,
@@ -259,12 +259,21 @@ class StreamingModel:
         """A resident module in the compute dtype on its device; with ``quantized_head``, its vocabulary-sized
         matrices (the LM head, the embedding tied to it) as int8 tables, quantized from the stored dtype."""
         device = self.embed_device if kind == "embedding" else self.device
+        layout = self.store.layout(kind)
+        tables = {
+            key
+            for key, slot in layout.tensors.items()
+            if self.quantized_head and len(slot.shape) == 2 and slot.shape[0] == self.config.vocab_size
+        }
         params: Params = {}
-        for key, tensor in self.store.load(kind).items():
-            if self.quantized_head and tensor.dim() == 2 and tensor.shape[0] == self.config.vocab_size:
-                params[key] = QuantizedTable.quantize(tensor, self.dtype)  # type: ignore[assignment]
-            else:
-                params[key] = tensor.to(device, self.dtype)
+        for key, slot in layout.tensors.items():
+            if key in tables:  # read and quantized a block of rows at a time: the float table is never held
+                shape = (slot.shape[0], slot.shape[1])
+                rows = RowSource(layout.path, layout.data_offset + slot.start, shape, slot.dtype)
+                table = QuantizedTable.quantize(rows, self.dtype, exact_lookups=kind == "embedding")
+                params[key] = table  # type: ignore[assignment]
+        if len(tables) < len(layout.tensors):
+            params.update({k: t.to(device, self.dtype) for k, t in self.store.load(kind).items() if k not in tables})
         return params
 
     # ------------------------------------------------------------------ buffers
