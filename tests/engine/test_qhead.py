@@ -14,7 +14,7 @@ from robot_llm.llm.config_hf import Gemma3Config
 from robot_llm.llm.engine import StreamingModel
 from robot_llm.llm.family import embedding, grouped_attention, linear, random_weights
 from robot_llm.llm.qhead import HEAD_FUSED_ROWS, QuantizedTable
-from robot_llm.llm.quant import ALIGN
+from robot_llm.llm.quant import ALIGN, cpu_compute_path
 from robot_llm.llm.store_writer import write_store
 
 TINY = Gemma3Config(
@@ -146,3 +146,16 @@ def test_grouped_attention_equals_eager_attention_and_never_copies_the_keys_per_
     # Nothing larger than the keys themselves is ever made: never the keys repeated for every query head
     # (eager's repeat_interleave, n / kv times their size).
     assert watch.largest <= k.numel()
+
+
+def test_doctor_says_which_matrix_path_a_cpu_night_runs(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 f16c\n")
+    fused = cpu_compute_path("int4", "fp32", str(info))
+    assert fused.startswith("CPU (AVX2 yes, AVX512 no, AVX512-BF16 no, AMX no)")
+    assert "fused kernels" in fused and "cast to bf16" in fused and "LM head int8" in fused
+    assert "dequantized into float buffers every pass" in cpu_compute_path("int8", "fp16", str(info))
+    info.write_text("processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n")
+    native = cpu_compute_path("int8", "bf16", str(info))
+    assert "AMX yes" in native and "cast to bf16" not in native
+    assert cpu_compute_path("fp32", "fp32", str(info)).endswith("fp32 matrices computed in fp32")
