@@ -27,11 +27,12 @@ from typing import Literal
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.config import ModelConfig, Shapes, embedding_is_head
 from robot_llm.llm.machine import Machine
-from robot_llm.llm.plan_timing import FUSED_RATES, PassTiming, decode_attention, matrix_shares
+from robot_llm.llm.plan_timing import PassTiming, decode_attention, matrix_shares
 from robot_llm.llm.quant import (
     DEFAULT_INT4_GROUP,
     FUSED_MAX_ROWS,
     KV_QUANTIZED,
+    fused_on_cpu,
     int4_bytes,
     int8_bytes,
     kv_bits_per_value,
@@ -425,7 +426,7 @@ def _try(
     lb = max(sizes)
     converts = weight_dtype != cdtype
     cuda = machine.has_gpu
-    fused = not cuda and weight_dtype in FUSED_RATES and cdtype == "bf16"
+    fused = not cuda and fused_on_cpu(weight_dtype, cdtype)
     # CPU: the reader converts the next layer while this one computes, one buffer set per slot; the fused path
     # (and CUDA) dequantizes on the compute thread, if ever, into one set.
     compute_buffers = layer_params(cfg) * c * (1 if cuda or fused else 2) if converts else 0
