@@ -130,7 +130,6 @@ class _Slot:
     layer: int = -1
     offset: int = 0  # where the layer's data section starts in the slot
     buffers: Params = field(default_factory=dict, repr=False)
-    kernel_codes: Params = field(default_factory=dict, repr=False)  # int4 codes repacked for this CPU's kernel
     params: Params | None = field(default=None, repr=False)
 
 
@@ -220,16 +219,17 @@ class StreamingModel:
         for i in range(self.ram_layers):
             held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
             read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
-        # Where this CPU's int4 kernel reads another layout than the stored one (AVX2): RAM-homed layers are
-        # repacked once here, streamed ones by the reader into each slot's own buffers.
+        # Where this CPU's int4 kernel reads another layout than the stored one (AVX2), RAM-homed layers are
+        # repacked once here; streamed int4 matrices are dequantized by the reader as before, since repacking
+        # them every pass costs about three times a dequantization (measured 65 ms against 20 ms for a
+        # 2730 x 1024 matrix on one thread) and the disk rows would slow down.
         self.repack = (
             self.fused
             and any(t.dtype == torch.uint8 for layout in self.layouts for t in layout.tensors.values())
             and not int4_kernel_reads_stored_layout()
         )
         self.ram_kernel_codes: list[Params] = [
-            self._repacked(self.layouts[i], held, {}) if self.repack and held is not None else {}
-            for i, held in enumerate(self.ram)
+            self._repacked(self.layouts[i], held) if held is not None else {} for i, held in enumerate(self.ram)
         ]
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
         # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
@@ -237,13 +237,6 @@ class StreamingModel:
         shared = self._compute_buffers()
         for n, slot in enumerate(self.slots):
             slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers(shared if self.fused else None)
-            if self.repack and self.ram_layers < cfg.num_layers:
-                slot.kernel_codes = {
-                    key: torch.empty(t.shape, dtype=torch.uint8)
-                    for layout in self.layouts
-                    for key, t in layout.tensors.items()
-                    if t.dtype == torch.uint8
-                }
         self._next = 0
         self._prefetched: _Slot | None = None
         self._current = self.slots[0]
@@ -295,7 +288,9 @@ class StreamingModel:
             for key, slot in layout.tensors.items():
                 if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
                     continue
-                if shared is not None and slot.dtype in (torch.int8, torch.uint8):
+                # Streamed int4 matrices the reader dequantizes (see ``repack``) need a buffer per slot.
+                own = slot.dtype == torch.uint8 and self.repack and self.ram_layers < self.config.num_layers
+                if shared is not None and slot.dtype in (torch.int8, torch.uint8) and not own:
                     buffers[key] = shared[key]
                 else:
                     buffers[key] = torch.empty(layout.shape(key), dtype=self.dtype, device=self.device)
@@ -343,10 +338,7 @@ class StreamingModel:
             self.stats.layers_read += 1
             if not self.cuda:
                 data = source[slot.offset : slot.offset + size]
-                kernel = (
-                    self.ram_kernel_codes[layer] if ram is not None else self._repacked(layout, data, slot.kernel_codes)
-                )
-                slot.params = self._to_compute(layout, data, slot.buffers, kernel)
+                slot.params = self._to_compute(layout, data, slot.buffers, self.ram_kernel_codes[layer])
         return size
 
     def _read_layer(self, layer: int, slot: _Slot) -> int:
@@ -404,22 +396,18 @@ class StreamingModel:
         layout = self.layouts[layer]
         return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
 
-    def _repacked(self, layout: FileLayout, data: Tensor, out: Params) -> Params:
-        """The layer's int4 codes in this CPU's kernel layout (into ``out``'s buffers where it has them);
-        empty unless the engine repacks."""
+    def _repacked(self, layout: FileLayout, data: Tensor) -> Params:
+        """A RAM-homed layer's int4 codes in this CPU's kernel layout; empty unless the engine repacks."""
         if not self.repack:
             return {}
-        return {
-            key: int4_kernel_codes(tensor, out.get(key))
-            for key, tensor in layout.views(data).items()
-            if tensor.dtype == torch.uint8
-        }
+        return {key: int4_kernel_codes(t) for key, t in layout.views(data).items() if t.dtype == torch.uint8}
 
     def _to_compute(
         self, layout: FileLayout, data: Tensor, buffers: Params, kernel_codes: Params | None = None
     ) -> Params:
         """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path; int4 ones
-        with ``kernel_codes``, their codes repacked for this CPU, where given) or conversions into ``buffers``."""
+        with ``kernel_codes``, their codes repacked for this CPU, where given; where the engine repacks and
+        none are given, a streamed int4 matrix is dequantized here) or conversions into ``buffers``."""
         raw = layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
@@ -438,7 +426,8 @@ class StreamingModel:
             elif tensor.dtype == torch.int8:
                 packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
             if packed is not None:
-                params[key] = packed if self.fused else packed.dense(self.dtype)
+                by_reader = not self.fused or (isinstance(packed, PackedInt4) and self.repack and not kernel_codes)
+                params[key] = packed.dense(self.dtype) if by_reader else packed
             elif tensor.dtype == self.dtype:
                 params[key] = tensor
             else:

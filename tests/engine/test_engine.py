@@ -165,7 +165,10 @@ def test_a_home_split_between_ram_and_disk_streams_only_the_disk_layers(
     model = StreamingModel(stores[dtype], home="disk", ram_layers=1, device="cpu", read_depth=4)
     full = StreamingModel(stores[dtype], home="disk", device="cpu")
     ids, pad = _batch()
-    assert (model.forward(ids, None, pad) - full.forward(ids, None, pad)).abs().max() <= 1e-5
+    # Where this CPU's int4 kernel reads another layout, the RAM-homed layer's int4 matrices (repacked once)
+    # meet the fused kernel with bf16 activations while the streamed ones are dequantized: bf16's rounding.
+    bound = 0.1 if model.repack else 1e-5
+    assert (model.forward(ids, None, pad) - full.forward(ids, None, pad)).abs().max() <= bound
     if dtype == "fp16":
         assert (model.forward(ids, None, pad) - reference.forward(ids, None, pad)).abs().max() <= 1e-4
     else:
@@ -200,22 +203,21 @@ def test_buffers_are_preallocated_and_reused(stores: dict[str, Path], dtype: str
     for slot in model.slots:
         assert slot.host is not None
         owned = [(slot.host.data_ptr(), slot.host.data_ptr() + slot.host.numel())]
-        owned += [
-            (t.data_ptr(), t.data_ptr() + t.nbytes) for t in (*slot.buffers.values(), *slot.kernel_codes.values())
-        ]
-        kernel = model._repacked(model.layouts[1], slot.host, slot.kernel_codes)
-        params = model._to_compute(model.layouts[1], slot.host, slot.buffers, kernel)
+        owned += [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in slot.buffers.values()]
+        params = model._to_compute(model.layouts[1], slot.host, slot.buffers)
         tensors = [t for p in params.values() for t in _tensors_of(p)]
         assert tensors and all(any(lo <= t.data_ptr() < hi for lo, hi in owned) for t in tensors)
     if dtype != "fp16":
         # Quantized matrices reach the fused kernels as read (fp32 activations cast to bf16 for them): their
-        # dense buffers, used only by a many-row pass on the compute thread, are one set for both slots; the
-        # codes a reader repacks for this CPU's int4 kernel are the slot's own.
-        quantized = [k for k, t in model.layouts[1].tensors.items() if t.dtype in (torch.int8, torch.uint8)]
-        assert model.fused and quantized
-        assert all(model.slots[0].buffers[k] is model.slots[1].buffers[k] for k in quantized)
-        kernels = [set(map(Tensor.data_ptr, s.kernel_codes.values())) for s in model.slots]
-        assert bool(kernels[0]) == (model.repack and dtype == "int4") and not kernels[0] & kernels[1]
+        # dense buffers, used only by a many-row pass on the compute thread, are one set for both slots;
+        # except, where this CPU's int4 kernel reads another layout, streamed int4 matrices, which the
+        # reader dequantizes as before, each slot into its own buffers.
+        assert model.fused
+        for key, t in model.layouts[1].tensors.items():
+            if t.dtype in (torch.int8, torch.uint8):
+                own = t.dtype == torch.uint8 and model.repack
+                assert (model.slots[0].buffers[key] is model.slots[1].buffers[key]) != own
+                assert isinstance(params[key], Tensor) == own
     model.close()  # waits for the read of the next step's layer 0
     # Each step read every layer once, plus layer 0 of the step after.
     assert model.stats.layers_read == 6 * model.config.num_layers + 1
