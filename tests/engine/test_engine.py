@@ -191,7 +191,7 @@ def test_greedy_generation_is_identical(stores: dict[str, Path], reference: Yalm
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8", "int4"])
 def test_buffers_are_preallocated_and_reused(stores: dict[str, Path], dtype: str) -> None:
-    model = StreamingModel(stores[dtype], home="disk", device="cpu")
+    model = StreamingModel(stores[dtype], home="disk", device="cpu", dtype="bf16")
     pointers = model.buffer_pointers()
     ids, pad = _batch()
     cache = model.new_cache(3, 16, pad)

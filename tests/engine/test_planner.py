@@ -23,7 +23,7 @@ from robot_llm.llm.planner import (
     pinned_bytes,
     plan,
 )
-from robot_llm.llm.quant import FUSED_MAX_ROWS
+from robot_llm.llm.quant import FUSED_COMPUTE_DTYPES, FUSED_MAX_ROWS
 
 YALM = PRESETS["yalm-100b"]
 JOB = Work(num_prompts=300, prompt_tokens=512, max_new_tokens=128)
@@ -246,15 +246,15 @@ def test_a_compressed_kv_cache_is_chosen_when_memory_bounds_the_batch() -> None:
 
 
 def test_cpu_int4_and_int8_decode_with_the_fused_kernels() -> None:
-    # bf16 or fp32 on the CPU: decode steps read the stored bytes with torch's fused kernels (FUSED_RATES; fp32
-    # activations are cast to bf16 for them); fp16 compute dequantizes every weight first (1 G values/s per
+    # bf16 on the CPU: decode steps read the stored bytes with torch's fused kernels (FUSED_RATES); fp16 compute
+    # dequantizes every weight first (1 G values/s per
     # thread), which costs ~20x more at batch 1.
     machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8, ram_bps=400 * GB)  # compute-bound, not RAM-bound
     work = Work(1, 64, 16)
     for dtype in ("int4", "int8"):
         values_per_s, flops = FUSED_RATES[dtype]
         matmuls = YALM.num_layers * layer_params(YALM) * (1 / values_per_s + 2 / flops) / 8
-        for compute in ("bf16", "fp32"):
+        for compute in FUSED_COMPUTE_DTYPES:
             fused = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype=compute, weight_home="ram")
             assert matmuls < fused.decode_seconds < 1.05 * matmuls
         dequantized = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype="fp16", weight_home="ram")
