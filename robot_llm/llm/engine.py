@@ -8,14 +8,13 @@ row of the batch, a background thread reads layer ``l+1`` into the other slot
 (pinned host memory, then a copy stream into a device slot when computing on
 CUDA). There are two such threads, so a layer's reads join the disk's queue
 while the layer before still has requests in flight; what follows a read runs
-one layer at a time. Quantized (int8, int4) matrices computed in bf16 or fp32 on the CPU are handed to
+one layer at a time. Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
 the family as they were read (:class:`~robot_llm.llm.quant.PackedInt4`,
 :class:`~robot_llm.llm.quant.PackedInt8`): :func:`robot_llm.llm.family.linear`
-runs torch's fused kernels on them at decode batch sizes (fp32 activations cast
-to bf16 for the call), so nothing is dequantized; a call with more rows than the
+runs torch's fused kernels on them at decode batch sizes, so nothing is dequantized; a call with more rows than the
 kernel is worth (a prefill; int8 from 11 rows) makes the matrix dense once in a
 compute buffer. The LM head of a quantized store is held in int8 on the CPU
-(:mod:`robot_llm.llm.qhead`). Otherwise (fp16 compute on the CPU, or CUDA)
+(:mod:`robot_llm.llm.qhead`). Otherwise (fp32/fp16 compute on the CPU, or CUDA)
 quantized and mixed-dtype layers are converted into
 compute-dtype buffers: on the CPU by a reader thread, one set per slot, so
 dequantization overlaps compute like the read does; on CUDA on the GPU right
