@@ -283,6 +283,11 @@ def _memory(config: AppConfig, facts: NightFacts) -> Check:
         f"estimated {chosen.tokens_per_second:.3g} tokens/s); the night's plan:"
     )
     lines = [rates, *chosen.describe().splitlines()]
+    if chosen.device == "cpu" and m.backend == "stream":
+        from robot_llm.llm.store.quant import cpu_compute_path
+
+        weight_dtype = weights if isinstance(weights, str) else weights.dtype
+        lines.append(cpu_compute_path(weight_dtype, chosen.compute_dtype))
     return Check("memory", True, summary + "".join(f"\n       {line}" for line in lines))
 
 

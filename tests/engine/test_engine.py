@@ -56,7 +56,9 @@ def test_int8_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
     # measured max |logit diff| 0.11 over all positions of all prompts, greedy tokens still equal
     # (one scale per output channel since store format 2; 0.11 with groups of 64 before, too).
     result = check_fixture(tiny_dir, "stream", {"dtype": "int8", "device": "cpu", "home": "disk"})
-    assert 1e-4 < result["max_abs_diff"] <= 0.15
+    # Computed in fp32 on this CPU: its int8 matrices and head meet torch's int8 kernel with bf16
+    # activations at decode sizes (measured 0.21 on a CPU without native bf16).
+    assert 1e-4 < result["max_abs_diff"] <= 0.3
     assert result["greedy_match"] == result["greedy_total"]
 
 
@@ -93,12 +95,19 @@ def test_int4_engine_equals_the_model_with_the_dequantized_weights(
         layers.append(layer)
     resident = {kind: store.load(kind) for kind in tiny_config.resident_shapes()}
     dequantized = InMemoryModel(tiny_config, Weights(resident=resident, layers=layers))
-    model = StreamingModel(store, home=home, device="cpu")
+    # fp32 compute: the prompt's 48 rows and the decode step run the fused kernels on bf16 activations,
+    # so the engine is the dequantized model within bf16's rounding of the activations (measured 0.03-0.05
+    # on logits up to 6 here); a prompt of more rows dequantizes into fp32 and agrees to fp32's rounding.
+    model = StreamingModel(store, home=home, device="cpu", quantized_head=False)
     ids, pad = _batch()
     cache, ref_cache = model.new_cache(3, 16, pad), dequantized.new_cache(3, 16, pad)
-    assert (model.forward(ids, cache) - dequantized.forward(ids, ref_cache)).abs().max() <= 1e-4
+    assert (model.forward(ids, cache) - dequantized.forward(ids, ref_cache)).abs().max() <= 0.1
     token = torch.full((3, 1), 9)
-    assert (model.forward(token, cache) - dequantized.forward(token, ref_cache)).abs().max() <= 1e-4
+    assert (model.forward(token, cache) - dequantized.forward(token, ref_cache)).abs().max() <= 0.1
+    many = torch.cat([ids] * 2)
+    assert (
+        model.forward(many, pad=torch.cat([pad] * 2)) - dequantized.forward(many, pad=torch.cat([pad] * 2))
+    ).abs().max() <= 1e-4
     model.close()
 
 
@@ -128,7 +137,8 @@ def test_int8_decode_past_the_kernels_row_limit_widens_into_the_slot_buffers(
     kernel_calls = []
     real = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: kernel_calls.append(1) or real(*a))
-    model = StreamingModel(store, home="disk", device="cpu", dtype="bf16")
+    # The layers' kernel calls are counted: the int8 head (its own kernel calls) is kept float here.
+    model = StreamingModel(store, home="disk", device="cpu", dtype="bf16", quantized_head=False)
     pointers = model.buffer_pointers()
     cache, ref_cache = model.new_cache(rows, 12), dequantized.new_cache(rows, 12)
     model.forward(ids, cache), dequantized.forward(ids, ref_cache)
@@ -155,7 +165,10 @@ def test_a_home_split_between_ram_and_disk_streams_only_the_disk_layers(
     model = StreamingModel(stores[dtype], home="disk", ram_layers=1, device="cpu", read_depth=4)
     full = StreamingModel(stores[dtype], home="disk", device="cpu")
     ids, pad = _batch()
-    assert (model.forward(ids, None, pad) - full.forward(ids, None, pad)).abs().max() <= 1e-5
+    # Where this CPU's int4 kernel reads another layout, the RAM-homed layer's int4 matrices (repacked once)
+    # meet the fused kernel with bf16 activations while the streamed ones are dequantized: bf16's rounding.
+    bound = 0.1 if model.repack else 1e-5
+    assert (model.forward(ids, None, pad) - full.forward(ids, None, pad)).abs().max() <= bound
     if dtype == "fp16":
         assert (model.forward(ids, None, pad) - reference.forward(ids, None, pad)).abs().max() <= 1e-4
     else:
@@ -178,7 +191,7 @@ def test_greedy_generation_is_identical(stores: dict[str, Path], reference: Yalm
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8", "int4"])
 def test_buffers_are_preallocated_and_reused(stores: dict[str, Path], dtype: str) -> None:
-    model = StreamingModel(stores[dtype], home="disk", device="cpu")
+    model = StreamingModel(stores[dtype], home="disk", device="cpu", dtype="bf16")
     pointers = model.buffer_pointers()
     ids, pad = _batch()
     cache = model.new_cache(3, 16, pad)
@@ -192,15 +205,30 @@ def test_buffers_are_preallocated_and_reused(stores: dict[str, Path], dtype: str
         owned = [(slot.host.data_ptr(), slot.host.data_ptr() + slot.host.numel())]
         owned += [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in slot.buffers.values()]
         params = model._to_compute(model.layouts[1], slot.host, slot.buffers)
-        assert all(any(lo <= t.data_ptr() < hi for lo, hi in owned) for t in params.values())
-    # The reader converts the next layer while this one computes: the two slots' buffers are distinct.
+        tensors = [t for p in params.values() for t in _tensors_of(p)]
+        assert tensors and all(any(lo <= t.data_ptr() < hi for lo, hi in owned) for t in tensors)
     if dtype != "fp16":
-        first, second = (set(map(Tensor.data_ptr, s.buffers.values())) for s in model.slots)
-        assert first and not first & second
+        # Quantized matrices reach the fused kernels as read (fp32 activations cast to bf16 for them): their
+        # dense buffers, used only by a many-row pass on the compute thread, are one set for both slots;
+        # except, where this CPU's int4 kernel reads another layout, streamed int4 matrices, which the
+        # reader dequantizes as before, each slot into its own buffers.
+        assert model.fused
+        for key, t in model.layouts[1].tensors.items():
+            if t.dtype in (torch.int8, torch.uint8):
+                own = t.dtype == torch.uint8 and model.repack
+                assert (model.slots[0].buffers[key] is model.slots[1].buffers[key]) != own
+                assert isinstance(params[key], Tensor) == own
     model.close()  # waits for the read of the next step's layer 0
     # Each step read every layer once, plus layer 0 of the step after.
     assert model.stats.layers_read == 6 * model.config.num_layers + 1
     assert model.stats.bytes_read == 6 * sum(lay.data_size for lay in model.layouts) + model.layouts[0].data_size
+
+
+def _tensors_of(param: object) -> list[Tensor]:
+    """The tensors a layer parameter holds: itself, or a packed matrix's codes, scales and buffer."""
+    if isinstance(param, Tensor):
+        return [param]
+    return [t for t in vars(param).values() if isinstance(t, Tensor)]
 
 
 def test_synchronous_schedule_gives_the_same_logits(stores: dict[str, Path], reference: Yalm) -> None:

@@ -11,10 +11,17 @@ import pytest
 from robot_llm.llm.families.config import PRESETS
 from robot_llm.llm.families.config_hf import HF_PRESETS
 from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
-from robot_llm.llm.plan.planner import GB, PlanError, Work, auto_compute_dtype, gpu_compute_dtype, plan
+from robot_llm.llm.plan.planner import (
+    GB,
+    PlanError,
+    Work,
+    auto_compute_dtype,
+    gpu_compute_dtype,
+    plan,
+)
 from robot_llm.llm.plan.sizes import layer_bytes, layer_params, pinned_bytes
 from robot_llm.llm.plan.timing import FUSED_RATES, INT8_WIDEN_ELEMS_PER_S
-from robot_llm.llm.store.quant import FUSED_MAX_ROWS
+from robot_llm.llm.store.quant import FUSED_COMPUTE_DTYPES, FUSED_MAX_ROWS
 
 YALM = PRESETS["yalm-100b"]
 JOB = Work(num_prompts=300, prompt_tokens=512, max_new_tokens=128)
@@ -237,16 +244,18 @@ def test_a_compressed_kv_cache_is_chosen_when_memory_bounds_the_batch() -> None:
 
 
 def test_cpu_int4_and_int8_decode_with_the_fused_kernels() -> None:
-    # bf16 on the CPU: decode steps read the stored bytes with torch's fused kernels (FUSED_RATES); fp32 compute
-    # dequantizes every weight first (1 G values/s per thread), which costs ~20x more at batch 1.
+    # bf16 on the CPU: decode steps read the stored bytes with torch's fused kernels (FUSED_RATES); fp16 compute
+    # dequantizes every weight first (1 G values/s per
+    # thread), which costs ~20x more at batch 1.
     machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8, ram_bps=400 * GB)  # compute-bound, not RAM-bound
     work = Work(1, 64, 16)
     for dtype in ("int4", "int8"):
-        fused = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype="bf16", weight_home="ram")
-        dequantized = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype="fp32", weight_home="ram")
         values_per_s, flops = FUSED_RATES[dtype]
         matmuls = YALM.num_layers * layer_params(YALM) * (1 / values_per_s + 2 / flops) / 8
-        assert matmuls < fused.decode_seconds < 1.05 * matmuls
+        for compute in FUSED_COMPUTE_DTYPES:
+            fused = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype=compute, weight_home="ram")
+            assert matmuls < fused.decode_seconds < 1.05 * matmuls
+        dequantized = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype="fp16", weight_home="ram")
         assert dequantized.decode_seconds > 10 * fused.decode_seconds
 
 

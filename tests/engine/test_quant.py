@@ -24,11 +24,14 @@ from robot_llm.llm.store.quant import (
     dequantize_int4_into,
     dequantize_int8_into,
     int4_bytes,
+    int4_kernel_codes,
+    int4_kernel_reads_stored_layout,
     int4_linear,
     int8_bytes,
     int8_linear,
     quantize_int4,
     quantize_int8,
+    unpack_int4_codes,
 )
 from robot_llm.llm.store.reader import MANIFEST, Store, read_manifest, verify
 from robot_llm.llm.store.writer import convert, write_store
@@ -58,7 +61,12 @@ def test_int4_codes_are_the_kernel_layout(shape: tuple[int, int], group: int) ->
     identity = torch.stack([torch.ones(scales_and_zeros.shape[:2]), torch.full(scales_and_zeros.shape[:2], 8.0)], -1)
     unpacked = dequantize_int4_into(codes, identity.bfloat16(), torch.empty(rows, 2 * half))
     assert unpacked.min() >= 0 and unpacked.max() <= 15
-    assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpacked.int(), 1), codes)
+    assert torch.equal(unpack_int4_codes(codes), unpacked.to(torch.uint8))
+    # torch packs for its kernel per instruction set: the stored bytes are its AVX512 layout; where this
+    # CPU's kernel reads another one, the codes are repacked for it, and that is torch's own packing.
+    kernel = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpacked.int(), 1)
+    assert torch.equal(kernel, codes) == int4_kernel_reads_stored_layout()
+    assert torch.equal(int4_kernel_codes(codes), kernel)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -119,7 +127,7 @@ def test_fused_kernels_equal_the_dequantized_weights_within_bf16(shape: tuple[in
     assert bool(((y.float() - x.float() @ dense8.T).abs() <= _bf16_bound(x, dense8)).all())
 
 
-def test_linear_runs_the_fused_kernel_only_for_few_bf16_rows_on_the_cpu() -> None:
+def test_linear_runs_the_fused_kernel_only_for_few_rows_on_the_cpu() -> None:
     w, bias = _weight((172, 172), 5), torch.randn(172).bfloat16()
     codes, scales_and_zeros = quantize_int4(w, 32)
     buffer = torch.empty(172, 172, dtype=torch.bfloat16)
@@ -132,11 +140,16 @@ def test_linear_runs_the_fused_kernel_only_for_few_bf16_rows_on_the_cpu() -> Non
     y = linear(many, packed, bias)
     assert packed._dense is buffer  # dequantized once, into the buffer it was given
     assert torch.equal(y, torch.nn.functional.linear(many, buffer, bias))
-    # fp32 activations never meet the fused kernels (30-100x slower with them): dense in fp32.
-    dense = linear(few.float(), PackedInt4(codes, scales_and_zeros, (172, 172)))
-    assert dense.dtype == torch.float32
-    exact = few.float() @ dequantize_int4_into(codes, scales_and_zeros, torch.empty(172, 172)).T
-    assert (dense - exact).abs().max() <= 1e-5
+    # fp32 activations meet the fused kernels cast to bf16 (fed fp32 they are 30-100x slower), the result
+    # cast back: nothing is dequantized at decode sizes on a CPU without native bf16 either.
+    fp32 = PackedInt4(codes, scales_and_zeros, (172, 172), torch.empty(172, 172))
+    fused = linear(few.float(), fp32)
+    assert fused.dtype == torch.float32 and fp32._dense is None
+    assert torch.equal(fused, int4_linear(few, fp32).float())
+    # ... and past the row limit, a dense fp32 product with the weights dequantized once into fp32.
+    dense = linear(many.float(), fp32)
+    exact = many.float() @ dequantize_int4_into(codes, scales_and_zeros, torch.empty(172, 172)).T
+    assert fp32._dense is fp32.buffer and (dense - exact).abs().max() <= 1e-5
     plain = torch.randn(172, 172)
     assert torch.equal(linear(few.float(), plain), torch.nn.functional.linear(few.float(), plain))
 
@@ -300,7 +313,8 @@ def test_fused_engine_equals_the_dequantized_model_within_bf16(
     weights = _dequantized(store)
     exact = InMemoryModel(store.config, weights)  # fp32: the quantized model's exact logits
     dense_bf16 = InMemoryModel(store.config, weights, dtype="bf16")  # bf16 compute, dense matrices
-    engine = StreamingModel(store, home=home, device="cpu", dtype="bf16")
+    # The layers' kernels are under test here; the int8 head has its own (tests/engine/test_qhead.py).
+    engine = StreamingModel(store, home=home, device="cpu", dtype="bf16", quantized_head=False)
     assert engine.fused
     g = torch.Generator().manual_seed(7)
     # 3 x 6 prompt rows and the decode steps run the fused kernels; the 3 x 20 prompt (60 rows) dequantizes.

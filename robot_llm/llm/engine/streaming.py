@@ -11,10 +11,11 @@ while the layer before still has requests in flight; what follows a read runs
 one layer at a time. Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
 the family as they were read (:class:`~robot_llm.llm.store.quant.PackedInt4`,
 :class:`~robot_llm.llm.store.quant.PackedInt8`): :func:`robot_llm.llm.families.family.linear`
-runs torch's fused kernels on them at decode batch sizes, so nothing is
-dequantized; a call with more rows than the kernel is worth (a prefill; int8
-from 11 rows) makes the matrix dense once in a compute buffer. Otherwise (fp32
-compute on the CPU, or CUDA) quantized and mixed-dtype layers are converted into
+runs torch's fused kernels on them at decode batch sizes, so nothing is dequantized; a call with more rows than the
+kernel is worth (a prefill; int8 from 11 rows) makes the matrix dense once in a
+compute buffer. The LM head of a quantized store is held in int8 on the CPU
+(:mod:`robot_llm.llm.store.qhead`). Otherwise (fp32/fp16 compute on the CPU, or CUDA)
+quantized and mixed-dtype layers are converted into
 compute-dtype buffers: on the CPU by a reader thread, one set per slot, so
 dequantization overlaps compute like the read does; on CUDA on the GPU right
 before use, from the bytes copied up. Slots and buffers are allocated once
@@ -59,8 +60,15 @@ from robot_llm.llm.store.layout import (
     read_into,
     read_pieces,
 )
-from robot_llm.llm.store.quant import PackedInt4, PackedInt8
-from robot_llm.llm.store.reader import Store
+from robot_llm.llm.store.qhead import QuantizedTable, RowSource
+from robot_llm.llm.store.quant import (
+    PackedInt4,
+    PackedInt8,
+    fused_on_cpu,
+    int4_kernel_codes,
+    int4_kernel_reads_stored_layout,
+)
+from robot_llm.llm.store.reader import QUANTIZED, Store
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,9 @@ AttentionHome = Literal["compute", "kv"]
 READ_ATTEMPTS = 4
 #: Wait before the first retry; doubled before each next one.
 READ_BACKOFF_S = 0.05
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class LayerReadError(StoreError, ModelFault):
@@ -151,6 +162,8 @@ class StreamingModel:
     lives (FlexGen's CPU attention, for a cache in RAM on a GPU machine: the planner
     chooses it when copying the cache up each step would cost more); ``"compute"``
     copies the cache's slice to the compute device.
+    ``quantized_head`` holds the LM head (and an embedding tied to it) as int8 per vocabulary row
+    (:mod:`robot_llm.llm.store.qhead`); None (default): where a quantized store computes on the CPU.
     ``on_layer``, when set, is called after every layer of every micro-batch.
     """
 
@@ -169,6 +182,7 @@ class StreamingModel:
         read_depth: int = DEFAULT_DEPTH,
         kv_dtype: str | None = None,
         attention_home: AttentionHome = "compute",
+        quantized_head: bool | None = None,
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.config = cfg = self.store.config
@@ -195,18 +209,16 @@ class StreamingModel:
         self.read_depth = read_depth
         self.stats = StreamStats()
         self.watch = FiniteWatch()
-        # Quantized matrices go to torch's fused CPU kernels as stored (they want bf16 activations).
-        self.fused = not self.cuda and self.dtype == torch.bfloat16
+        # Quantized matrices go to torch's fused CPU kernels as stored, fp32 activations cast to bf16 for them:
+        # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (see quant.fused_on_cpu).
+        self.fused = not self.cuda and fused_on_cpu(self.store.manifest.dtype, _DTYPE_NAMES.get(self.dtype, ""))
         self.rope = self.family.rope(cfg)
         # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
         self.embed_device = self.device if embedding_is_head(cfg) else torch.device("cpu")
-        self.resident: Resident = {
-            kind: {
-                k: t.to(self.embed_device if kind == "embedding" else self.device, self.dtype)
-                for k, t in self.store.load(kind).items()
-            }
-            for kind in cfg.resident_shapes()
-        }
+        if quantized_head is None:
+            quantized_head = not self.cuda and self.store.manifest.dtype in QUANTIZED
+        self.quantized_head = quantized_head
+        self.resident: Resident = {kind: self._load_resident(kind) for kind in cfg.resident_shapes()}
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
         self._io = io_pool(read_depth) if read_depth > 1 else None
@@ -220,6 +232,18 @@ class StreamingModel:
             held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
             offset = read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
             self.store.check_read(self.paths[i].name, read_pieces(self.layouts[i], held, offset))
+        # Where this CPU's int4 kernel reads another layout than the stored one (AVX2), RAM-homed layers are
+        # repacked once here; streamed int4 matrices are dequantized by the reader as before, since repacking
+        # them every pass costs about three times a dequantization (measured 65 ms against 20 ms for a
+        # 2730 x 1024 matrix on one thread) and the disk rows would slow down.
+        self.repack = (
+            self.fused
+            and any(t.dtype == torch.uint8 for layout in self.layouts for t in layout.tensors.values())
+            and not int4_kernel_reads_stored_layout()
+        )
+        self.ram_kernel_codes: list[Params] = [
+            self._repacked(self.layouts[i], held) if held is not None else {} for i, held in enumerate(self.ram)
+        ]
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
         # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
         # does the fused CPU path, whose quantized matrices are dequantized (if ever) by the compute thread.
@@ -236,6 +260,27 @@ class StreamingModel:
         self._after_read = threading.Lock()
         self._read_busy_until = 0.0
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def _load_resident(self, kind: str) -> Params:
+        """A resident module in the compute dtype on its device; with ``quantized_head``, its vocabulary-sized
+        matrices (the LM head, the embedding tied to it) as int8 tables, quantized from the stored dtype."""
+        device = self.embed_device if kind == "embedding" else self.device
+        layout = self.store.layout(kind)
+        tables = {
+            key
+            for key, slot in layout.tensors.items()
+            if self.quantized_head and len(slot.shape) == 2 and slot.shape[0] == self.config.vocab_size
+        }
+        params: Params = {}
+        for key, slot in layout.tensors.items():
+            if key in tables:  # read and quantized a block of rows at a time: the float table is never held
+                shape = (slot.shape[0], slot.shape[1])
+                rows = RowSource(layout.path, layout.data_offset + slot.start, shape, slot.dtype)
+                table = QuantizedTable.quantize(rows, self.dtype, exact_lookups=kind == "embedding")
+                params[key] = table  # type: ignore[assignment]
+        if len(tables) < len(layout.tensors):
+            params.update({k: t.to(device, self.dtype) for k, t in self.store.load(kind).items() if k not in tables})
+        return params
 
     # ------------------------------------------------------------------ buffers
 
@@ -256,7 +301,9 @@ class StreamingModel:
             for key, slot in layout.tensors.items():
                 if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
                     continue
-                if shared is not None and slot.dtype in (torch.int8, torch.uint8):
+                # Streamed int4 matrices the reader dequantizes (see ``repack``) need a buffer per slot.
+                own = slot.dtype == torch.uint8 and self.repack and self.ram_layers < self.config.num_layers
+                if shared is not None and slot.dtype in (torch.int8, torch.uint8) and not own:
                     buffers[key] = shared[key]
                 else:
                     buffers[key] = torch.empty(layout.shape(key), dtype=self.dtype, device=self.device)
@@ -279,7 +326,7 @@ class StreamingModel:
         if ram is not None and not self.cuda:
             # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
             with self._after_read:
-                slot.params = self._to_compute(layout, ram, slot.buffers)
+                slot.params = self._to_compute(layout, ram, slot.buffers, self.ram_kernel_codes[layer])
             return 0
         started = time.perf_counter()
         size = layout.data_size
@@ -303,7 +350,8 @@ class StreamingModel:
             self.stats.bytes_read += size
             self.stats.layers_read += 1
             if not self.cuda:
-                slot.params = self._to_compute(layout, source[slot.offset : slot.offset + size], slot.buffers)
+                data = source[slot.offset : slot.offset + size]
+                slot.params = self._to_compute(layout, data, slot.buffers, self.ram_kernel_codes[layer])
         return size
 
     def _read_layer(self, layer: int, slot: _Slot) -> int:
@@ -369,9 +417,18 @@ class StreamingModel:
         layout = self.layouts[layer]
         return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
 
-    def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params) -> Params:
-        """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path) or
-        conversions into ``buffers``."""
+    def _repacked(self, layout: FileLayout, data: Tensor) -> Params:
+        """A RAM-homed layer's int4 codes in this CPU's kernel layout; empty unless the engine repacks."""
+        if not self.repack:
+            return {}
+        return {key: int4_kernel_codes(t) for key, t in layout.views(data).items() if t.dtype == torch.uint8}
+
+    def _to_compute(
+        self, layout: FileLayout, data: Tensor, buffers: Params, kernel_codes: Params | None = None
+    ) -> Params:
+        """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path; int4 ones
+        with ``kernel_codes``, their codes repacked for this CPU, where given; where the engine repacks and
+        none are given, a streamed int4 matrix is dequantized here) or conversions into ``buffers``."""
         raw = layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
@@ -380,11 +437,18 @@ class StreamingModel:
             shape = layout.shape(key)
             packed: PackedInt4 | PackedInt8 | None = None
             if tensor.dtype == torch.uint8:
-                packed = PackedInt4(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
+                packed = PackedInt4(
+                    tensor,
+                    raw[key + SCALE_SUFFIX],
+                    (shape[0], shape[1]),
+                    buffers[key],
+                    kernel_codes=(kernel_codes or {}).get(key),
+                )
             elif tensor.dtype == torch.int8:
                 packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
             if packed is not None:
-                params[key] = packed if self.fused else packed.dense(self.dtype)
+                by_reader = not self.fused or (isinstance(packed, PackedInt4) and self.repack and not kernel_codes)
+                params[key] = packed.dense(self.dtype) if by_reader else packed
             elif tensor.dtype == self.dtype:
                 params[key] = tensor
             else:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
+from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
     PackedInt4,
@@ -75,18 +76,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
 
 
-def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias`` for a streamed matrix: a plain tensor, or one the engine handed over packed.
 
-    A packed matrix runs torch's fused kernel when ``x`` is a bf16 CPU tensor of
-    at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode
+    A packed matrix runs torch's fused kernel when ``x`` is a bf16 or fp32 CPU tensor
+    (fp32 rows are cast to bf16 for the kernel, :data:`~robot_llm.llm.store.quant.FUSED_COMPUTE_DTYPES`)
+    of at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode
     steps); otherwise it is made dense once, into its buffer, and multiplied densely
     (int4: dequantized; int8: its codes widened, the scale applied to the output).
+    An int8 output head (:class:`~robot_llm.llm.store.qhead.QuantizedTable`) computes its own way.
     """
     if isinstance(weight, Tensor):
         return F.linear(x, weight, bias)
+    if isinstance(weight, QuantizedTable):
+        return weight.linear(x, bias)
     rows = x.numel() // x.shape[-1]
-    kernel = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    kernel = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
     if isinstance(weight, PackedInt4):
         if not (kernel and rows <= FUSED_MAX_ROWS["int4"]):
             return F.linear(x, weight.dense(x.dtype), bias)
@@ -94,6 +99,11 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8, bias: Tensor | N
     else:
         y = int8_linear(x, weight) if kernel and rows <= FUSED_MAX_ROWS["int8"] else int8_linear_widened(x, weight)
     return y if bias is None else y + bias
+
+
+def embedding(ids: Tensor, table: Tensor | QuantizedTable) -> Tensor:
+    """The rows of ``ids`` in an embedding table: a float tensor, or the int8 table a tied head is held in."""
+    return table.lookup(ids) if isinstance(table, QuantizedTable) else F.embedding(ids, table)
 
 
 # --------------------------------------------------------------------------- step metadata
@@ -305,18 +315,28 @@ def grouped_attention(
     """Attention of ``q [B, T, n, hd]`` over ``k``/``v`` ``[B, S, kv, hd]``, query head ``j`` using KV head
     ``j // (n / kv)``; ``mask [B, 1, T, S]`` True where forbidden. Returns ``[B, T, n * hd]``.
 
-    As transformers' eager attention: scores scaled after the matmul, optional tanh soft-capping,
-    softmax in float32, probabilities cast back to the compute dtype. Masked scores become the
-    dtype's minimum (not -inf) so that a fully masked row (a pad slot) stays finite.
+    The keys and values are read where and as they are (views of the cache, never a copy per query
+    head): the ``n / kv`` query heads of a KV head are folded into its query rows, so one KV head
+    serves ``n / kv * T`` rows of one product. Without soft-capping that product is torch's fused
+    attention (``scaled_dot_product_attention``: scores, softmax and the weighted sum in one pass,
+    the probabilities never written out); a fully masked row (a pad slot) comes out zero. With
+    soft-capping, as transformers' eager attention: scores scaled after the matmul, tanh-capped,
+    softmax in float32, probabilities cast back to the compute dtype, masked scores the dtype's
+    minimum so that a fully masked row stays finite.
     """
     B, T, n, hd = q.shape
-    group = n // k.shape[2]
-    q = q.transpose(1, 2)
-    k = k.transpose(1, 2).repeat_interleave(group, dim=1)
-    v = v.transpose(1, 2).repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    if softcap is not None:
+    kv = k.shape[2]
+    group = n // kv
+    # [B, T, kv, group, hd] -> [B, kv, group * T, hd]: the rows of one KV head's query heads, head-major.
+    rows = q.view(B, T, kv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, kv, group * T, hd)
+    keys, values = k.transpose(1, 2), v.transpose(1, 2)
+    forbidden = mask if group == 1 else mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(B, 1, group * T, -1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=~forbidden, scale=scale)
+    else:
+        scores = torch.matmul(rows, keys.transpose(2, 3)) * scale
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).transpose(1, 2).reshape(B, T, n * hd)
+        scores = scores.masked_fill(forbidden, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values)
+    return out.view(B, kv, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, n * hd)

@@ -29,6 +29,7 @@ from robot_llm.llm.families.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    embedding,
     grouped_attention,
     linear,
     rope_inv_freq,
@@ -53,7 +54,7 @@ def rope(cfg: Gemma3Config) -> dict[str, Tensor]:
 def embed(ids: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:
     """Embedding lookup times ``sqrt(hidden)`` (the scale rounded to the weight dtype, as the reference)."""
     weight = resident["embedding"]["embed_tokens.weight"]
-    return F.embedding(ids, weight) * torch.tensor(cfg.hidden_size**0.5).to(weight.dtype)
+    return embedding(ids, weight) * torch.tensor(cfg.hidden_size**0.5).to(weight.dtype)
 
 
 def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: StepInfo, kv: LayerKV | None) -> Tensor:
@@ -89,7 +90,7 @@ def transformer_layer(
 def output_head(x: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:
     """Final norm, the tied LM head, and the optional final soft-capping."""
     y = rms_norm(x, resident["output"]["norm.weight"], cfg.rms_norm_eps)
-    logits = F.linear(y, resident["embedding"]["embed_tokens.weight"])
+    logits = linear(y, resident["embedding"]["embed_tokens.weight"])
     if cfg.final_logit_softcapping is not None:
         logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
     return logits

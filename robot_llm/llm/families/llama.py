@@ -28,6 +28,7 @@ from robot_llm.llm.families.family import (
     Resident,
     StepInfo,
     apply_rotary,
+    embedding,
     grouped_attention,
     linear,
     rope_inv_freq,
@@ -64,7 +65,7 @@ def rope(cfg: LlamaConfig) -> dict[str, Tensor]:
 def embed(ids: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:
     """Token embedding lookup: ``ids [B, T]`` -> ``[B, T, H]``."""
     del cfg
-    return F.embedding(ids, resident["embedding"]["embed_tokens.weight"])
+    return embedding(ids, resident["embedding"]["embed_tokens.weight"])
 
 
 def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: LayerKV | None) -> Tensor:
@@ -102,7 +103,7 @@ def output_head(x: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:
     """Final RMSNorm and the LM head (the token embedding when tied)."""
     out = resident["output"]
     head = out["lm_head.weight"] if "lm_head.weight" in out else resident["embedding"]["embed_tokens.weight"]
-    return F.linear(rms_norm(x, out["norm.weight"], cfg.rms_norm_eps), head)
+    return linear(rms_norm(x, out["norm.weight"], cfg.rms_norm_eps), head)
 
 
 FAMILY = Family(name="llama", rope=rope, embed=embed, layer=transformer_layer, head=output_head)

@@ -31,7 +31,15 @@ from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
 from robot_llm.llm.families.config import YalmConfig
-from robot_llm.llm.families.family import Family, Params, Resident, StepInfo, apply_rotary, linear
+from robot_llm.llm.families.family import (
+    Family,
+    Params,
+    Resident,
+    StepInfo,
+    apply_rotary,
+    embedding,
+    linear,
+)
 
 #: Score written over masked attention logits (masked_fill, as the original does).
 MASK_VALUE = -10000.0
@@ -55,7 +63,7 @@ def embed(ids: Tensor, resident: Resident, cfg: YalmConfig) -> Tensor:
 
     Computes in the dtype of ``word_embeddings.weight``; ``ids`` must be on its device.
     """
-    e = F.embedding(ids, resident["embedding"]["word_embeddings.weight"])
+    e = embedding(ids, resident["embedding"]["word_embeddings.weight"])
     p = _layer_norm(e, resident["projector"], "input_layernorm", cfg.layernorm_epsilon)
     if cfg.embedding_size == cfg.hidden_size:
         return p
@@ -126,7 +134,7 @@ def output_head(x: Tensor, resident: Resident, cfg: YalmConfig) -> Tensor:
     y = _layer_norm(x, out_params, "input_layer_norm", eps)
     z = F.linear(y, out_params["dense.weight"]) + out_params["dense.bias"]
     z = _layer_norm(F.gelu(z), out_params, "output_layer_norm", eps)
-    return F.linear(z, word_embeddings, out_params["output_bias"])
+    return linear(z, word_embeddings, out_params["output_bias"])
 
 
 FAMILY = Family(name="yalm", rope=rope, embed=embed, layer=transformer_layer, head=output_head)

@@ -11,6 +11,7 @@ the CPU, RAM and GPU rates (:mod:`robot_llm.llm.plan.rates`); given options win.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,17 +74,28 @@ class Machine:
         return self.ram_bf16_bps if dtype == "bf16" and self.ram_bf16_bps else self.ram_bps
 
 
-def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """True when the CPU flags list AVX512-BF16 or AMX-BF16 (bf16 GEMMs then beat fp32 several times)."""
+def cpu_flags(cpuinfo: str | Path | None = None) -> frozenset[str]:
+    """The CPU's feature flags (the first ``flags`` line of ``cpuinfo``); this machine's are read once."""
+    if cpuinfo is None:
+        return _this_cpu_flags()
     try:
         text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+@functools.cache
+def _this_cpu_flags() -> frozenset[str]:
+    return cpu_flags("/proc/cpuinfo")
+
+
+def cpu_has_native_bf16(cpuinfo: str | Path | None = None) -> bool:
+    """True when the CPU flags list AVX512-BF16 or AMX-BF16 (bf16 GEMMs then beat fp32 several times)."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
 
 
 def gpu_has_native_bf16(device: object = None) -> bool:

@@ -37,10 +37,11 @@ from robot_llm.llm.plan.sizes import (
     pinned_bytes,
     resident_params,
 )
-from robot_llm.llm.plan.timing import FUSED_RATES, PassTiming, decode_attention, matrix_shares
+from robot_llm.llm.plan.timing import PassTiming, decode_attention, matrix_shares
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
     KV_QUANTIZED,
+    fused_on_cpu,
     kv_bits_per_value,
 )
 
@@ -362,7 +363,7 @@ def _try(
     lb = max(sizes)
     converts = weight_dtype != cdtype
     cuda = machine.has_gpu
-    fused = not cuda and weight_dtype in FUSED_RATES and cdtype == "bf16"
+    fused = not cuda and fused_on_cpu(weight_dtype, cdtype)
     # CPU: the reader converts the next layer while this one computes, one buffer set per slot; the fused path
     # (and CUDA) dequantizes on the compute thread, if ever, into one set.
     compute_buffers = layer_params(cfg) * c * (1 if cuda or fused else 2) if converts else 0

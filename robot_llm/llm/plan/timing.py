@@ -16,7 +16,7 @@ from typing import Literal
 
 from robot_llm.llm.families.config import ModelConfig
 from robot_llm.llm.plan.machine import Machine
-from robot_llm.llm.store.quant import FUSED_MAX_ROWS, KV_QUANTIZED
+from robot_llm.llm.store.quant import FUSED_MAX_ROWS, KV_QUANTIZED, fused_on_cpu
 
 #: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
 DEQUANT_ELEMS_PER_S = 1.0e9
@@ -64,7 +64,7 @@ class PassTiming:
         params = self.params
         rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
         rows = batch * tokens
-        fused = not m.has_gpu and self.weight_dtype in FUSED_RATES and self.dtype == "bf16"
+        fused = not m.has_gpu and fused_on_cpu(self.weight_dtype, self.dtype)
         if fused:  # each stored dtype's share of the parameters takes that dtype's own path
             shares = matrix_shares(self.weight_dtype, self.int8_share)
             matmuls = sum(

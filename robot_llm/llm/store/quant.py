@@ -32,6 +32,7 @@ the functions that touch tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -68,6 +69,13 @@ _GPU_PASS_VALUES = 1 << 24
 #: int8 fused 24 / 5.8 / 3.7 ms at 32 rows against 11 / 2.8 / 1.6 ms to widen the codes to bf16 (a plain
 #: copy: 4 G values/s) and multiply densely, the scale applied to the output; int8 crosses at 8-12 rows.
 FUSED_MAX_ROWS = {"int4": 48, "int8": 10}
+#: Compute dtypes whose engine hands quantized matrices to the fused kernels on the CPU. fp32 would qualify
+#: by one matrix (fp32 rows cast to bf16 for the call, as :func:`robot_llm.llm.families.family.linear` does: torch
+#: 2.13, 65,536 x 640, int4 3.2 ms at 1 row against fp32's dense 12 ms), but not by the whole step: on this
+#: shared AVX2 box (load 9, 2 threads) an int4 Gemma 3 270M store decoded 0.5 tok/s that way against 1.3-2.3
+#: with the reader dequantizing into fp32 and prefilled 8-11 against 45-52 tok/s (1 thread, P=64, it was
+#: 1.3-3.9 against 0.8-2.5: faster). Until that is measured on a quiet machine, fp32 keeps the dense path.
+FUSED_COMPUTE_DTYPES = ("bf16",)
 #: The int8 kernel reads garbage (or crashes) when K is not a multiple of 16 (measured: 168, 184, 27308),
 #: and crashes on weights not 16-byte aligned: stored int8 rows are zero-padded to a multiple of 64, and the
 #: store places every quantized matrix at a multiple of :data:`ALIGN` bytes.
@@ -80,6 +88,12 @@ ALIGN = 64
 #: scale per head and slot; int4 asymmetric with an fp16 step and minimum per head and slot.
 KV_QUANTIZED = ("int8", "int4")
 _KV_BITS = {"int8": (8, 16), "int4": (4, 32)}
+
+
+def fused_on_cpu(weight_dtype: str, compute_dtype: str) -> bool:
+    """True when a CPU computing in ``compute_dtype`` hands a ``weight_dtype`` store's matrices to the fused
+    kernels as stored (decode-sized calls) instead of dequantizing every layer into a float buffer."""
+    return weight_dtype in ("int4", "int8") and compute_dtype in FUSED_COMPUTE_DTYPES
 
 
 def kv_bits_per_value(kv_dtype: str, head_dim: int) -> float:
@@ -322,6 +336,8 @@ class PackedInt4:
     shape: tuple[int, int]
     buffer: Tensor | None = None
     _dense: Tensor | None = None
+    #: The codes in the layout this CPU's kernel reads, where it is not the stored one (:func:`int4_kernel_codes`).
+    kernel_codes: Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -336,6 +352,68 @@ class PackedInt4:
         return self._dense
 
 
+def unpack_int4_codes(codes: Tensor) -> Tensor:
+    """The stored codes ``uint8 [Np, Kp / 2]`` as one code per weight, ``uint8 [Np, Kp]`` in row order."""
+    import torch
+
+    np_, kp = codes.shape[0], 2 * codes.shape[1]
+    blocks = codes.view(np_ // INT4_BLOCK, kp, 32)
+    return torch.stack((blocks & 15, blocks >> 4), dim=1).transpose(2, 3).reshape(np_, kp)
+
+
+@functools.cache
+def int4_kernel_reads_stored_layout() -> bool:
+    """True when this CPU's int4 kernel reads the stored layout as it is (torch's AVX512 build of the kernel).
+
+    torch packs int4 weights for its CPU kernel differently per instruction set: on an AVX2-only CPU
+    (torch 2.13) its packing is another interleave, and the kernel fed the stored bytes returns wrong
+    products. Probed once per process by packing a random 64 x 64 matrix both ways.
+    """
+    import torch
+
+    probe = torch.randint(0, 16, (INT4_BLOCK, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    ours = probe.to(torch.uint8).view(1, 2, 32, 64)
+    stored = (ours[:, 0] | (ours[:, 1] << 4)).transpose(1, 2).contiguous().view(INT4_BLOCK, 32)
+    return bool(torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1), stored))
+
+
+def int4_kernel_codes(codes: Tensor, out: Tensor | None = None) -> Tensor:
+    """The stored int4 ``codes`` repacked into the layout this CPU's kernel reads (into ``out`` when given).
+
+    Only needed where :func:`int4_kernel_reads_stored_layout` is False; the stored layout stays what
+    the store, the dequantization and every other machine read.
+    """
+    import torch
+
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4_codes(codes).int(), 1)
+    return packed if out is None else out.copy_(packed)
+
+
+def cpu_compute_path(weight_dtype: str, compute_dtype: str, cpuinfo: str | None = None) -> str:
+    """Which matrix path a CPU night runs, in words (``doctor`` prints it): the CPU's features, whether the
+    stored matrices reach the fused kernels or are widened every pass, the int4 layout, the head's dtype."""
+    from robot_llm.llm.plan.machine import cpu_flags
+
+    flags = cpu_flags(cpuinfo)
+    features = ", ".join(f"{name} {'yes' if flag in flags else 'no'}" for name, flag in _FEATURES)
+    if not fused_on_cpu(weight_dtype, compute_dtype):
+        how = f"{weight_dtype} matrices computed in {compute_dtype}"
+        if weight_dtype in ("int4", "int8"):
+            how += ", dequantized into float buffers every pass"
+        return f"CPU ({features}): {how}"
+    cast = ", activations cast to bf16 for them" if compute_dtype == "fp32" else ""
+    rows = "/".join(f"{FUSED_MAX_ROWS[d]}" for d in ("int4", "int8"))
+    how = f"int4/int8 matrices through torch's fused kernels up to {rows} rows{cast}, dense {compute_dtype} past that"
+    if weight_dtype == "int4":
+        layout = "the stored layout" if int4_kernel_reads_stored_layout() else "codes repacked for this CPU once"
+        how += f"; int4 kernel reads {layout}"
+    return f"CPU ({features}): {how}; LM head int8 per row, embedding rows read exactly from the store"
+
+
+#: CPU flags :func:`cpu_compute_path` names.
+_FEATURES = (("AVX2", "avx2"), ("AVX512", "avx512f"), ("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16"))
+
+
 def int4_linear(x: Tensor, w: PackedInt4) -> Tensor:
     """``x @ w.T`` with the fused CPU kernel: ``x`` cast to bf16 (padded to ``Kp``), the output cast back."""
     import torch
@@ -346,7 +424,10 @@ def int4_linear(x: Tensor, w: PackedInt4) -> Tensor:
     rows = x.reshape(-1, k).to(torch.bfloat16)
     if kp != k:
         rows = F.pad(rows, (0, kp - k))
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w.codes, w.group_size, w.scales_and_zeros)
+    if w.kernel_codes is None and not int4_kernel_reads_stored_layout():
+        w.kernel_codes = int4_kernel_codes(w.codes)  # once per matrix; the engine repacks ahead of time
+    codes = w.codes if w.kernel_codes is None else w.kernel_codes
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, codes, w.group_size, w.scales_and_zeros)
     return y[:, :n].reshape(*x.shape[:-1], n).to(x.dtype)
 
 

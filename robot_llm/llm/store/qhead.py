@@ -1,0 +1,145 @@
+"""The output head (and the embedding it is tied to) held in int8 per output channel, as llama.cpp keeps
+it (Q8_0), for a quantized store computed on the CPU.
+
+A large vocabulary makes the head most of a small model's decode step: Gemma 3 270M's tied
+262,144 x 640 table is 671 MB in fp32, read on every step, against about 100 MB for all 18
+layers in int4/int8. Held as int8 codes with one bf16 scale per vocabulary row it is 168 MB;
+the logits of decode-sized calls come from torch's fused int8 kernel (bf16 activations, the
+codes read as stored), and a token's embedding is read exactly from the store (:class:`RowSource`),
+so the float table never exists in memory. Only a call with many rows (a whole-sequence scoring pass) widens
+the codes, a block of the vocabulary at a time into one reused buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
+
+#: Rows of a head call up to which the fused int8 kernel computes the logits. At decode sizes it reads
+#: the 8-bit codes once and is as fast as the fp32 GEMM on a quarter of the bytes (torch 2.13, AVX2, 2
+#: threads, 65,536 x 640: 3.7 ms at 1 row against fp32's 12 ms, 47 ms at 32 against 48 ms); past a few
+#: dozen rows its cost grows row by row while a dense GEMM's barely does.
+HEAD_FUSED_ROWS = 64
+#: Vocabulary rows widened per block for a call with more rows (an fp32 block of 640-wide rows: 21 MB).
+WIDEN_BLOCK_ROWS = 8192
+#: Rows quantized at a time when the table is built: the float temporaries stay small (a 262k x 640
+#: table quantized whole would hold a 671 MB fp32 copy at the peak of the engine's start).
+QUANTIZE_ROWS = 16384
+
+
+class RowSource:
+    """The float rows of a vocabulary matrix where the store keeps them (a safetensors file), read by ``pread``.
+
+    An embedding lookup needs a handful of rows per step: read exactly from the file (the page
+    cache holds what is used), they cost no resident memory and none of int8's error, which the
+    layers would carry forward (Gemma 3 270M on a 200-token digest: the next-token KL from the
+    float model 0.0092 with int8 embeddings against 0.0010 with exact ones and the int8 head).
+    """
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        self.path, self.offset, self.shape, self.dtype = path, offset, shape, dtype
+        self.row_bytes = shape[1] * dtype.itemsize
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, first: int, count: int) -> Tensor:
+        """Rows ``first .. first + count - 1`` as a ``[count, K]`` tensor of the stored dtype."""
+        buffer = bytearray(count * self.row_bytes)
+        got = os.preadv(self._fd, [buffer], self.offset + first * self.row_bytes)
+        if got != len(buffer):
+            raise OSError(f"{self.path}: short read of embedding rows {first}..{first + count - 1}")
+        return torch.frombuffer(buffer, dtype=self.dtype).view(count, self.shape[1])
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """The rows of ``ids`` (any shape): ``[*ids.shape, K]`` in the stored dtype, each distinct row read once."""
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        picked = torch.cat([self.read(int(i), 1) for i in unique.tolist()]) if unique.numel() else None
+        if picked is None:
+            return torch.empty(*ids.shape, self.shape[1], dtype=self.dtype)
+        return picked[inverse].view(*ids.shape, self.shape[1])
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    __del__ = close
+
+
+def _aligned_int8(rows: int, cols: int) -> Tensor:
+    """An int8 ``[rows, cols]`` tensor whose address is a multiple of :data:`ALIGN` (the kernel needs it)."""
+    raw = torch.empty(rows * cols + ALIGN, dtype=torch.int8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + rows * cols].view(rows, cols)
+
+
+@dataclass
+class QuantizedTable:
+    """A ``[V, K]`` vocabulary matrix as int8 codes ``q [V, Kp]`` and bf16 scales ``[V]``; ``dtype`` is the
+    compute dtype its lookups and logits come out in. Used where a family reads the embedding table or the
+    LM head: :func:`robot_llm.llm.families.family.linear` and :func:`robot_llm.llm.families.family.embedding` dispatch to it."""
+
+    q: Tensor
+    scale: Tensor
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    #: Where exact rows are read for lookups (an embedding); None: lookups dequantize the codes.
+    source: RowSource | None = field(default=None, repr=False)
+    _block: Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def quantize(cls, weight: Tensor | RowSource, dtype: torch.dtype, *, exact_lookups: bool = False) -> QuantizedTable:
+        """Symmetric int8 per row of ``weight [V, K]`` (any float dtype, or rows read from the store),
+        :data:`QUANTIZE_ROWS` rows at a time; ``exact_lookups`` (a :class:`RowSource` only) keeps it for lookups."""
+        v, k = weight.shape
+        q = _aligned_int8(v, int8_padded_width(k))
+        scale = torch.empty(v, dtype=torch.bfloat16)
+        for a in range(0, v, QUANTIZE_ROWS):
+            count = min(QUANTIZE_ROWS, v - a)
+            rows = weight.read(a, count) if isinstance(weight, RowSource) else weight[a : a + count]
+            q[a : a + count], scale[a : a + count] = quantize_int8(rows)
+        source = weight if exact_lookups and isinstance(weight, RowSource) else None
+        return cls(q=q, scale=scale, shape=(v, k), dtype=dtype, source=source)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes and scales)."""
+        return self.q.numel() + 2 * self.scale.numel()
+
+    def lookup(self, ids: Tensor) -> Tensor:
+        """The rows of ``ids`` (any shape): ``[*ids.shape, K]`` in the compute dtype, read exactly from the
+        store where the table has its source, else dequantized."""
+        if self.source is not None:
+            return self.source.rows(ids.cpu()).to(ids.device, self.dtype)
+        k = self.shape[1]
+        rows = F.embedding(ids, self.q[:, :k]).float() * self.scale[ids].float()[..., None]
+        return rows.to(self.dtype)
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``x @ table.T + bias``: logits ``[..., V]`` in ``x``'s dtype."""
+        v, k = self.shape
+        flat = x.reshape(-1, k)
+        if flat.shape[0] <= HEAD_FUSED_ROWS:
+            rows = flat.to(torch.bfloat16)
+            if self.q.shape[1] != k:
+                rows = F.pad(rows, (0, self.q.shape[1] - k))
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale).to(x.dtype)
+        else:
+            y = torch.empty(flat.shape[0], v, dtype=x.dtype)
+            scale = self.scale.to(x.dtype)
+            if self._block is None or self._block.dtype != x.dtype:
+                self._block = torch.empty(min(v, WIDEN_BLOCK_ROWS), k, dtype=x.dtype)
+            for a in range(0, v, WIDEN_BLOCK_ROWS):
+                b = min(v, a + WIDEN_BLOCK_ROWS)
+                block = self._block[: b - a].copy_(self.q[a:b, :k])
+                y[:, a:b] = F.linear(flat, block) * scale[a:b]
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], v)
