@@ -504,6 +504,10 @@ def main() -> None:
                     seconds = float("nan")
                 else:
                     stored, seconds, counts = run_night(config_path, mine, model)
+                done = [i for i, t in enumerate(stored) if t]
+                if len(done) < len(mine):  # a night stopped early (--from-db): score the rows it stored
+                    print(f"\n{template}: {len(done)} of {len(mine)} rows have a stored thesis; scoring those")
+                    mine, stored = [mine[i] for i in done], [stored[i] for i in done]
                 labels = [r.label for r in mine]
                 columns = [score_column("majority (always neutral)", None, labels)]
                 if lang == "en":

@@ -309,3 +309,21 @@ def test_the_news_stance_is_read_beside_the_thesis_and_stored_when_asked(benv, n
             StanceSpec(" so", LABELS, "sum"), score_pieces(model, tokenizer, prompt + t.text + " so", names)
         )
         assert t.thesis_stance == pytest.approx(thesis.stance, abs=1e-3)
+
+
+def test_batch_plan_as_of_now_says_how_many_prompts_have_no_news(benv) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    config = benv.write_config(prompts={"abstain_without_inputs": True})
+    out = subprocess.run(
+        [sys.executable, "-m", "robot_llm.cli", "batch", "plan", "-c", str(config), "--as-of", "now"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "3 new request(s)" in out.stdout
+    assert "3 prompt(s) have no news, 3 of them no signals either" in out.stdout
+    assert "no news for tiny: no news has been fetched at all" in out.stdout
