@@ -131,6 +131,12 @@ def test_flags_on_rows_and_counted_in_the_run(benv, night) -> None:  # type: ign
         for flag in t.flags:
             counted[flag] = counted.get(flag, 0) + 1
     assert run.counts["flags"] == counted
+    from robot_llm.report import build_report, format_report
+
+    report = build_report(config, benv.engine, run.started_at.astimezone(config.tz).date())
+    assert report.stance_flags() == counted
+    if counted:
+        assert "theses flagged: " in format_report(report, config)
     texts = [t.text for t in theses]
     repeats = sum(1 for i, x in enumerate(texts) if x.strip() and x in texts[:i])
     assert counted.get(FLAG_REPEATED, 0) >= repeats  # every later copy of a sentence is flagged
