@@ -326,7 +326,7 @@ def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
     checks.extend(db_checks)
     try:
         checks.append(_guarded("disk", lambda: _disk(config, engine)))
-        checks.append(_guarded("stance", lambda: _stance(config, engine)))
+        stance = _guarded("stance", lambda: _stance(config, engine))  # listed after the templates it is about
     finally:
         if engine is not None:
             engine.dispose()
@@ -334,6 +334,7 @@ def preflight(config: AppConfig, *, deep: bool = False) -> list[Check]:
     checks.append(_guarded("vocab", lambda: _vocab(config)))
     checks.append(_guarded("memory", lambda: _memory(config)))
     checks.append(_guarded("templates", lambda: _templates(config)))
+    checks.append(stance)
     return checks
 
 
