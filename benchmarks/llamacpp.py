@@ -157,8 +157,8 @@ def _peak_from_stderr(err: str) -> int:
 
 def store_for(gguf: Path, cache: Path) -> Path:
     """The int4 store of the GGUF (converted once, cached)."""
-    from robot_llm.llm.store import MANIFEST
     from robot_llm.llm.store.importers import import_model
+    from robot_llm.llm.store.reader import MANIFEST
 
     store = cache / "gemma-3-270m-int4"
     if not (store / MANIFEST).is_file():

@@ -297,12 +297,11 @@ def night_config(folder: Path, store: Path, template: str, rows: Sequence[Row], 
 
 def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
     """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts."""
-    from sqlalchemy import select
 
     from robot_llm.config import load_config
     from robot_llm.night.plan import plan_night
     from robot_llm.night.worker import run_queue
-    from robot_llm.store.db import NewsItem, NewsTicker, Run, Thesis, make_engine, session_scope
+    from robot_llm.store.db import NewsItem, NewsTicker, make_engine, session_scope
     from robot_llm.store.migrate import upgrade
 
     config = load_config(config_path)
@@ -325,16 +324,28 @@ def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[
             session.add(item)
     plan_night(config, engine, AS_OF, now=AS_OF + timedelta(minutes=1))
     started = time.perf_counter()
-    summary = run_queue(config, engine, as_of=AS_OF, progress=False, preflight=False, model=model)
+    run_queue(config, engine, as_of=AS_OF, progress=False, preflight=False, model=model)
     seconds = time.perf_counter() - started
+    engine.dispose()
+    stored, counts = read_night(config.database.url, len(rows))
+    return stored, seconds, counts
+
+
+def read_night(url: str, n: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A benchmark night's stored theses, by row (instrument ``N0000``...), and its generate run's counts."""
+    from sqlalchemy import select
+
+    from robot_llm.store.db import Run, Thesis, make_engine, session_scope
+
+    engine = make_engine(url)
     by_ticker: dict[str, dict[str, Any]] = {}
     with session_scope(engine) as session:
         for thesis in session.scalars(select(Thesis)):
             by_ticker[thesis.ticker] = {c.name: getattr(thesis, c.name) for c in Thesis.__table__.columns}
-        run = session.get(Run, summary.run_id) if summary.run_id is not None else None
+        run = session.scalars(select(Run).where(Run.kind == "generate").order_by(Run.id.desc())).first()
         counts = dict(run.counts) if run is not None else {}
     engine.dispose()
-    return [by_ticker.get(f"N{i:04d}", {}) for i in range(len(rows))], seconds, counts
+    return [by_ticker.get(f"N{i:04d}", {}) for i in range(n)], counts
 
 
 def open_model(config_path: Path) -> Any:
@@ -380,6 +391,51 @@ def machine_line(threads: int) -> str:
     return f"CPU: {os.cpu_count()} cores ({features}); {threads} threads; load average {load} (a shared machine)"
 
 
+def recalibrated(
+    model: Any, template: Any, stored: Sequence[dict[str, Any]], texts: Sequence[str]
+) -> dict[str, list[float]]:
+    """The night's label log-probabilities re-read under every calibration mode (one-piece labels only).
+
+    From one night: ``none``; ``content-free`` and ``domain`` with their priors scored here
+    through the same model (:mod:`robot_llm.prompting.stance_prompt`); ``batch`` with the
+    mean over the night's rows. Stored ``label_logprobs`` are summed pieces, which equal the
+    template's measure only when every label is one piece, so other templates get none.
+    """
+    from zoneinfo import ZoneInfo
+
+    from robot_llm.night.stance import softmax
+    from robot_llm.prompting.stance_prompt import content_free_context, domain_contexts
+
+    labels = list(template.stance.labels.items())
+    names = [name for name, _ in labels]
+    if not stored or any(len(model.tokenizer.encode_pieces_ids(n)) != 1 for n in names):
+        return {}
+    if any(set(t.get("label_logprobs") or {}) != set(names) for t in stored):
+        return {}
+    rows = [[float(t["label_logprobs"][n]) for n in names] for t in stored]
+
+    def log_mean(dists: Sequence[Sequence[float]]) -> list[float]:
+        probs = [softmax(d) for d in dists]
+        return [math.log(max(sum(p[i] for p in probs) / len(probs), 1e-300)) for i in range(len(names))]
+
+    def scored(contexts: Sequence[str]) -> list[float]:
+        return log_mean([[sum(p) for p in model.score_pieces(c, names)] for c in contexts])
+
+    tz = ZoneInfo("UTC")
+    priors = {
+        "none": [0.0] * len(names),
+        "content-free": scored([content_free_context(template, AS_OF, tz)]),
+        "domain": scored(domain_contexts(template, AS_OF, tz, texts, 8, 22)),
+        "batch": log_mean(rows),
+    }
+
+    def stance(r: list[float], q: list[float]) -> float:
+        probs = softmax([a - b for a, b in zip(r, q, strict=True)])
+        return sum(p * v for p, (_, v) in zip(probs, labels, strict=True))
+
+    return {f"re-read, calibration {mode}": [stance(r, q) for r in rows] for mode, q in priors.items()}
+
+
 def agreement(stored: Sequence[dict[str, Any]], lang: str) -> tuple[int, int]:
     """(rows whose thesis states a direction that the stored stance's sign matches, rows that state one)."""
     try:
@@ -408,6 +464,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="model.max_batch_size of the night")
     parser.add_argument("--work", type=Path, help="folder kept between runs (the default store is converted there)")
+    parser.add_argument(
+        "--from-db", type=Path, help="score the night stored in this SQLite file instead of running one"
+    )
     args = parser.parse_args()
 
     import torch
@@ -440,7 +499,15 @@ def main() -> None:
                 config_path = night_config(folder, store, template, mine, args)
                 if model is None:
                     model = open_model(config_path)
-                stored, seconds, counts = run_night(config_path, mine, model)
+                if args.from_db:  # score a night already run (e.g. kept with --work)
+                    stored, counts = read_night(f"sqlite:///{args.from_db.resolve()}", len(mine))
+                    seconds = float("nan")
+                else:
+                    stored, seconds, counts = run_night(config_path, mine, model)
+                done = [i for i, t in enumerate(stored) if t]
+                if len(done) < len(mine):  # a night stopped early (--from-db): score the rows it stored
+                    print(f"\n{template}: {len(done)} of {len(mine)} rows have a stored thesis; scoring those")
+                    mine, stored = [mine[i] for i in done], [stored[i] for i in done]
                 labels = [r.label for r in mine]
                 columns = [score_column("majority (always neutral)", None, labels)]
                 if lang == "en":
@@ -450,13 +517,16 @@ def main() -> None:
                 for key in ("stance", "thesis_stance", "news_stance"):
                     if stored and key in stored[0] and all(t.get(key) is not None for t in stored):
                         columns.append(score_column(f"{template} {key}", [float(t[key]) for t in stored], labels))
+                template_obj = load_template(find_template(load_config(config_path), template))
+                for name, derived in recalibrated(model, template_obj, stored, [r.text for r in mine]).items():
+                    columns.append(score_column(f"{template} {name}", derived, labels))
                 missing = sum(1 for t in stored if t.get("stance") is None)
                 print_table(
                     f"{template} ({lang}, {len(mine)} rows: {Counter(labels)[1]} positive, {Counter(labels)[0]} "
                     f"neutral, {Counter(labels)[-1]} negative; {missing} without a stance)",
                     columns,
                 )
-                texts = [t.get("text") or "" for t in stored]
+                texts = [t["text"] for t in stored if t.get("text")]  # a stance-only row has no sentence
                 top, top_n = Counter(texts).most_common(1)[0] if texts else ("", 0)
                 agree, stated = agreement(stored, lang)
                 flagged = sum(1 for t in stored if t.get("flags"))

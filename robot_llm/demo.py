@@ -273,6 +273,9 @@ def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
             if thesis is None:
                 print(f"\n{inst.ticker} ({inst.name}): no thesis (abstain)", file=out)
                 continue
+            if thesis.abstained:
+                print(f"\n{inst.ticker} ({inst.name}): no news and no signals: no opinion (abstained)", file=out)
+                continue
             stance = "n/a" if thesis.stance is None else f"{thesis.stance:+.2f}"
             score = "n/a" if thesis.score is None else f"{thesis.score:.2f}"
             print(
@@ -282,6 +285,8 @@ def _morning(config: AppConfig, out: TextIO) -> tuple[Any, ...]:
                 f"valid until {thesis.valid_until.astimezone(config.tz):%Y-%m-%d %H:%M}",
                 file=out,
             )
+            if thesis.flags:
+                print(f"    flags: {', '.join(thesis.flags)}", file=out)
             lines = [line for line in thesis.text.splitlines() if line.strip()][:3] or ["(empty)"]
             for line in lines:
                 print(textwrap.indent(textwrap.shorten(line, 110, placeholder=" …"), "    | "), file=out)

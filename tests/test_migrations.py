@@ -126,3 +126,41 @@ def test_prices_revision_up_and_down(empty_db_url: str) -> None:
         engine.dispose()
     migrate.downgrade(empty_db_url, "0002")
     assert _tables(empty_db_url) == before
+
+
+def test_0004_stance_keeps_stored_theses_and_gives_them_defaults(empty_db_url: str) -> None:
+    """Theses stored before revision 0004 (stance) become kind 'thesis' with no flags; down again keeps them."""
+    migrate.upgrade(empty_db_url, "0001")
+    engine = make_engine(empty_db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO generation_requests (id, as_of, ticker, template_name, template_version, prompt, "
+                    "prompt_sha256, prompt_tokens, news_ids, signal_ids, params, valid_until, status, attempts, "
+                    "created_at, updated_at) VALUES (1, :t, 'SBER', 'thesis_ru', '2', 'p', 'h', 3, '[]', '[]', '{}', "
+                    ":t, 'done', 1, :t, :t)"
+                ),
+                {"t": "2026-11-26 20:00:00+00:00"},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO theses (id, request_id, ticker, template_name, template_version, text, stance, "
+                    "label_logprobs, model_id, params, prompt_sha256, prompt_tokens, completion_tokens, finish_reason, "
+                    "generation_seconds, news_ids, signal_ids, as_of, available_at, valid_until) VALUES (1, 1, 'SBER', "
+                    "'thesis_ru', '2', 'рост', 0.5, '{}', 'm', '{}', 'h', 3, 2, 'stop', 1.0, '[]', '[]', :t, :t, :t)"
+                ),
+                {"t": "2026-11-26 20:00:00+00:00"},
+            )
+        migrate.upgrade(empty_db_url)
+        with engine.connect() as conn:
+            row = conn.execute(
+                text("SELECT kind, flags, stance_probs, thesis_stance, news_stance, stance FROM theses")
+            ).one()
+        assert row.kind == "thesis" and row.thesis_stance is None and row.news_stance is None and row.stance == 0.5
+        assert row.flags in ("[]", []) and row.stance_probs in ("{}", {})
+        migrate.downgrade(empty_db_url, "0001")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM theses")).scalar_one() == 1
+    finally:
+        engine.dispose()

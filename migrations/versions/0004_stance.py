@@ -27,10 +27,9 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("stance_probs", sa.JSON(), server_default="{}", nullable=False))
         batch_op.add_column(sa.Column("thesis_stance", sa.Float(), nullable=True))
         batch_op.add_column(sa.Column("news_stance", sa.Float(), nullable=True))
-        batch_op.add_column(sa.Column("news_stances", sa.JSON(), server_default="[]", nullable=False))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("theses", schema=None) as batch_op:
-        for column in ("news_stances", "news_stance", "thesis_stance", "stance_probs", "flags", "kind"):
+        for column in ("news_stance", "thesis_stance", "stance_probs", "flags", "kind"):
             batch_op.drop_column(column)

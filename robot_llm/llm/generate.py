@@ -84,6 +84,7 @@ class Completion:
     new_token_count: int
     finish_reason: FinishReason
     followup_logprobs: tuple[tuple[float, ...], ...] | None = None
+    then_logprobs: tuple[tuple[float, ...], ...] | None = None  # the followup's ``then``
 
 
 def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0) -> Tensor:
@@ -142,6 +143,7 @@ class _Row:
     finish: FinishReason | None = None
     text: str = ""
     followup_logprobs: tuple[tuple[float, ...], ...] | None = None
+    then_logprobs: tuple[tuple[float, ...], ...] | None = None
 
     def push(self, token: int, tokenizer: Tokenizer) -> None:
         self.new_ids.append(token)
@@ -167,11 +169,13 @@ class _Row:
             new_token_count=len(self.new_ids),
             finish_reason=self.finish or "length",
             followup_logprobs=self.followup_logprobs,
+            then_logprobs=self.then_logprobs,
         )
 
-    def followup_context(self, tokenizer: Tokenizer) -> str:
-        assert self.followup is not None
-        return self.followup.context(self.prompt, self.completion(tokenizer).text)
+    def followup_context(self, tokenizer: Tokenizer, followup: Followup | None = None) -> str:
+        followup = followup or self.followup
+        assert followup is not None
+        return followup.context(self.prompt, self.completion(tokenizer).text)
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
@@ -229,8 +233,10 @@ def _run_batch(
         on_step()
     taken = 0
     freed: list[int] = []  # rows whose thesis and followup are done: free for a pending prompt
+    carried: dict[int, Tree] = {}  # rows whose followup's ``then`` is scored in this step
     while True:
-        trees: dict[int, Tree] = {}
+        trees: dict[int, Tree] = carried
+        seconds, carried = set(trees), {}
         for b, r in enumerate(rows):
             if not bool(cache.slots.active[b]):
                 continue
@@ -274,12 +280,32 @@ def _run_batch(
         for b, tree in trees.items():
             check_logits(out[b, : len(tree.tokens)], model)
         for b, scores in tree_scores(out, trees).items():
-            rows[b].followup_logprobs = scores
-        freed.extend(trees)
+            if b in seconds:
+                rows[b].then_logprobs = scores
+            else:
+                rows[b].followup_logprobs = scores
+        for b, tree in trees.items():
+            second = _then_tree(tokenizer, rows[b], tree, max_pos, cache, shared) if b not in seconds else None
+            if second is not None:  # the row stays out of the refill until its second followup is read
+                cache.slots.rewind(b, second.keep)
+                carried[b] = second
+            else:
+                freed.append(b)
         logits = out[:, 0].clone()
         for b, f in fills.items():
             logits[b] = out[b, len(f) - 1]
             cache.slots.active[b] = True
+
+
+def _then_tree(tokenizer: Tokenizer, r: _Row, done: Tree, max_pos: int, cache: KVCache, shared: int) -> Tree | None:
+    """The step scoring ``r``'s second followup from its cache, which now holds ``done.keep`` tokens (None: none)."""
+    then = r.followup.then if r.followup is not None else None
+    if then is None:
+        return None
+    fed = (r.prompt_ids + r.new_ids[:-1])[: done.keep]
+    return plan_tree(
+        tokenizer, then, r.followup_context(tokenizer, then), fed, max_pos, cache.max_len - cache.length, shared
+    )
 
 
 def _refill(
@@ -376,10 +402,14 @@ def generate(
         if on_progress is not None:
             on_progress(done, len(rows))
     _rescore([r for r in rows if r.followup is not None and r.followup_logprobs is None], model, tokenizer, batch_size)
+    thens = [r for r in rows if r.followup is not None and r.followup.then is not None and r.then_logprobs is None]
+    _rescore(thens, model, tokenizer, batch_size, then=True)
     return [r.completion(tokenizer) for r in rows]
 
 
-def _rescore(rows: list[_Row], model: ForwardModel, tokenizer: Tokenizer, batch_size: int) -> None:
+def _rescore(
+    rows: list[_Row], model: ForwardModel, tokenizer: Tokenizer, batch_size: int, *, then: bool = False
+) -> None:
     """Followups the cache could not serve (no token generated, a thesis re-tokenised far back): re-prefilled.
 
     ``batch_size`` rows per weight pass, each row's context once with its continuations as
@@ -391,7 +421,9 @@ def _rescore(rows: list[_Row], model: ForwardModel, tokenizer: Tokenizer, batch_
     planned = []
     for r in rows:
         assert r.followup is not None
-        tree = plan_tree(tokenizer, r.followup, r.followup_context(tokenizer), [], max_pos, sys.maxsize, 0)
+        followup = r.followup.then if then else r.followup
+        assert followup is not None
+        tree = plan_tree(tokenizer, followup, r.followup_context(tokenizer, followup), [], max_pos, sys.maxsize, 0)
         if tree is not None:
             planned.append((r, tree))
     for start in range(0, len(planned), batch_size):
@@ -408,4 +440,7 @@ def _rescore(rows: list[_Row], model: ForwardModel, tokenizer: Tokenizer, batch_
         for b, tree in trees.items():
             check_logits(out[b, : len(tree.tokens)], model)
         for b, scores in tree_scores(out, trees).items():
-            chunk[b][0].followup_logprobs = scores
+            if then:
+                chunk[b][0].then_logprobs = scores
+            else:
+                chunk[b][0].followup_logprobs = scores

@@ -34,13 +34,18 @@ class Followup:
     cue: str
     continuations: tuple[str, ...]
     after_prompt: bool = False
+    anchor: str | None = None  # with after_prompt: the prompt is cut before the last occurrence of this
+    then: Followup | None = None  # scored in the step after this one, from the same row's cache
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "continuations", tuple(self.continuations))
 
     def context(self, prompt: str, text: str) -> str:
         """The text the continuations are scored after."""
-        return prompt + self.cue if self.after_prompt else prompt + text + self.cue
+        if not self.after_prompt:
+            return prompt + text + self.cue
+        cut = prompt.rfind(self.anchor) if self.anchor else -1
+        return (prompt[:cut] if cut >= 0 else prompt) + self.cue
 
 
 #: Tokens a re-tokenised thesis may differ by from what the row fed (plus the cue) and still be scored from the cache.
@@ -89,7 +94,8 @@ def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
     if followup is None:
         return 0
     pieces = [len(tokenizer.encode_pieces_ids(c)) for c in followup.continuations]
-    return len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
+    own = len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
+    return max(own, followup_slots(tokenizer, followup.then))
 
 
 def plan_tree(

@@ -106,10 +106,14 @@ def _stance_params(result: RenderResult, contexts: Sequence[str]) -> dict[str, A
         "labels": {k: float(v) for k, v in stance.labels.items()},
         "method": stance.method,
         "calibration_mode": stance.mode,
-        "after": stance.after,
+        # A template that writes no thesis reads its stance after the prompt: the news stance.
+        "after": "prompt" if result.generation.max_new_tokens == 0 else stance.after,
     }
     if result.calibration is not None:
         out["calibration"] = result.calibration
+    if stance.news is not None:
+        out["news"] = {"cue": stance.news.cue, "before": stance.news.before}
+        out["store"] = stance.store
     if stance.mode == "domain":
         out["calibration_contexts"] = list(contexts)
         if not contexts:  # a night without news has no domain words: fall back to no calibration

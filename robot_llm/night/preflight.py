@@ -396,7 +396,7 @@ def preflight(config: AppConfig, *, deep: bool = False, facts: NightFacts | None
             # First: how the latest night stands (stuck, failed, empty...), before what the next one needs.
             checks.insert(0, _guarded("queue", lambda: _queue(engine)))
         checks.append(_guarded("disk", lambda: _disk(config, engine)))
-        checks.append(_guarded("stance", lambda: _stance(config, engine)))
+        stance = _guarded("stance", lambda: _stance(config, engine))  # listed after the templates it is about
     finally:
         if engine is not None:
             engine.dispose()
@@ -404,6 +404,7 @@ def preflight(config: AppConfig, *, deep: bool = False, facts: NightFacts | None
     checks.append(_guarded("vocab", lambda: _vocab(config, facts)))
     checks.append(_guarded("memory", lambda: _memory(config, facts)))
     checks.append(_guarded("templates", lambda: _templates(config, facts)))
+    checks.append(stance)
     return checks
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,12 +64,43 @@ class StanceSpec:
     mode: str = "none"
     contexts: tuple[str, ...] = ()
     after: str = "thesis"  # "prompt": the cue follows the prompt (the news), not the thesis
+    anchor: str | None = None  # with after "prompt": the prompt is cut before the last occurrence of this
+    news: StanceSpec | None = None  # the news stance asked beside this one (read in the next step)
+    store: str = "thesis"  # which of the two is the stored ``stance``
 
     def followup(self) -> Followup:
         """The labels as continuations to score after the thesis (or the prompt) and the cue."""
         from robot_llm.llm.scoring import Followup
 
-        return Followup(self.cue, tuple(name for name, _ in self.labels), after_prompt=self.after == "prompt")
+        return Followup(
+            self.cue,
+            tuple(name for name, _ in self.labels),
+            after_prompt=self.after == "prompt",
+            anchor=self.anchor,
+            then=self.news.followup() if self.news is not None else None,
+        )
+
+    def news_spec(self, news: dict[str, Any]) -> StanceSpec:
+        """The news stance asked beside this one: the prompt cut before ``news['before']``, then ``news['cue']``.
+
+        Calibrated the same way; its content-free and domain contexts are this spec's, cut the same way.
+        """
+        before, cue = str(news["before"]), str(news["cue"])
+
+        def cut(context: str) -> str:
+            at = context.rfind(before)
+            return (context[:at] if at >= 0 else context[: -len(self.cue)]) + cue
+
+        return StanceSpec(
+            cue=cue,
+            labels=self.labels,
+            method=self.method,
+            calibration=cut(self.calibration) if self.calibration is not None else None,
+            mode=self.mode,
+            contexts=tuple(cut(c) for c in self.contexts),
+            after="prompt",
+            anchor=before,
+        )
 
     def prior_contexts(self) -> tuple[str, ...]:
         """The contexts whose label scores make the prior (none for ``batch`` and ``none``)."""
@@ -125,7 +156,7 @@ def parse_stance_spec(raw: object) -> StanceSpec | None:
     after = raw.get("after", "thesis")
     if after not in ("thesis", "prompt"):
         raise ValueError(f"params.stance.after: expected 'thesis' or 'prompt', got {after!r}")
-    return StanceSpec(
+    spec = StanceSpec(
         cue=raw["cue"],
         labels=labels,
         method=method,
@@ -134,6 +165,15 @@ def parse_stance_spec(raw: object) -> StanceSpec | None:
         contexts=tuple(contexts),
         after=after,
     )
+    news = raw.get("news")
+    if news is None:
+        return spec
+    if not isinstance(news, dict) or not isinstance(news.get("cue"), str) or not isinstance(news.get("before"), str):
+        raise ValueError(f"params.stance.news: expected {{'cue': str, 'before': str}}, got {news!r}")
+    store = raw.get("store", "thesis")
+    if store not in ("thesis", "news"):
+        raise ValueError(f"params.stance.store: expected 'thesis' or 'news', got {store!r}")
+    return replace(spec, news=spec.news_spec(news), store=store)
 
 
 def label_measure(pieces: Sequence[float], method: str) -> float:
@@ -248,7 +288,7 @@ class Calibration:
         for i, item in enumerate(scored):
             if item is not None:
                 spec, pieces = item
-                key = (spec.cue, spec.method, spec.labels)
+                key = (spec.cue, spec.method, spec.labels, spec.after)
                 self.seen.setdefault(key, []).append([label_measure(p, spec.method) for p in pieces])
                 if names is not None:
                     self.names.setdefault(key, (names[i], spec))
@@ -259,26 +299,33 @@ class Calibration:
                 continue
             spec, pieces = item
             if spec.mode == "batch":
-                prior: list[float] | None = _mean_log_prior(self.seen[(spec.cue, spec.method, spec.labels)])
+                prior: list[float] | None = _mean_log_prior(self.seen[(spec.cue, spec.method, spec.labels, spec.after)])
             else:
                 prior = self.prior(model, spec)
             out.append(stance_from_pieces(spec, pieces, prior))
         return out
 
 
-def label_pieces(model: BatchModel, prompt: str, completion: Completion, spec: StanceSpec) -> list[list[float]]:
-    """The label pieces' log-probabilities after ``completion``'s thesis and the cue.
+def label_pieces(
+    model: BatchModel, prompt: str, completion: Completion, spec: StanceSpec, *, news: bool = False
+) -> list[list[float]]:
+    """The label pieces' log-probabilities after ``completion``'s thesis and the cue (``news``: the news stance's).
 
     Uses those generation read from the row's cache; a thesis that filled the window (no room
     for the cue) is judged alone, re-scored without the prompt.
     """
     labels = [name for name, _ in spec.labels]
     followup = spec.followup()
+    pieces = completion.followup_logprobs
+    if news:
+        assert followup.then is not None
+        followup, pieces = followup.then, completion.then_logprobs
     context = followup.context(prompt, completion.text)
     longest = max(len(model.tokenizer.encode_pieces_ids(label)) for label in labels)
-    pieces = completion.followup_logprobs
     if pieces is None or len(model.tokenizer.encode(context)) + longest > model.max_positions:
-        return [list(p) for p in model.score_pieces(followup.context("", completion.text), labels)]
+        # A stance after the prompt fits whenever the prompt did; a thesis too long is judged alone.
+        alone = context if followup.after_prompt else followup.context("", completion.text)
+        return [list(p) for p in model.score_pieces(alone, labels)]
     return [list(p) for p in pieces]
 
 

@@ -185,12 +185,15 @@ def _run_batch(
                 followups=[spec.followup() if spec is not None else None for _, _, spec in group],
             )
             on_progress()
-            scored = []
+            scored, news_scored = [], []
             for (req, _, spec), c in zip(group, completions, strict=True):
                 scored.append((spec, label_pieces(model, req.prompt, c, spec)) if spec is not None else None)
+                news = spec.news if spec is not None else None
+                news_scored.append((news, label_pieces(model, req.prompt, c, spec, news=True)) if news else None)
                 on_progress()
             names = [req.template_name for req, _, _ in group]
             stances: list[StanceResult | None] = calibration.stances(model, scored, names)
+            news_stances = calibration.stances(model, news_scored, [f"{n}:news" for n in names])
         except ModelFault:  # damaged weights or NaN: every batch would fail the same way
             raise
         except Exception as exc:  # the model's failure is this batch's, not the run's
@@ -201,8 +204,11 @@ def _run_batch(
                 errors[group[0][0].id] = f"{type(exc).__name__}: {exc}"
             continue
         seconds = time.monotonic() - started
-        for (req, params, spec), c, st in zip(group, completions, stances, strict=True):
-            read_after = spec.after if spec is not None else None
+        for (req, params, spec), c, thesis_st, news_st in zip(group, completions, stances, news_stances, strict=True):
+            # The thesis's stance and the news stance (after the prompt, or asked beside it); the template stores one.
+            if spec is not None and spec.after == "prompt":
+                thesis_st, news_st = None, thesis_st
+            st = news_st if spec is not None and spec.store == "news" else (thesis_st or news_st)
             new_tokens += c.new_token_count
             row = {
                 "request_id": req.id,
@@ -215,9 +221,8 @@ def _run_batch(
                 "score": st.score if st else None,
                 "label_logprobs": st.label_logprobs if st else {},
                 "stance_probs": st.probs if st else {},
-                # Which stance the stored one is: read after the thesis, or after the prompt (the news).
-                "thesis_stance": st.stance if st and read_after == "thesis" else None,
-                "news_stance": st.stance if st and read_after == "prompt" else None,
+                "thesis_stance": thesis_st.stance if thesis_st else None,
+                "news_stance": news_st.stance if news_st else None,
                 "model_id": model.model_id,
                 "params": req.params,
                 "seed": params.seed,

@@ -46,7 +46,14 @@ def content_free_context(template: Template, as_of: datetime, tz: ZoneInfo) -> s
         news=(),
         signals=(),
     )
-    return render_prompt(template, context) + " " + CONTENT_FREE + template.stance.cue
+    thesis = "" if _reads_prompt(template) else " " + CONTENT_FREE
+    return render_prompt(template, context) + thesis + template.stance.cue
+
+
+def _reads_prompt(template: Template) -> bool:
+    """Whether the stance cue follows the prompt itself (no thesis is read): ``after: prompt`` or no thesis."""
+    assert template.stance is not None
+    return template.stance.after == "prompt" or template.generation.max_new_tokens == 0
 
 
 def domain_contexts(
@@ -79,7 +86,8 @@ def domain_contexts(
             news=(item,),
             signals=(),
         )
-        out.append(render_prompt(template, context) + " " + thesis + template.stance.cue)
+        read = "" if _reads_prompt(template) else " " + thesis
+        out.append(render_prompt(template, context) + read + template.stance.cue)
     return out
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "CalibrationMode",
     "GenerationOverrides",
     "NewsOptions",
+    "NewsStanceOptions",
     "SignalOptions",
     "StanceMethod",
     "StanceOptions",
@@ -80,6 +81,18 @@ StanceMethod = Literal["sum", "mean", "first"]
 CalibrationMode = Literal["none", "content-free", "domain", "batch"]
 
 
+class NewsStanceOptions(_Section):
+    """A second stance question, read after the news (no thesis) from the same row's cache.
+
+    The prompt is cut before the last occurrence of ``before`` (the line after the news,
+    e.g. ``"\nRobot forecast:"``), then ``cue`` and the same labels are scored: the stance of
+    the news the prompt shows, in the step after the thesis's own stance (no pass of its own).
+    """
+
+    cue: str = Field(min_length=1)
+    before: str = Field(min_length=1)
+
+
 class StanceOptions(_Section):
     """The cue appended after a thesis, the label continuations scored after it, and how they compare.
 
@@ -95,7 +108,9 @@ class StanceOptions(_Section):
     mean label probability of the night's rows; Zhou et al., ICLR 2024). ``after``: the cue
     follows the generated thesis (``thesis``, the thesis's stance) or the prompt itself
     (``prompt``: the stance of the news it shows, read from the same cache; the thesis is still
-    written and stored).
+    written and stored). ``news`` asks the news stance as well, beside the thesis's; ``store``
+    says which of the two is the row's ``stance`` (the other is kept in ``thesis_stance`` /
+    ``news_stance``).
     """
 
     cue: str = Field(min_length=1)
@@ -105,6 +120,14 @@ class StanceOptions(_Section):
     calibration: CalibrationMode | None = None
     domain_samples: int = Field(default=8, ge=1, le=64)
     after: Literal["thesis", "prompt"] = "thesis"
+    news: NewsStanceOptions | None = None
+    store: Literal["thesis", "news"] = "thesis"
+
+    @model_validator(mode="after")
+    def _stored_exists(self) -> StanceOptions:
+        if self.store == "news" and self.news is None:
+            raise ValueError("stance.store: 'news' needs stance.news (the cue and where the news ends)")
+        return self
 
     @model_validator(mode="after")
     def _one_calibration(self) -> StanceOptions:

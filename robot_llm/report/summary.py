@@ -91,6 +91,15 @@ class Report:
     # The track record as the morning after this night knew it (robot_llm.report.track_record).
     track_record: tuple[str, ...] = ()
 
+    def stance_flags(self) -> dict[str, int]:
+        """Theses the day's generate runs flagged, by flag (their counts' ``flags``; see robot_llm.thesis.rows)."""
+        total: dict[str, int] = {}
+        for r in self.runs:
+            if r.kind == "generate":
+                for flag, n in (r.counts.get("flags") or {}).items():
+                    total[flag] = total.get(flag, 0) + int(n)
+        return total
+
     @property
     def tokens_per_s(self) -> float | None:
         """Generated tokens per second of batch time over the day's generate runs."""
@@ -258,6 +267,9 @@ def format_report(report: Report, config: AppConfig) -> str:
             f"generation: {report.new_tokens} tokens in {format_duration(report.batch_seconds)} "
             f"({report.tokens_per_s:.1f} tokens/s)"
         )
+    flags = report.stance_flags()
+    if flags:  # robot_llm.thesis.rows: rows whose text contradicts their stance or degenerated
+        out.append("theses flagged: " + ", ".join(f"{k} {v}" for k, v in sorted(flags.items())))
     if report.failures:
         out.append(f"failed requests: {len(report.failures)}")
         for f in report.failures:

@@ -115,7 +115,6 @@ class Base(DeclarativeBase):
         dict[str, Any]: JSON(),
         list[int]: JSON(),
         list[str]: JSON(),
-        list[dict[str, Any]]: JSON(),
     }
 
 
@@ -314,7 +313,6 @@ class Thesis(Base):
     stance_probs: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")  # label -> p
     thesis_stance: Mapped[float | None] = mapped_column(Float)  # the stance read after the thesis
     news_stance: Mapped[float | None] = mapped_column(Float)  # the news items' stances, aggregated
-    news_stances: Mapped[list[dict[str, Any]]] = mapped_column(default=list, server_default="[]")  # per item
 
 
 #: ``Thesis.kind``: a generated thesis, a stance asked without a thesis (``max_new_tokens: 0``),

@@ -38,7 +38,6 @@ _DEFAULTS: dict[str, Any] = {
     "stance_probs": dict,
     "thesis_stance": None,
     "news_stance": None,
-    "news_stances": list,
 }
 
 

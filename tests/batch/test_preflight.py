@@ -36,6 +36,7 @@ def test_a_good_setup_passes_every_check(benv):
         "vocab",
         "memory",
         "templates",
+        "stance",
     ]
     assert _failed(checks) == set()
     assert _by_name(checks)["templates"].ok is True and _by_name(checks)["memory"].ok is True

@@ -131,6 +131,12 @@ def test_flags_on_rows_and_counted_in_the_run(benv, night) -> None:  # type: ign
         for flag in t.flags:
             counted[flag] = counted.get(flag, 0) + 1
     assert run.counts["flags"] == counted
+    from robot_llm.report.summary import build_report, format_report
+
+    report = build_report(config, benv.engine, run.started_at.astimezone(config.tz).date())
+    assert report.stance_flags() == counted
+    if counted:
+        assert "theses flagged: " in format_report(report, config)
     texts = [t.text for t in theses]
     repeats = sum(1 for i, x in enumerate(texts) if x.strip() and x in texts[:i])
     assert counted.get(FLAG_REPEATED, 0) >= repeats  # every later copy of a sentence is flagged
@@ -181,7 +187,7 @@ def test_batch_calibration_divides_out_the_nights_mean_so_far() -> None:
     # A later batch sees the mean of every row so far, never one after it.
     later = calibration.stances(None, [(spec, [[-2.0], [-0.2], [-4.0]])])[0]  # type: ignore[arg-type]
     assert later is not None and later.probs != got[0].probs  # type: ignore[union-attr]
-    assert len(calibration.seen[(" so", "sum", LABELS)]) == 3
+    assert len(calibration.seen[(" so", "sum", LABELS, "thesis")]) == 3
 
 
 def test_calibration_modes_in_requests_and_templates(tmp_path: Path) -> None:
@@ -274,3 +280,56 @@ def test_doctor_reads_the_last_nights_priors(benv, night) -> None:  # type: igno
     assert check.ok is True
     measured = benv.runs()[-1].counts["label_priors"]["tiny"]["rows"]
     assert check.warning == any(v < -5 for v in measured.values())
+
+
+def test_the_news_stance_is_read_beside_the_thesis_and_stored_when_asked(benv, night) -> None:  # type: ignore[no-untyped-def]
+    from batch_helpers import TINY, VOCAB
+
+    from robot_llm.llm.engine.memory import Yalm
+    from robot_llm.llm.families.config import YalmConfig
+    from robot_llm.llm.scoring import score_pieces
+    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.night.stance import stance_from_pieces
+
+    news = '  news:\n    cue: " so"\n    before: ":"\n  store: news\n'
+    (benv.prompts_dir / "tiny.j2").write_text(
+        TINY_TEMPLATE.replace('    " flat": 0\n', '    " flat": 0\n' + news), encoding="utf-8"
+    )
+    config = benv.config()
+    for i in range(3):
+        _news(benv, night, f"T00{i}", f"Company {i} raises its dividend", f"k{i}")
+    plan_night(config, benv.engine, night)
+    assert run_queue(config, benv.engine, as_of=night, progress=False, preflight=False).done == 3
+    model = Yalm.from_release(str(TINY / "weights"), YalmConfig.from_json(TINY / "config.json"))
+    tokenizer = YalmTokenizer(VOCAB)
+    requests = {r.id: r for r in benv.requests()}
+    names = [name for name, _ in LABELS]
+    for t in benv.theses():
+        prompt = requests[t.request_id].prompt
+        assert t.news_stance is not None and t.thesis_stance is not None
+        assert t.stance == t.news_stance  # the template stores the news stance
+        pieces = score_pieces(model, tokenizer, prompt[: prompt.rfind(":")] + " so", names)
+        want = stance_from_pieces(StanceSpec(" so", LABELS, "sum"), pieces)  # uncalibrated: mode none
+        assert t.news_stance == pytest.approx(want.stance, abs=1e-3) and t.stance_label == want.label
+        thesis = stance_from_pieces(
+            StanceSpec(" so", LABELS, "sum"), score_pieces(model, tokenizer, prompt + t.text + " so", names)
+        )
+        assert t.thesis_stance == pytest.approx(thesis.stance, abs=1e-3)
+
+
+def test_batch_plan_as_of_now_says_how_many_prompts_have_no_news(benv) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    config = benv.write_config(prompts={"abstain_without_inputs": True})
+    out = subprocess.run(
+        [sys.executable, "-m", "robot_llm.commands.main", "batch", "plan", "-c", str(config), "--as-of", "now"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "3 new request(s)" in out.stdout
+    assert "3 prompt(s) have no news, 3 of them no signals either" in out.stdout
+    assert "no news for tiny: no news has been fetched at all" in out.stdout

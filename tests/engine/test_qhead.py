@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from robot_llm.llm.engine import StreamingModel
+from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families.config import module_plan
 from robot_llm.llm.families.config_hf import Gemma3Config
 from robot_llm.llm.families.family import embedding, grouped_attention, linear, random_weights

@@ -79,15 +79,21 @@ def _check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str], fo
     plain = Counting(model, [])
     without = generate(plain, tokenizer, prompts, params, batch_size=len(prompts))  # type: ignore[arg-type]
     assert all(cached for _, _, cached in counted.calls), "a followup was re-prefilled instead of read from the cache"
-    assert len(counted.calls) <= len(plain.calls) + 1
+    # One step more for the rows still scoring after the last token; two when that row has a second followup.
+    assert len(counted.calls) <= len(plain.calls) + 1 + any(f.then is not None for f in followups)
     for prompt, p, f, c, w in zip(prompts, params, followups, got, without, strict=True):
-        assert replace(c, followup_logprobs=None) == w
+        assert replace(c, followup_logprobs=None, then_logprobs=None) == w
         assert w == generate(model, tokenizer, [prompt], p)[0]
         assert c.followup_logprobs is not None
         want = score_pieces(model, tokenizer, f.context(prompt, c.text), f.continuations)
         assert [len(x) for x in c.followup_logprobs] == [len(x) for x in want]
         for mine, ref in zip(c.followup_logprobs, want, strict=True):
             assert mine == pytest.approx(ref, abs=1e-4)
+        if f.then is not None:  # the second followup, read from the same cache in the next step
+            assert c.then_logprobs is not None
+            want = score_pieces(model, tokenizer, f.then.context(prompt, c.text), f.then.continuations)
+            for mine, ref in zip(c.then_logprobs, want, strict=True):
+                assert mine == pytest.approx(ref, abs=1e-4)
 
 
 def test_followups_from_the_cache_on_the_tiny_fixture(
@@ -102,6 +108,15 @@ def test_followups_after_the_prompt_read_the_cache_rewound_past_the_thesis(
     # The news stance: the cue follows the prompt, not the thesis the row went on to write.
     ru, en = replace(RU, after_prompt=True), replace(EN, after_prompt=True)
     _check(tiny_model, tokenizer, [*prompts, prompts[0][:11]], [ru, EN, en, RU, ru])
+
+
+def test_a_second_followup_reads_the_news_from_the_same_cache(
+    tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str]
+) -> None:
+    # The thesis's stance, then the news stance: the prompt cut before its open slot, another cue.
+    news = Followup(" итог", RU.continuations, after_prompt=True, anchor=" ")
+    both = [replace(RU, then=news), EN, replace(EN, then=replace(news, continuations=EN.continuations))]
+    _check(tiny_model, tokenizer, [*prompts[:3]], both)
 
 
 def test_followups_from_the_cache_on_the_demo_store(demo: tuple[StreamingModel, YalmTokenizer]) -> None:
@@ -254,6 +269,11 @@ def _refill_check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[s
         assert c.followup_logprobs is not None
         for mine, ref in zip(c.followup_logprobs, want, strict=True):
             assert mine == pytest.approx(ref, abs=1e-4)
+        if f.then is not None:  # the second followup, read from the same cache in the next step
+            assert c.then_logprobs is not None
+            want = score_pieces(model, tokenizer, f.then.context(prompt, c.text), f.then.continuations)
+            for mine, ref in zip(c.then_logprobs, want, strict=True):
+                assert mine == pytest.approx(ref, abs=1e-4)
 
 
 def test_refill_on_the_tiny_fixture(tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str]) -> None:
