@@ -84,7 +84,8 @@ def _aligned_int8(rows: int, cols: int) -> Tensor:
 class QuantizedTable:
     """A ``[V, K]`` vocabulary matrix as int8 codes ``q [V, Kp]`` and bf16 scales ``[V]``; ``dtype`` is the
     compute dtype its lookups and logits come out in. Used where a family reads the embedding table or the
-    LM head: :func:`robot_llm.llm.families.family.linear` and :func:`robot_llm.llm.families.family.embedding` dispatch to it."""
+    LM head: :func:`robot_llm.llm.families.family.linear` and
+    :func:`robot_llm.llm.families.family.embedding` dispatch to it."""
 
     q: Tensor
     scale: Tensor
