@@ -284,7 +284,7 @@ def _memory(config: AppConfig, facts: NightFacts) -> Check:
     )
     lines = [rates, *chosen.describe().splitlines()]
     if chosen.device == "cpu" and m.backend == "stream":
-        from robot_llm.llm.store.quant import cpu_compute_path
+        from robot_llm.llm.plan.machine import cpu_compute_path
 
         weight_dtype = weights if isinstance(weights, str) else weights.dtype
         lines.append(cpu_compute_path(weight_dtype, chosen.compute_dtype))

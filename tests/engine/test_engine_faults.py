@@ -19,7 +19,8 @@ import torch
 
 from robot_llm.llm.engine import streaming as engine_module
 from robot_llm.llm.engine.memory import Yalm
-from robot_llm.llm.engine.streaming import READ_ATTEMPTS, LayerReadError, StreamingModel
+from robot_llm.llm.engine.stream_slots import LayerReadError
+from robot_llm.llm.engine.streaming import READ_ATTEMPTS, StreamingModel
 from robot_llm.llm.store.layout import StoreError
 
 

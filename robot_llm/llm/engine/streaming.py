@@ -33,17 +33,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from robot_llm.errors import ModelFault
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache
+from robot_llm.llm.engine.stream_slots import LayerReadError, Slot, StreamStats, resolve_device
 from robot_llm.llm.families.config import embedding_is_head
 from robot_llm.llm.families.family import Params, Resident, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
@@ -83,65 +82,6 @@ READ_BACKOFF_S = 0.05
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-class LayerReadError(StoreError, ModelFault):
-    """A layer file stayed unreadable through every retry: that forward pass fails, the engine stays usable."""
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"`` means CUDA when available, else the CPU."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-@dataclass
-class StreamStats:
-    """Counters of the weight stream, for progress logs and the benchmark.
-
-    ``read_seconds`` is time spent inside reads (background thread);
-    ``wait_seconds`` is time the compute thread sat waiting for a layer that
-    was not there yet, i.e. I/O that compute did not hide.
-    """
-
-    bytes_read: int = 0
-    layers_read: int = 0
-    read_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    read_retries: int = 0
-    forward_seconds: float = 0.0
-    forwards: int = 0
-
-    @property
-    def read_bandwidth(self) -> float:
-        """Bytes per second while reading."""
-        return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
-
-    @property
-    def io_hidden_fraction(self) -> float:
-        """Share of read time overlapped with compute (1 = the stream never stalled compute)."""
-        if not self.read_seconds:
-            return 1.0
-        return max(0.0, 1.0 - self.wait_seconds / self.read_seconds)
-
-
-@dataclass
-class _Slot:
-    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse.
-
-    On the CPU, ``buffers`` are the slot's own compute-dtype tensors and
-    ``params`` the layer's weights ready for compute, set by the reader.
-    """
-
-    host: Tensor | None
-    device: Tensor | None
-    free: torch.cuda.Event | None = None
-    ready: Future[int] | None = field(default=None, repr=False)
-    layer: int = -1
-    offset: int = 0  # where the layer's data section starts in the slot
-    buffers: Params = field(default_factory=dict, repr=False)
-    params: Params | None = field(default=None, repr=False)
 
 
 class StreamingModel:
@@ -251,7 +191,7 @@ class StreamingModel:
         for n, slot in enumerate(self.slots):
             slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers(shared if self.fused else None)
         self._next = 0
-        self._prefetched: _Slot | None = None
+        self._prefetched: Slot | None = None
         self._current = self.slots[0]
         # Two reader threads: the next layer's reads join the disk pool's queue while the last requests of
         # the layer before are still in flight, so the disk never waits at a file's end for the queue to
@@ -284,12 +224,12 @@ class StreamingModel:
 
     # ------------------------------------------------------------------ buffers
 
-    def _new_slot(self, nbytes: int) -> _Slot:
+    def _new_slot(self, nbytes: int) -> Slot:
         host = None
         if self.ram_layers < self.config.num_layers:
             host = aligned_buffer(nbytes, pin_memory=self.cuda)
         device = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if self.cuda else None
-        return _Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
+        return Slot(host=host, device=device, free=torch.cuda.Event() if self.cuda else None)
 
     def _compute_buffers(self, shared: Params | None = None) -> Params:
         """One compute-dtype tensor per key whose stored dtype differs from the compute dtype.
@@ -317,7 +257,7 @@ class StreamingModel:
 
     # ------------------------------------------------------------------ streaming
 
-    def _fill(self, slot: _Slot, layer: int) -> int:
+    def _fill(self, slot: Slot, layer: int) -> int:
         """Bring ``layer`` into ``slot`` (runs on a reader thread when prefetching).
 
         On the CPU the slot ends with the layer's compute-dtype weights in ``slot.params``.
@@ -354,7 +294,7 @@ class StreamingModel:
                 slot.params = self._to_compute(layout, data, slot.buffers, self.ram_kernel_codes[layer])
         return size
 
-    def _read_layer(self, layer: int, slot: _Slot) -> int:
+    def _read_layer(self, layer: int, slot: Slot) -> int:
         """Read a disk-homed layer into ``slot.host``, retrying transient failures with backoff."""
         assert slot.host is not None
         path = self.paths[layer]
@@ -389,7 +329,7 @@ class StreamingModel:
                 time.sleep(delay)
                 delay, attempt = delay * 2, attempt + 1
 
-    def _request(self, layer: int) -> _Slot:
+    def _request(self, layer: int) -> Slot:
         slot = self.slots[self._next % len(self.slots)]
         self._next += 1
         slot.layer = layer
@@ -549,6 +489,6 @@ class StreamingModel:
         self._prefetched = None
 
 
-def _failed(slot: _Slot) -> bool:
+def _failed(slot: Slot) -> bool:
     """The slot's read finished with an error (e.g. layer 0 prefetched at the end of a pass)."""
     return slot.ready is not None and slot.ready.done() and slot.ready.exception() is not None

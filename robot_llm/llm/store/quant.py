@@ -389,31 +389,6 @@ def int4_kernel_codes(codes: Tensor, out: Tensor | None = None) -> Tensor:
     return packed if out is None else out.copy_(packed)
 
 
-def cpu_compute_path(weight_dtype: str, compute_dtype: str, cpuinfo: str | None = None) -> str:
-    """Which matrix path a CPU night runs, in words (``doctor`` prints it): the CPU's features, whether the
-    stored matrices reach the fused kernels or are widened every pass, the int4 layout, the head's dtype."""
-    from robot_llm.llm.plan.machine import cpu_flags
-
-    flags = cpu_flags(cpuinfo)
-    features = ", ".join(f"{name} {'yes' if flag in flags else 'no'}" for name, flag in _FEATURES)
-    if not fused_on_cpu(weight_dtype, compute_dtype):
-        how = f"{weight_dtype} matrices computed in {compute_dtype}"
-        if weight_dtype in ("int4", "int8"):
-            how += ", dequantized into float buffers every pass"
-        return f"CPU ({features}): {how}"
-    cast = ", activations cast to bf16 for them" if compute_dtype == "fp32" else ""
-    rows = "/".join(f"{FUSED_MAX_ROWS[d]}" for d in ("int4", "int8"))
-    how = f"int4/int8 matrices through torch's fused kernels up to {rows} rows{cast}, dense {compute_dtype} past that"
-    if weight_dtype == "int4":
-        layout = "the stored layout" if int4_kernel_reads_stored_layout() else "codes repacked for this CPU once"
-        how += f"; int4 kernel reads {layout}"
-    return f"CPU ({features}): {how}; LM head int8 per row, embedding rows read exactly from the store"
-
-
-#: CPU flags :func:`cpu_compute_path` names.
-_FEATURES = (("AVX2", "avx2"), ("AVX512", "avx512f"), ("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16"))
-
-
 def int4_linear(x: Tensor, w: PackedInt4) -> Tensor:
     """``x @ w.T`` with the fused CPU kernel: ``x`` cast to bf16 (padded to ``Kp``), the output cast back."""
     import torch

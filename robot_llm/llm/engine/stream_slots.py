@@ -1,0 +1,73 @@
+"""What the streaming engine (:mod:`robot_llm.llm.engine.streaming`) stages layers in and counts: a
+staging slot per layer in flight, the stream's counters, the read error that fails one forward pass."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from robot_llm.errors import ModelFault
+from robot_llm.llm.families.family import Params
+from robot_llm.llm.store.layout import StoreError
+
+
+class LayerReadError(StoreError, ModelFault):
+    """A layer file stayed unreadable through every retry: that forward pass fails, the engine stays usable."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` means CUDA when available, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass
+class StreamStats:
+    """Counters of the weight stream, for progress logs and the benchmark.
+
+    ``read_seconds`` is time spent inside reads (background thread);
+    ``wait_seconds`` is time the compute thread sat waiting for a layer that
+    was not there yet, i.e. I/O that compute did not hide.
+    """
+
+    bytes_read: int = 0
+    layers_read: int = 0
+    read_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    read_retries: int = 0
+    forward_seconds: float = 0.0
+    forwards: int = 0
+
+    @property
+    def read_bandwidth(self) -> float:
+        """Bytes per second while reading."""
+        return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
+
+    @property
+    def io_hidden_fraction(self) -> float:
+        """Share of read time overlapped with compute (1 = the stream never stalled compute)."""
+        if not self.read_seconds:
+            return 1.0
+        return max(0.0, 1.0 - self.wait_seconds / self.read_seconds)
+
+
+@dataclass
+class Slot:
+    """One staging slot: host bytes (disk home), device bytes (CUDA) and the event guarding reuse.
+
+    On the CPU, ``buffers`` are the slot's own compute-dtype tensors and
+    ``params`` the layer's weights ready for compute, set by the reader.
+    """
+
+    host: Tensor | None
+    device: Tensor | None
+    free: torch.cuda.Event | None = None
+    ready: Future[int] | None = field(default=None, repr=False)
+    layer: int = -1
+    offset: int = 0  # where the layer's data section starts in the slot
+    buffers: Params = field(default_factory=dict, repr=False)
+    params: Params | None = field(default=None, repr=False)
