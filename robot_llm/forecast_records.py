@@ -73,7 +73,7 @@ class ThesisRecord:
     instrument, so there is no text and no stance). ``flags`` name what the night's checks
     found (``disagrees``: the text states the other direction than the stance; ``example_copy``,
     ``headline_echo``, ``repeated``: degenerate text). ``stance_probs`` are the labels'
-    probabilities behind ``stance``; ``thesis_stance`` is the stance read after the thesis
+    probabilities behind ``stance``; ``text_stance`` is the stance read after the thesis
     and ``news_stance`` the one read from the news items, whichever ``stance`` is not.
     """
 
@@ -97,7 +97,7 @@ class ThesisRecord:
     kind: str = "thesis"
     flags: tuple[str, ...] = ()
     stance_probs: dict[str, float] = field(default_factory=dict)
-    thesis_stance: float | None = None
+    text_stance: float | None = None
     news_stance: float | None = None
 
     @property
@@ -150,7 +150,7 @@ THESIS_COLUMNS = (
     Thesis.kind,
     Thesis.flags,
     Thesis.stance_probs,
-    Thesis.thesis_stance,
+    Thesis.text_stance,
     Thesis.news_stance,
 )
 

@@ -155,9 +155,9 @@ def test_0004_stance_keeps_stored_theses_and_gives_them_defaults(empty_db_url: s
         migrate.upgrade(empty_db_url)
         with engine.connect() as conn:
             row = conn.execute(
-                text("SELECT kind, flags, stance_probs, thesis_stance, news_stance, stance FROM theses")
+                text("SELECT kind, flags, stance_probs, text_stance, news_stance, stance FROM theses")
             ).one()
-        assert row.kind == "thesis" and row.thesis_stance is None and row.news_stance is None and row.stance == 0.5
+        assert row.kind == "thesis" and row.text_stance is None and row.news_stance is None and row.stance == 0.5
         assert row.flags in ("[]", []) and row.stance_probs in ("{}", {})
         migrate.downgrade(empty_db_url, "0001")
         with engine.connect() as conn:

@@ -25,11 +25,11 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("kind", sa.String(length=16), server_default="thesis", nullable=False))
         batch_op.add_column(sa.Column("flags", sa.JSON(), server_default="[]", nullable=False))
         batch_op.add_column(sa.Column("stance_probs", sa.JSON(), server_default="{}", nullable=False))
-        batch_op.add_column(sa.Column("thesis_stance", sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column("text_stance", sa.Float(), nullable=True))
         batch_op.add_column(sa.Column("news_stance", sa.Float(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("theses", schema=None) as batch_op:
-        for column in ("news_stance", "thesis_stance", "stance_probs", "flags", "kind"):
+        for column in ("news_stance", "text_stance", "stance_probs", "flags", "kind"):
             batch_op.drop_column(column)

@@ -221,7 +221,7 @@ def _run_batch(
                 "score": st.score if st else None,
                 "label_logprobs": st.label_logprobs if st else {},
                 "stance_probs": st.probs if st else {},
-                "thesis_stance": thesis_st.stance if thesis_st else None,
+                "text_stance": thesis_st.stance if thesis_st else None,
                 "news_stance": news_st.stance if news_st else None,
                 "model_id": model.model_id,
                 "params": req.params,

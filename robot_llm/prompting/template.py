@@ -109,7 +109,7 @@ class StanceOptions(_Section):
     follows the generated thesis (``thesis``, the thesis's stance) or the prompt itself
     (``prompt``: the stance of the news it shows, read from the same cache; the thesis is still
     written and stored). ``news`` asks the news stance as well, beside the thesis's; ``store``
-    says which of the two is the row's ``stance`` (the other is kept in ``thesis_stance`` /
+    says which of the two is the row's ``stance`` (the other is kept in ``text_stance`` /
     ``news_stance``).
     """
 

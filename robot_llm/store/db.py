@@ -311,7 +311,7 @@ class Thesis(Base):
     kind: Mapped[str] = mapped_column(String(16), default="thesis", server_default="thesis")  # see THESIS_KINDS
     flags: Mapped[list[str]] = mapped_column(default=list, server_default="[]")  # robot_llm.thesis.checks
     stance_probs: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")  # label -> p
-    thesis_stance: Mapped[float | None] = mapped_column(Float)  # the stance read after the thesis
+    text_stance: Mapped[float | None] = mapped_column(Float)  # the stance read after the thesis
     news_stance: Mapped[float | None] = mapped_column(Float)  # the news items' stances, aggregated
 
 

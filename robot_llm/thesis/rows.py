@@ -36,7 +36,7 @@ _DEFAULTS: dict[str, Any] = {
     "kind": None,
     "flags": list,
     "stance_probs": dict,
-    "thesis_stance": None,
+    "text_stance": None,
     "news_stance": None,
 }
 

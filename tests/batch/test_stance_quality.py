@@ -73,7 +73,7 @@ def test_no_inputs_is_an_explicit_abstention_without_generation(benv, night) -> 
         assert theses[ticker].kind == "thesis" and theses[ticker].stance is not None
         assert set(theses[ticker].stance_probs) == {"up", "down", "flat"}
         assert math.isclose(sum(theses[ticker].stance_probs.values()), 1.0, rel_tol=1e-9)
-        assert theses[ticker].thesis_stance == theses[ticker].stance
+        assert theses[ticker].text_stance == theses[ticker].stance
 
     forecasts = Forecasts.open(benv.db_url)
     try:
@@ -306,7 +306,7 @@ def test_the_news_stance_is_read_beside_the_thesis_and_stored_when_asked(benv, n
     names = [name for name, _ in LABELS]
     for t in benv.theses():
         prompt = requests[t.request_id].prompt
-        assert t.news_stance is not None and t.thesis_stance is not None
+        assert t.news_stance is not None and t.text_stance is not None
         assert t.stance == t.news_stance  # the template stores the news stance
         pieces = score_pieces(model, tokenizer, prompt[: prompt.rfind(":")] + " so", names)
         want = stance_from_pieces(StanceSpec(" so", LABELS, "sum"), pieces)  # uncalibrated: mode none
@@ -314,7 +314,7 @@ def test_the_news_stance_is_read_beside_the_thesis_and_stored_when_asked(benv, n
         thesis = stance_from_pieces(
             StanceSpec(" so", LABELS, "sum"), score_pieces(model, tokenizer, prompt + t.text + " so", names)
         )
-        assert t.thesis_stance == pytest.approx(thesis.stance, abs=1e-3)
+        assert t.text_stance == pytest.approx(thesis.stance, abs=1e-3)
 
 
 def test_batch_plan_as_of_now_says_how_many_prompts_have_no_news(benv) -> None:  # type: ignore[no-untyped-def]
