@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -17,7 +18,7 @@ def _check(args: argparse.Namespace) -> int:
     config = load_app_config(args)
     reason = backend_refusal(config)
     if reason is not None:
-        raise ConfigError(f"{config.source}: {reason}")
+        raise ConfigError(_at_backend_line(config.source, reason.removeprefix("model.backend: ")))
     data = effective_config(config)
     if args.json:
         print(json.dumps(data, ensure_ascii=False, indent=2))
@@ -25,6 +26,19 @@ def _check(args: argparse.Namespace) -> int:
         print(f"# {config.source}: OK")
         print(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), end="")
     return 0
+
+
+def _at_backend_line(source: Any, reason: str) -> str:
+    """``FILE:LINE: model.backend: reason``, the line where the file sets the backend (the file's name alone
+    for a config that did not come from a file)."""
+    from robot_llm.config_parsing import Yaml12SafeLoader, format_path, line_index, located
+
+    path = ("model", "backend")
+    try:
+        node = yaml.compose(Path(source).read_text(encoding="utf-8"), Loader=Yaml12SafeLoader)
+    except (OSError, TypeError, yaml.YAMLError):
+        return f"{source}: {format_path(path)}: {reason}"
+    return located(str(source), dict(line_index(node)) if node is not None else {}, path, reason)
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

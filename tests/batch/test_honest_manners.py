@@ -312,9 +312,10 @@ def test_migration_0002_keeps_every_row_and_numbers_it_redo_0(empty_db_url):
 
 
 @SQLITE
-def test_a_stop_that_comes_with_the_last_batch_leaves_the_night_complete_not_aborted(benv, night):
+def test_a_stop_that_comes_with_the_last_batch_leaves_the_night_complete_not_aborted(benv, night, monkeypatch):
     import threading
 
+    from robot_llm.night import worker
     from robot_llm.night.model import open_configured_model
     from robot_llm.night.worker import run_queue
 
@@ -330,8 +331,9 @@ def test_a_stop_that_comes_with_the_last_batch_leaves_the_night_complete_not_abo
         return out
 
     model.generate = generate_then_ctrl_c  # type: ignore[method-assign]
+    monkeypatch.setattr(worker, "open_configured_model", lambda *_args, **_kwargs: model)
     try:
-        summary = run_queue(config, benv.engine, stop=stop, model=model, progress=False, preflight=False)
+        summary = run_queue(config, benv.engine, stop=stop, progress=False, preflight=False)
     finally:
         model.close()
     assert stop.is_set() and summary.done == 3

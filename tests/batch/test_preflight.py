@@ -31,12 +31,11 @@ def test_a_good_setup_passes_every_check(benv):
         "database",
         "schema",
         "disk",
-        "stance",  # the label priors the last night measured (none yet here)
         "weights",
         "vocab",
         "memory",
         "templates",
-        "stance",
+        "stance",  # the label priors the last night measured (none yet here), after the templates
     ]
     assert _failed(checks) == set()
     assert _by_name(checks)["templates"].ok is True and _by_name(checks)["memory"].ok is True

@@ -84,7 +84,9 @@ def test_no_inputs_is_an_explicit_abstention_without_generation(benv, night) -> 
         forecasts.close()
 
 
-def test_the_worker_abstains_without_running_the_model(benv, night) -> None:  # type: ignore[no-untyped-def]
+def test_the_worker_abstains_without_running_the_model(benv, night, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from robot_llm.night import worker
+
     config = benv.config(prompts={"abstain_without_inputs": True})
     plan_night(config, benv.engine, night)
 
@@ -94,7 +96,11 @@ def test_the_worker_abstains_without_running_the_model(benv, night) -> None:  # 
         def generate(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             raise AssertionError("a prompt without inputs must not be generated")
 
-    summary = run_queue(config, benv.engine, as_of=night, progress=False, preflight=False, model=NoModel())  # type: ignore[arg-type]
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(worker, "open_configured_model", lambda *_args, **_kwargs: NoModel())
+    summary = run_queue(config, benv.engine, as_of=night, progress=False, preflight=False)
     assert (summary.done, summary.failed, summary.new_tokens) == (3, 0, 0)
     assert {t.kind for t in benv.theses()} == {"no_inputs"}
 

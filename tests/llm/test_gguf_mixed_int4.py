@@ -26,6 +26,7 @@ from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.plan.machine import Machine
 from robot_llm.llm.plan.planner import Work, plan
 from robot_llm.llm.plan.sizes import layer_bytes
+from robot_llm.llm.store.checksum import manifest_digest
 from robot_llm.llm.store.importers import GGUF_INT4_MAX_BITS, gguf_bits_per_weight, import_model
 from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
 from robot_llm.llm.store.quant import dequantize_int4_into, dequantize_int8_into, int4_bytes, int8_bytes
@@ -187,6 +188,11 @@ def test_logits_match_the_dequantised_model(converted: dict[str, Path], dtype: s
     assert squeezed > 3 * mixed, (squeezed, mixed)
 
 
+def _sealed(data: dict) -> dict:
+    """A hand-edited manifest with its self-digest recomputed, as a converter would have written it."""
+    return data | {"manifest_xxh3": manifest_digest(data)}
+
+
 def test_manifest_round_trips_and_an_all_int4_one_is_the_old_format(converted: dict[str, Path]) -> None:
     manifest = read_manifest(converted["int4"])
     data = json.loads((converted["int4"] / MANIFEST).read_text())
@@ -198,11 +204,11 @@ def test_manifest_round_trips_and_an_all_int4_one_is_the_old_format(converted: d
     assert Manifest.from_json(old).int8_tensors == {}
     # A list naming a tensor the store does not quantize (or a store that is not int4) is refused.
     with pytest.raises(StoreError, match="not quantized layer matrices"):
-        Manifest.from_json(data | {"int8_tensors": {"layer_000.safetensors": ["input_layernorm.weight"]}})
+        Manifest.from_json(_sealed(data | {"int8_tensors": {"layer_000.safetensors": ["input_layernorm.weight"]}}))
     with pytest.raises(StoreError, match="not a file of this model"):
-        Manifest.from_json(data | {"int8_tensors": {"layer_009.safetensors": ["mlp.up_proj.weight"]}})
+        Manifest.from_json(_sealed(data | {"int8_tensors": {"layer_009.safetensors": ["mlp.up_proj.weight"]}}))
     with pytest.raises(StoreError, match="only an int4 store"):
-        Manifest.from_json(old | {"dtype": "int8", "int8_tensors": data["int8_tensors"]})
+        Manifest.from_json(_sealed(old | {"dtype": "int8", "int8_tensors": data["int8_tensors"]}))
 
 
 def test_a_manifest_that_lists_the_wrong_matrices_fails_verify(converted: dict[str, Path], tmp_path: Path) -> None:
@@ -212,7 +218,7 @@ def test_a_manifest_that_lists_the_wrong_matrices_fails_verify(converted: dict[s
         (store / f.name).write_bytes((converted["int4"] / f.name).read_bytes())
     data = json.loads((converted["int4"] / MANIFEST).read_text())
     data["int8_tensors"]["layer_001.safetensors"] = ["mlp.down_proj.weight"]  # stored int4, listed int8
-    (store / MANIFEST).write_text(json.dumps(data))
+    (store / MANIFEST).write_text(json.dumps(_sealed(data)))
     assert verify(store) == [
         f"layer_001.safetensors: tensors {sorted(Store(store).layout('layer', 1).tensors)} "
         "do not match the model config"

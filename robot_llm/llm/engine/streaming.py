@@ -237,12 +237,16 @@ class StreamingModel:
         With ``shared``, the quantized matrices' buffers are taken from it (the fused CPU path).
         """
         buffers: Params = {}
+        # Streamed int4 matrices the reader dequantizes (see ``repack``) need a buffer per slot: the reader
+        # fills the next layer's while the compute thread still uses this one's. A mixed store may hold one
+        # key int4 in a layer and int8 in another, so the choice is made per key over every layer.
+        streamed = self.repack and self.ram_layers < self.config.num_layers
+        by_reader = {k for layout in self.layouts for k, slot in layout.tensors.items() if slot.dtype == torch.uint8}
         for layout in self.layouts:
             for key, slot in layout.tensors.items():
                 if key.endswith(SCALE_SUFFIX) or slot.dtype == self.dtype or key in buffers:
                     continue
-                # Streamed int4 matrices the reader dequantizes (see ``repack``) need a buffer per slot.
-                own = slot.dtype == torch.uint8 and self.repack and self.ram_layers < self.config.num_layers
+                own = streamed and key in by_reader
                 if shared is not None and slot.dtype in (torch.int8, torch.uint8) and not own:
                     buffers[key] = shared[key]
                 else:
