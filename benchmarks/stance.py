@@ -420,6 +420,8 @@ def recalibrated(
         return {}
     if any(set(t.get("label_logprobs") or {}) != set(names) for t in stored):
         return {}
+    if any(t.get("stance_source") == "head" for t in stored):  # a head's probabilities are not label words'
+        return {}
     rows = [[float(t["label_logprobs"][n]) for n in names] for t in stored]
 
     def log_mean(dists: Sequence[Sequence[float]]) -> list[float]:
@@ -444,8 +446,12 @@ def recalibrated(
     return {f"re-read, calibration {mode}": [stance(r, q) for r in rows] for mode, q in priors.items()}
 
 
-def agreement(stored: Sequence[dict[str, Any]], lang: str) -> tuple[int, int]:
-    """(rows whose thesis states a direction that the stored stance's sign matches, rows that state one)."""
+def agreement(stored: Sequence[dict[str, Any]], lang: str, *, own: bool = False) -> tuple[int, int]:
+    """(rows whose thesis states a direction that the stored stance's sign matches, rows that state one).
+
+    ``own``: only the words the model wrote, before a verdict phrase the night closed the thesis
+    with (``stance.verdicts``: the text before its last ``"; "``).
+    """
     try:
         from robot_llm.thesis.checks import thesis_direction
     except ImportError:  # a robot-llm from before the checks existed
@@ -453,7 +459,8 @@ def agreement(stored: Sequence[dict[str, Any]], lang: str) -> tuple[int, int]:
 
     agree = stated = 0
     for t in stored:
-        direction = thesis_direction(t.get("text") or "", lang)
+        text = t.get("text") or ""
+        direction = thesis_direction(text.rpartition("; ")[0] if own and "; " in text else text, lang)
         if direction is None or t.get("stance") is None:
             continue
         stated += 1
@@ -522,9 +529,11 @@ def main() -> None:
                     lex = lexicon_scores([r.text for r in mine])
                     if lex is not None:
                         columns.append(score_column("Loughran–McDonald lexicon (pos−neg)", lex, labels))
+                source = Counter(str(t.get("stance_source")) for t in stored).most_common(1)[0][0] if stored else "?"
                 for key in ("stance", "text_stance", "news_stance"):
                     if stored and key in stored[0] and all(t.get(key) is not None for t in stored):
-                        columns.append(score_column(f"{template} {key}", [float(t[key]) for t in stored], labels))
+                        name = f"{template} {key}" + (f" ({source})" if key == "stance" else "")
+                        columns.append(score_column(name, [float(t[key]) for t in stored], labels))
                 template_obj = load_template(find_template(load_config(config_path), template))
                 for name, derived in recalibrated(model, template_obj, stored, [r.text for r in mine]).items():
                     columns.append(score_column(f"{template} {name}", derived, labels))
@@ -537,16 +546,23 @@ def main() -> None:
                 texts = [t["text"] for t in stored if t.get("text")]  # a stance-only row has no sentence
                 top, top_n = Counter(texts).most_common(1)[0] if texts else ("", 0)
                 agree, stated = agreement(stored, lang)
+                own_agree, own_stated = agreement(stored, lang, own=True)
                 flagged = sum(1 for t in stored if t.get("flags"))
+                sources = Counter(str(t.get("stance_source")) for t in stored)
                 print(
                     f"night: {seconds:.0f} s for {len(mine)} theses ({seconds / len(mine):.2f} s per thesis); "
                     f"thesis/stance agreement {agree}/{stated} of the theses that state a direction"
                     f" ({(agree / stated if stated else float('nan')):.0%}); rows flagged {flagged}; "
                     f"most repeated thesis ×{top_n} ({top_n / len(mine):.0%}): {top[:70]!r}"
                 )
+                own_share = own_agree / own_stated if own_stated else math.nan
+                print(
+                    f"stored stance from: {dict(sources)}; the model's own words (before a closing verdict "
+                    f"phrase) agree {own_agree}/{own_stated} ({own_share:.0%})"
+                )
                 if counts.get("flags"):
                     print(f"run counts: {counts['flags']}")
-                summary_lines += [(template, c) for c in columns if c.name.endswith(" stance")]
+                summary_lines += [(template, c) for c in columns if c.name.startswith(f"{template} stance")]
         finally:
             if model is not None:
                 model.close()
