@@ -326,13 +326,16 @@ def plan_rows(config_path: Path, rows: Sequence[Row]) -> tuple[Any, Any]:
     return config, engine
 
 
-def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
-    """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts."""
+def run_night(config_path: Path, rows: Sequence[Row]) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
+    """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts.
+
+    The worker opens the model through the night's own door, as ``batch run`` does (its time is counted).
+    """
     from robot_llm.night.worker import run_queue
 
     config, engine = plan_rows(config_path, rows)
     started = time.perf_counter()
-    run_queue(config, engine, as_of=AS_OF, progress=False, preflight=False, model=model)
+    run_queue(config, engine, as_of=AS_OF, progress=False, preflight=False)
     seconds = time.perf_counter() - started
     engine.dispose()
     stored, counts = read_night(config.database.url, len(rows))
@@ -518,7 +521,7 @@ def main() -> None:
                     stored, counts = read_night(f"sqlite:///{args.from_db.resolve()}", len(mine))
                     seconds = float("nan")
                 else:
-                    stored, seconds, counts = run_night(config_path, mine, model)
+                    stored, seconds, counts = run_night(config_path, mine)
                 done = [i for i, t in enumerate(stored) if t]
                 if len(done) < len(mine):  # a night stopped early (--from-db): score the rows it stored
                     print(f"\n{template}: {len(done)} of {len(mine)} rows have a stored thesis; scoring those")

@@ -252,7 +252,7 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         store = args.store.resolve() if args.store else stance.default_store(work)
-        heads, model, sizes = {}, None, {}
+        heads, model = {}, None
         try:
             for name in args.templates.split(","):
                 folder = Path(tempfile.mkdtemp(prefix=f"head-{name}-", dir=work))
@@ -275,7 +275,6 @@ def main() -> None:
                     (work / f"spec-{name}.json").write_text(json.dumps(spec_params(config_path)))
                 values = [value for _, value in spec.labels]
                 w, b, figures = train(states, [values.index(float(r.label)) for r in rows], args.seed)
-                sizes[name] = len(rows)
                 heads[name] = {
                     "version": template.version,
                     "labels": dict(spec.labels),
@@ -308,7 +307,8 @@ def main() -> None:
         + "\n",
         encoding="utf-8",
     )
-    print(f"{out}: heads for {', '.join(f'{n} ({sizes[n]} rows)' for n in heads)}; weights {model_id}")
+    rows = ", ".join(f"{n} ({h['trained']['rows']} rows)" for n, h in heads.items())
+    print(f"{out}: heads for {rows}; weights {model_id}")
 
 
 if __name__ == "__main__":

@@ -451,3 +451,19 @@ def test_the_thesis_is_closed_with_the_stored_stances_verdict(benv, night, tmp_p
     bad.write_text(TINY_TEMPLATE.replace('    " flat": 0\n', '    " flat": 0\n' + two_verdicts), encoding="utf-8")
     with pytest.raises(TemplateError, match=r"stance\.verdicts: one phrase per label"):
         load_template(bad)
+
+
+def test_the_demo_ships_a_stance_head_for_its_templates_as_they_are() -> None:
+    """The packaged head covers ``brief_en``/``brief_ru`` at their current versions and labels (a version bump
+    without retraining would silently drop the head), and belongs to the demo's Gemma weights."""
+    from robot_llm.night.stance_head import HEAD_FILE, load_head
+
+    head = load_head(REPO / "robot_llm" / "demo_data" / HEAD_FILE)
+    assert head.model.startswith("gemma3") and head.model.split("/")[1].startswith("bf16@")
+    for name in ("brief_en", "brief_ru"):
+        template = load_template(REPO / "prompts" / f"{name}.j2")
+        assert template.stance is not None
+        found = head.for_template(template.name, template.version)
+        assert found is not None, f"{name} v{template.version} has no head: retrain (benchmarks/stance_head.py)"
+        assert dict(found.labels) == template.stance.labels
+        assert len(found.weights[0]) == 640  # Gemma 3 270M's hidden size
