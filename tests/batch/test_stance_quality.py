@@ -467,3 +467,15 @@ def test_the_demo_ships_a_stance_head_for_its_templates_as_they_are() -> None:
         assert found is not None, f"{name} v{template.version} has no head: retrain (benchmarks/stance_head.py)"
         assert dict(found.labels) == template.stance.labels
         assert len(found.weights[0]) == 640  # Gemma 3 270M's hidden size
+
+
+def test_the_demo_places_its_head_beside_a_converted_store_and_keeps_one_there(tmp_path: Path) -> None:
+    from robot_llm.demo import place_stance_head
+    from robot_llm.night.stance_head import HEAD_FILE
+
+    place_stance_head(tmp_path)
+    packaged = (REPO / "robot_llm" / "demo_data" / HEAD_FILE).read_bytes()
+    assert (tmp_path / HEAD_FILE).read_bytes() == packaged
+    (tmp_path / HEAD_FILE).write_text("{}", encoding="utf-8")  # the user's own head
+    place_stance_head(tmp_path)
+    assert (tmp_path / HEAD_FILE).read_text(encoding="utf-8") == "{}"
