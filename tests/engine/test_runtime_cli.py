@@ -193,3 +193,30 @@ def test_plan_command_on_this_gpu_assumes_its_rates(
     assert "GPU 30 TFLOP/s (assumed; the night measures it, --gpu-tflops states yours)" in out
     assert "host-to-GPU 12.0 GB/s (assumed; the night measures it, --h2d-gbps states yours)" in out
     assert rates.gpu_rates.cache_info().currsize == 0
+
+
+def test_a_given_policy_is_the_engine_and_no_job_changes_it(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    import dataclasses
+
+    from robot_llm.llm.model import Policy
+
+    vocab = tiny_dir / "vocab" / "voc_tiny.sp"
+    policy = Policy(device="cpu", compute_dtype="fp32", weight_home="split", ram_layers=1, threads=1, micro_batch=1)
+    threads = torch.get_num_threads()
+    opened = Model.open(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu"), policy)
+    engine = opened.engine
+    try:
+        assert opened.policy is policy and torch.get_num_threads() == 1
+        assert (engine.home, engine.ram_layers, engine.dtype, engine.micro_batch) == ("disk", 1, torch.float32, 1)
+        before = dict(vars(engine))
+        opened.generate(PROMPTS, SamplingParams(max_new_tokens=2, greedy=True))
+        opened.score("Нефть", [" выросла", " упала"])
+        # Every attribute the engine had is the same object after two jobs (the stats and slots it updates
+        # in place aside): nothing per-job was written into it.
+        changed = {k for k, v in vars(engine).items() if before.get(k) is not v}
+        assert changed <= {"_next", "_prefetched", "_current", "_read_busy_until"}, changed
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            policy.micro_batch = 4  # type: ignore[misc]
+    finally:
+        opened.close()
+        torch.set_num_threads(threads)
