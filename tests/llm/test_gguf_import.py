@@ -145,3 +145,15 @@ def test_missing_tensor_and_garbage_are_named(model: Any, tmp_path: Path, tokeni
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(RobotLLMError, match=r"garbage\.gguf"):
         import_model(garbage, tmp_path / "store2", dtype="fp32", tokenizer=tokenizer_json)
+
+
+def test_each_importer_name_belongs_to_one_family() -> None:
+    # A family's GGUF architectures and Hugging Face model types live on its config class; the registry finds
+    # the one family that claims each (two claiming one name would import it as whichever is listed first).
+    from robot_llm.llm.families.registry import FAMILIES, gguf_config_class, hf_config_class
+
+    for cls, _ in FAMILIES.values():
+        assert all(gguf_config_class(arch) is cls for arch in cls.gguf_architectures), cls.family
+        assert all(hf_config_class(model_type) is cls for model_type in cls.hf_model_types), cls.family
+    assert gguf_config_class("qwen2").family == "llama" and hf_config_class("gemma3_text").family == "gemma3"
+    assert gguf_config_class("phi3") is None and hf_config_class("yalm") is None
