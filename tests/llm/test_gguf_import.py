@@ -17,7 +17,6 @@ import torch
 from reference_deps import require
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.store.importers import import_model
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 
@@ -117,19 +116,19 @@ def tokenizer_json(tmp_path: Path, tiny_tokenizer: Any) -> Path:
     return tmp_path / "tokenizer.json"
 
 
-def test_llama_gguf_imports_faithfully(model: Any, tmp_path: Path, tokenizer_json: Path) -> None:
+def test_llama_gguf_imports_faithfully(model: Any, tmp_path: Path, tokenizer_json: Path, door: Any) -> None:
     path = tmp_path / "tiny-llama.gguf"
     _write_gguf(model, path)
     manifest = import_model(path, tmp_path / "store", dtype="fp32", tokenizer=tokenizer_json)
     assert manifest.config.family == "llama" and manifest.config.num_key_value_heads == KV_HEADS
-    engine = StreamingModel(tmp_path / "store", device="cpu", dtype="fp32")
+    opened = door(tmp_path / "store")
     try:
         ids = torch.randint(3, 160, (1, 21), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             want = model(ids).logits
-        assert (engine.forward(ids) - want).abs().max().item() <= 1e-4
+        assert (opened.engine.forward(ids) - want).abs().max().item() <= 1e-4
     finally:
-        engine.close()
+        opened.close()
     # int4 from a GGUF keeps the source's 32-weight blocks in their own groups; a float source gets 64.
     assert import_model(path, tmp_path / "q", dtype="int4", tokenizer=tokenizer_json).group_size == GGUF_INT4_GROUP
     assert import_model(path, tmp_path / "q64", dtype="int4", group_size=64, tokenizer=tokenizer_json).group_size == 64
