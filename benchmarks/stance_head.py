@@ -139,7 +139,7 @@ def prefix_shared_states(model: object, contexts: list[str], chunk: int = 32) ->
 
     from robot_llm.llm.generate import shared_prefix_length
 
-    engine, tokenizer = model.loaded.model, model.tokenizer
+    engine, tokenizer = model.engine, model.tokenizer
     ids = [tokenizer.encode(c) for c in contexts]
     order = sorted(range(len(ids)), key=lambda i: ids[i])
     states: list[list[float]] = [[] for _ in ids]

@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from robot_llm.clock import aware_utc
 from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, ModelFault, RobotLLMError
-from robot_llm.night.model import BatchModel, night_facts, open_configured_model
+from robot_llm.night.model import night_facts, open_configured_model
 from robot_llm.night.queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
 from robot_llm.night.stance import (
     Calibration,
@@ -47,6 +47,7 @@ from robot_llm.thesis.validity import thesis_problem
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
     from robot_llm.llm.generate import SamplingParams
+    from robot_llm.llm.model import Model
 
 __all__ = [
     "BatchError",
@@ -155,7 +156,7 @@ class _Progress:
 
 
 def _run_batch(
-    model: BatchModel,
+    model: Model,
     batch: list[ClaimedRequest],
     on_progress: Callable[[], None],
     calibration: Calibration,
@@ -323,7 +324,7 @@ def _work(
     config: AppConfig,
     engine: Engine,
     queue: RequestQueue,
-    model: BatchModel,
+    model: Model,
     tally: Tally,
     total: int,
     stop: threading.Event,
