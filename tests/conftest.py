@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.store.db import make_engine
 
