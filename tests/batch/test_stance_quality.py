@@ -292,7 +292,7 @@ def test_the_news_stance_is_read_beside_the_thesis_and_stored_when_asked(benv, n
     from batch_helpers import TINY, VOCAB
 
     from robot_llm.llm.engine.memory import Yalm
-    from robot_llm.llm.families.config import YalmConfig
+    from robot_llm.llm.families.yalm import YalmConfig
     from robot_llm.llm.scoring import score_pieces
     from robot_llm.llm.tokenizer import YalmTokenizer
     from robot_llm.night.stance import stance_from_pieces

@@ -20,8 +20,8 @@ import torch
 from robot_llm.llm.engine.memory import InMemoryModel, Yalm
 from robot_llm.llm.engine.slots import SlotState
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families.config_hf import Gemma3Config
 from robot_llm.llm.families.family import ForwardModel, random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer

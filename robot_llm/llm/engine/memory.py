@@ -7,9 +7,10 @@ from torch import Tensor
 
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache
-from robot_llm.llm.families.config import ModelConfig, YalmConfig
+from robot_llm.llm.families.config import ModelConfig
 from robot_llm.llm.families.family import Weights, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
+from robot_llm.llm.families.yalm import YalmConfig
 
 
 class InMemoryModel:
