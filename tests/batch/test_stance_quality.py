@@ -352,7 +352,7 @@ def test_a_stance_head_beside_the_weights_is_read_from_the_news_stance_pass(benv
     from batch_helpers import TINY, VOCAB
 
     from robot_llm.llm.engine.memory import Yalm
-    from robot_llm.llm.families.config import YalmConfig
+    from robot_llm.llm.families.yalm import YalmConfig
     from robot_llm.llm.tokenizer import YalmTokenizer
     from robot_llm.night.model import open_configured_model
     from robot_llm.night.stance_head import FORMAT, HEAD_FILE, load_head, weights_id
