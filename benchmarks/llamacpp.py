@@ -179,7 +179,7 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
     """The measurement inside the fresh process: warm-up, then prefill ``batch x prompt`` and decode ``new``."""
     import torch
 
-    from robot_llm.llm.engine import StreamingModel
+    from robot_llm.llm.engine.streaming import StreamingModel
     from robot_llm.llm.plan.machine import cpu_has_native_bf16
 
     torch.set_num_threads(threads)
