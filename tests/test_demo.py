@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DemoRun
+from tests.conftest import DemoRun, link_tree
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ def _counts(db: Path) -> dict[str, int]:
         }
 
 
-def test_demo_runs_a_whole_night_and_is_idempotent(demo_run: DemoRun) -> None:
-    workdir, out = demo_run.workdir, demo_run.stdout  # `robot-llm demo` in an empty folder
+def test_demo_runs_a_whole_night_and_is_idempotent(demo_run: DemoRun, tmp_path: Path) -> None:
+    workdir, out = demo_run.workdir, demo_run.stdout  # `robot-llm demo` in an empty folder (shared: read only)
 
     gemma = "Gemma 3 270M" in out
     if gemma:  # the demo package is installed: the real model, named with its terms
@@ -74,8 +74,10 @@ def test_demo_runs_a_whole_night_and_is_idempotent(demo_run: DemoRun) -> None:
     assert first["theses"] == len(tickers) == first["generation_requests"]
     assert first["news_items"] >= 10 and first["signals"] >= 5
 
-    out2 = _demo(workdir)
-    second = _counts(workdir / "demo.sqlite")
+    again = tmp_path / "robot-llm-demo"  # the rerun writes: on a copy of the folder the first run left
+    link_tree(workdir, again)
+    out2 = _demo(again)
+    second = _counts(again / "demo.sqlite")
     assert "0 new requests, 6 already planned" in out2
     for table in ("news_items", "signals", "generation_requests", "theses"):
         assert second[table] == first[table], table

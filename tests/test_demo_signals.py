@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import DemoRun, link_tree
+
 pytestmark = pytest.mark.slow
 
 
@@ -48,8 +50,13 @@ def _counts(db: Path) -> dict[str, int]:
     return {**dict(rows), "theses": theses}
 
 
-def test_interrupted_demo_stops_cleanly_and_a_rerun_completes_the_night(tmp_path: Path) -> None:
+def test_interrupted_demo_stops_cleanly_and_a_rerun_completes_the_night(tmp_path: Path, demo_run: DemoRun) -> None:
     workdir = tmp_path / "demo"
+    # A fresh folder but for the converted weights, linked from the suite's demo run (test_demo checks
+    # the conversion): what is interrupted here is the night.
+    (workdir / "model").mkdir(parents=True)
+    for store in (demo_run.workdir / "model").iterdir():
+        link_tree(store, workdir / "model" / store.name, link=".")
     for signum in (signal.SIGINT, signal.SIGTERM):
         code, out, err = _interrupt_while_generating(workdir, signum)
         name = signal.Signals(signum).name

