@@ -150,7 +150,7 @@ class StreamingModel:
         self.stats = StreamStats()
         self.watch = FiniteWatch()
         # Quantized matrices go to torch's fused CPU kernels as stored, fp32 activations cast to bf16 for them:
-        # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (see quant.fused_on_cpu).
+        # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (quant.FUSED_COMPUTE_DTYPES).
         self.fused = not self.cuda and fused_on_cpu(self.store.manifest.dtype, _DTYPE_NAMES.get(self.dtype, ""))
         self.rope = self.family.rope(cfg)
         # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
