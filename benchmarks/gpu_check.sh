@@ -8,7 +8,7 @@
 # 2. DeepSpeed ZeRO-3 with fp16 on CUDA, offload to cpu and nvme (pinned staging buffers);
 # 3. decode attention where a KV cache in RAM lives (FlexGen's CPU attention) against copying it up,
 #    with the cache in fp16, int8 and int4;
-# 4. a night's path on the GPU: runtime.open_model (GPU rates probed, the plan applied: auto, and a split
+# 4. a night's path on the GPU: Model.open, the door (GPU rates probed, the plan applied: auto, and a split
 #    home with an int8 KV cache) generates and scores like the CPU's fp32 reference;
 # 5. benchmarks/offload.py --quick on this machine: its engine rows pin device=cpu (they do not compute on
 #    the GPU); its DeepSpeed rows run on DeepSpeed's CUDA accelerator.
@@ -42,7 +42,7 @@ model check-fixture "$FIXTURE" --engine stream --device cuda --home disk --dtype
 # torch ops CPU CI checks against that kernel (tests/engine/test_quant.py); its fixture error on random
 # weights is about 1.4 and greedy tokens diverge (tests/engine/test_engine.py).
 "$PY" -c 'import sys; from pathlib import Path; from robot_llm.commands.model import check_fixture
-r = check_fixture(Path(sys.argv[1]), "stream", {"dtype": "int4", "device": "cuda", "home": "disk"}); print(r)
+r = check_fixture(Path(sys.argv[1]), "stream", dtype="int4", device="cuda", home="disk"); print(r)
 assert r["max_abs_diff"] <= 2.5 and r["tokens_match"], r' "$FIXTURE"
 
 step "fixture: DeepSpeed ZeRO-3 on cuda, fp16 and fp32, cpu and nvme offload"
@@ -58,12 +58,14 @@ from pathlib import Path
 
 import torch
 
-from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.model import Model, ModelSettings, Policy
 from robot_llm.llm.store.writer import convert
 
 store = Path(sys.argv[2]) / "tiny-store"
 convert(sys.argv[1], store)
-model = StreamingModel(store, home="disk", device="cuda")
+policy = Policy(device="cuda", compute_dtype="fp16", weight_home="disk", threads=torch.get_num_threads())
+opened = Model.open(ModelSettings(vocab=store, store=store, device="cuda"), policy)
+model = opened.engine
 assert all(s.host.is_pinned() and s.device.is_cuda for s in model.slots)
 pointers = model.buffer_pointers()
 cache = model.new_cache(4, 40)
@@ -71,7 +73,7 @@ model.forward(torch.randint(5, 600, (4, 8)), cache)
 for step in range(20):
     model.forward(torch.full((4, 1), 7 + step), cache)
 assert model.buffer_pointers() == pointers
-model.close()
+opened.close()
 print(f"ok: {len(pointers)} buffers reused, {model.stats.read_bandwidth / 1e6:.0f} MB/s, "
       f"{100 * model.stats.io_hidden_fraction:.0f}% of I/O hidden")
 EOF
@@ -83,26 +85,29 @@ from pathlib import Path
 
 import torch
 
-from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.model import Model, ModelSettings, Policy
 
 store = Path(sys.argv[1]) / "tiny-store"
 ids = torch.randint(5, 600, (4, 8))
+threads = torch.get_num_threads()
 for kv_dtype in (None, "int8", "int4"):
     logits = {}
     for home in ("compute", "kv"):
-        model = StreamingModel(
-            store, home="ram", device="cuda", dtype="fp16", kv_home="cpu", kv_dtype=kv_dtype, attention_home=home
+        policy = Policy(
+            device="cuda", compute_dtype="fp16", kv_home="cpu", kv_dtype=kv_dtype, attention_home=home, threads=threads
         )
+        opened = Model.open(ModelSettings(vocab=store, store=store, device="cuda"), policy)
+        model = opened.engine
         cache = model.new_cache(4, 40)
         first = model.forward(ids, cache)
         logits[home] = [first[:, -1]] + [model.forward(torch.full((4, 1), 7 + s), cache)[:, -1] for s in range(8)]
-        model.close()
+        opened.close()
     diff = max(float((a - b).abs().max()) for a, b in zip(logits["compute"], logits["kv"]))
     print(f"KV {kv_dtype or 'fp16'} in RAM: max |logit difference| over 8 decode steps: {diff:.4f}")
     assert diff <= 0.05, (kv_dtype, diff)
 EOF
 
-step "a night on cuda: open_model plans the GPU (rates probed), generates and scores like the CPU's fp32 reference"
+step "a night on cuda: Model.open plans the GPU (rates probed), generates and scores like the CPU's fp32 reference"
 "$PY" - "$FIXTURE" "$WORK" <<'EOF'
 import json
 import sys
@@ -111,21 +116,21 @@ from pathlib import Path
 import torch
 
 from robot_llm.llm.generate import SamplingParams
-from robot_llm.llm.engine.runtime import ModelSettings, open_model
+from robot_llm.llm.model import Model, ModelSettings
 
 fixture, work = Path(sys.argv[1]), Path(sys.argv[2])
 vocab = fixture / "vocab" / "voc_tiny.sp"
 prompts = [p["text"] for p in json.loads((fixture / "expected.json").read_text(encoding="utf-8"))["prompts"]]
 params = SamplingParams(max_new_tokens=6, greedy=True)
 labels = [" выросла", " упала"]
-cpu = open_model(
+cpu = Model.open(
     ModelSettings(vocab=vocab, backend="memory", checkpoint=fixture / "weights", device="cpu", dtype="fp32")
 )
 want, want_scores = [c.token_ids for c in cpu.generate(prompts, params)], cpu.score(prompts[0], labels)
 cpu.close()
 for pins in ({}, {"home": "split", "kv_dtype": "int8"}):
-    night = open_model(ModelSettings(vocab=vocab, store=work / "tiny-store", max_batch_size=4, **pins))
-    model = night.model
+    night = Model.open(ModelSettings(vocab=vocab, store=work / "tiny-store", max_batch_size=4, **pins))
+    model = night.engine
     assert model.device.type == "cuda" and model.dtype == torch.float16, (model.device, model.dtype)
     got = [c.token_ids for c in night.generate(prompts, params)]
     scores = night.score(prompts[0], labels)

@@ -189,12 +189,14 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
     """The measurement inside the fresh process: warm-up, then prefill ``batch x prompt`` and decode ``new``."""
     import torch
 
-    from robot_llm.llm.engine.streaming import StreamingModel
+    from robot_llm.llm.model import Model, ModelSettings, Policy
     from robot_llm.llm.plan.machine import cpu_has_native_bf16
 
-    torch.set_num_threads(threads)
     dtype = "bf16" if cpu_has_native_bf16() else "fp32"
-    model = StreamingModel(store, home="ram", device="cpu", dtype=dtype, micro_batch=micro_batch)
+    # Through the door with the policy llama.cpp's row runs under: layers in RAM, these threads and micro-batch.
+    policy = Policy(device="cpu", compute_dtype=dtype, weight_home="ram", threads=threads, micro_batch=micro_batch)
+    opened = Model.open(ModelSettings(vocab=store, store=store, device="cpu"), policy)
+    model = opened.engine
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -211,7 +213,7 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
 
     night(min(batch, 2), 16, 2)  # untimed warm-up: first calls, allocator, kernel dispatch
     t_pp, t_tg = night(batch, prompt, new)
-    model.close()
+    opened.close()
     return {
         "prefill": batch * prompt / t_pp,
         "decode": batch * new / t_tg,

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 
 from robot_llm.llm.engine.runtime import SHARE_PREFIX_MIN
-from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.generate import SamplingParams, generate
+from robot_llm.llm.model import Model, ModelSettings, Policy
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.store.demo_checkpoint import train_vocab
-from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.prompting.context import InstrumentView, NewsView, RenderContext
 from robot_llm.prompting.loading import bundled_prompts_dir, load_template
 from robot_llm.prompting.render import render_prompt
@@ -78,8 +77,17 @@ def run_night(
     after it (the benchmark drops the store's page cache there), so the timed night starts from disk
     like the other rows.
     """
-    model = StreamingModel(store, home="disk", device="cpu", micro_batch=run.get("micro"))
-    tokenizer = YalmTokenizer(tokenizer_path)
+    # Through the door with this row's policy given (layers streamed from disk, fp32, this row's micro-batch):
+    # the batches below are the benchmark's own, run on the engine the door built.
+    policy = Policy(
+        device="cpu",
+        compute_dtype="fp32",
+        weight_home="disk",
+        threads=torch.get_num_threads(),
+        micro_batch=run.get("micro"),
+    )
+    opened = Model.open(ModelSettings(vocab=tokenizer_path, store=store, device="cpu"), policy)
+    model, tokenizer = opened.engine, opened.tokenizer
     prompts, calibration, labels = night_prompts(run["prompts"])
     model.forward(torch.tensor([[5, 6]]))
     cold()
@@ -117,7 +125,7 @@ def run_night(
             for prompt, c in zip(chunk, generate(model, tokenizer, chunk, params, batch_size=len(chunk)), strict=True):
                 score_pieces(model, tokenizer, prompt + c.text + labels.cue, labels.continuations)
     elapsed = time.perf_counter() - started
-    model.close()
+    opened.close()
     theses = len(prompts)
     return {
         "seconds": elapsed,

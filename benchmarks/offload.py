@@ -13,7 +13,7 @@ Rows: the engine with weights cold on disk at batch 1 and 32 for each dtype
 else fp32): these stream every layer every pass, whatever RAM the machine has.
 The fp32, bf16 and int4 models held in RAM by the engine (loaded untimed): the
 bound. The fp32 and bf16 engines opened the way a night opens them
-(:func:`robot_llm.llm.engine.runtime.open_model`: the plan applied, its weight home,
+(:meth:`robot_llm.llm.model.Model.open`: the plan applied, its weight home,
 KV dtype, micro-batch and batch size, at most 32, chosen within a RAM budget;
 the 32 prompts run in the planned batches), in two budgets: one that
 holds about half the layers in RAM (a split) and this machine's RAM (all in
@@ -25,7 +25,7 @@ measured right before it with 16 requests in flight (fio's queue depth), the
 measured decode step and its roofline (max of the bytes the step streams over
 that bandwidth and its FLOPs over the GEMM rate measured in the same setting),
 and peak RSS (``VmHWM``) against the planner's estimate for that row (the plan
-rows': the plan the runtime applied). Headline ratios come from these fresh
+rows': the plan the door applied). Headline ratios come from these fresh
 processes only. Two more rows time a night's real work (:mod:`night`:
 thesis_ru prompts, stance re-prefilled per thesis as before vs scored from the
 KV cache as now) and count its weight passes. The last line is one JSON object.
@@ -59,9 +59,10 @@ from typing import Any
 
 import torch
 
-from robot_llm.llm.engine.runtime import ModelSettings, night_work, plan_run
+from robot_llm.llm.engine.runtime import night_work, plan_run
 from robot_llm.llm.families.config import ModuleKind, YalmConfig, module_plan
 from robot_llm.llm.families.family import Params
+from robot_llm.llm.model import Model, ModelSettings, Policy
 from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.plan.planner import HEADROOM, Work, plan
 from robot_llm.llm.plan.rates import gemm_flops
@@ -118,7 +119,7 @@ def compute_dtype(store_dtype: str) -> str:
 
 
 def night_settings(spec: dict[str, Any], budget: int | None) -> ModelSettings:
-    """How a night opens the model for this row's work (:func:`robot_llm.llm.engine.runtime.open_model`): planned
+    """How a night opens the model for this row's work (:meth:`robot_llm.llm.model.Model.open`): planned
     within ``budget`` bytes of RAM, its work (:func:`night_work`) exactly the benchmark's."""
     return ModelSettings(
         vocab=Path(spec["vocab"]),
@@ -213,16 +214,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         return result
     model: Any
     extra: dict[str, Any] = {}
+    opened: Any
     if spec["kind"] == "plan":  # opened the way a night opens it, from cold disk, the opening timed
-        from robot_llm.llm.engine.runtime import open_model
-
         settings = night_settings(spec, spec["budget"])
         drop_page_cache([store.path / f.name for f in store.manifest.files])
         started = time.perf_counter()
-        loaded = open_model(settings)
+        opened = Model.open(settings)
         load_s = time.perf_counter() - started
-        model = loaded.model
-        # The plan _open_stream applied (the same inputs plan the same); checked against the engine it opened.
+        model = opened.engine
+        # The plan the door applied (the same inputs plan the same); checked against the engine it opened.
         used = plan_run(settings, cfg, night_work(settings, cfg), store.manifest)
         assert model.ram_layers == (used.ram_layers if used.weight_home != "disk" else 0), (model.ram_layers, used)
         assert used.batch_size == spec["batch"], (used.batch_size, spec["batch"])  # the parent planned the same
@@ -231,19 +231,29 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "home": used.weight_home,
             "ram_layers": model.ram_layers,
             "kv_dtype": used.kv_dtype,
-            "micro_batch": model.micro_batch,
+            "micro_batch": used.micro_batch,
             "estimate": sum(used.memory["ram"].values()),
         }
-    elif spec["kind"] == "deepspeed":
-        from robot_llm.llm.engine.deepspeed import DeepSpeedModel
-
-        model = DeepSpeedModel(store.path, cfg, offload="nvme", dtype=spec["dtype"], offload_dir=spec["nvme"])
     else:
-        from robot_llm.llm.engine.streaming import StreamingModel
-
-        if not spec.get("verify", True):  # the A/B row: as if every file were verified already
-            store.verified.update(store.entries)
-        model = StreamingModel(store, home=spec["home"], device="cpu", dtype=spec["dtype"])
+        # Through the door with this row's policy given: these rows run the engine's forward only (the
+        # vocabulary is never read). DeepSpeed offloads to NVMe; the stream engine keeps the row's home.
+        deepspeed = spec["kind"] == "deepspeed"
+        home = "disk" if deepspeed else spec["home"]
+        policy = Policy(device="cpu", compute_dtype=spec["dtype"], weight_home=home, threads=spec["threads"])
+        settings = ModelSettings(
+            vocab=Path(spec.get("vocab", store.path)),
+            backend="deepspeed" if deepspeed else "stream",
+            store=store.path,
+            device="cpu",
+            offload="nvme",
+            offload_dir=Path(spec["nvme"]) if deepspeed else None,
+        )
+        opened = Model.open(settings, policy)
+        model = opened.engine
+        if not deepspeed:
+            store = model.store
+            if not spec.get("verify", True):  # the A/B row: as if every file were verified already
+                store.verified.update(store.entries)
     model.forward(torch.tensor([[5, 6]]))  # untimed warm-up: allocator, kernels, first reads
     if spec.get("verify", True):
         # A night verifies each streamed file on its first pass: that pass belongs in the timed work.
@@ -260,7 +270,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["kind"] != "deepspeed":
         result |= {"read_bps": model.stats.read_bandwidth, "io_hidden": model.stats.io_hidden_fraction}
         result |= {"verify_s": store.verify_seconds, "verified_bytes": store.verified_bytes}
-    model.close()
+    opened.close()
     return result
 
 
@@ -361,7 +371,7 @@ def benchmark(
     for dtype in (d for d in ("fp32", "bf16", "int4") if f"{d}_b32" in specs):
         held = {"label": f"engine {dtype} held in RAM, batch 32", "home": "ram"}
         specs[f"{dtype}_ram_b32"] = specs[f"{dtype}_b32"] | held
-    # Opened the way a night opens it (runtime.open_model: the plan applied within a RAM budget), from cold
+    # Opened the way a night opens it (Model.open: the plan applied within a RAM budget), from cold
     # disk, the opening inside the timed work: within a budget that holds about half the layers, and within
     # this machine's RAM.
     for dtype in (d for d in ("fp32", "bf16") if f"{d}_b32" in specs):
@@ -547,7 +557,7 @@ def report(
                 headroom=1.0,
             )
             r["estimate"] = sum(est.memory["ram"].values())
-        elif not planned_row:  # plan rows: the RAM total of the plan the runtime applied (the child's)
+        elif not planned_row:  # plan rows: the RAM total of the plan the door applied (the child's)
             r["estimate"] = None
         home = "ram" if in_ram == L else f"split {in_ram}/{L}" if in_ram else "disk"
         read = f"{r['read_bps'] / 1e9:9.2f}" if "read_bps" in r else f"{'-':>9}"

@@ -40,9 +40,9 @@ import feedparser
 import torch
 
 from robot_llm.llm.engine.memory import InMemoryModel
-from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families.config import module_plan
-from robot_llm.llm.families.family import Weights
+from robot_llm.llm.families.family import ForwardModel, Weights
+from robot_llm.llm.model import Model, ModelSettings, Policy
 from robot_llm.llm.scoring import token_logprobs
 from robot_llm.llm.store.demo_checkpoint import gemma_gguf
 from robot_llm.llm.store.importers import import_model
@@ -122,7 +122,7 @@ def documents() -> dict[str, list[str]]:
 
 
 @torch.inference_mode()
-def perplexity(model: StreamingModel, tokenizer: object, docs: list[str]) -> tuple[float, int]:
+def perplexity(model: ForwardModel, tokenizer: object, docs: list[str]) -> tuple[float, int]:
     """``exp(mean NLL)`` over every token but the BOS of each document, and the number of tokens scored."""
     nll, count = 0.0, 0
     for text in docs:
@@ -134,7 +134,7 @@ def perplexity(model: StreamingModel, tokenizer: object, docs: list[str]) -> tup
 
 
 @torch.inference_mode()
-def stance_accuracy(model: StreamingModel, tokenizer: object) -> dict[str, tuple[int, int, int]]:
+def stance_accuracy(model: ForwardModel, tokenizer: object) -> dict[str, tuple[int, int, int]]:
     """``{lang: (raw correct, calibrated correct, total)}`` with first-piece label scores."""
     rows = [line.split("\t") for line in HEADLINES.read_text(encoding="utf-8").splitlines() if line[:1] != "#"]
 
@@ -231,6 +231,12 @@ def sensitivity(fp32: Path, group: int) -> None:
     )
 
 
+def open_fp32(store: Path, threads: int) -> Model:
+    """The store through the door, computed in fp32 with its layers in RAM (the policy every row shares)."""
+    policy = Policy(device="cpu", compute_dtype="fp32", weight_home="ram", threads=threads)
+    return Model.open(ModelSettings(vocab=store, store=store, device="cpu"), policy)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="folder for the stores (default: a temporary one)")
@@ -253,12 +259,11 @@ def main() -> None:
         base: dict[str, float] = {}
         tokens: dict[str, int] = {}
         for dtype, path in paths.items():
-            model = StreamingModel(path, home="ram", device="cpu", dtype="fp32")
-            tokenizer = load_tokenizer(path)
+            opened = open_fp32(path, args.threads)
             ppl = {}
             for lang, texts in docs.items():
-                ppl[lang], tokens[lang] = perplexity(model, tokenizer, texts)
-            model.close()
+                ppl[lang], tokens[lang] = perplexity(opened.engine, opened.tokenizer, texts)
+            opened.close()
             if dtype == "fp32":
                 base = ppl
             size = read_manifest(path).total_bytes / 2**20
@@ -268,9 +273,9 @@ def main() -> None:
                 f"{delta['ru']:>+12.2f}% {delta['en']:>+12.2f}%"
             )
         print(f"(scored tokens: ru {tokens['ru']}, en {tokens['en']})")
-        model = StreamingModel(paths["fp32"], home="ram", device="cpu", dtype="fp32")
-        acc = stance_accuracy(model, load_tokenizer(paths["fp32"]))
-        model.close()
+        opened = open_fp32(paths["fp32"], args.threads)
+        acc = stance_accuracy(opened.engine, opened.tokenizer)
+        opened.close()
         print(f"\nStance accuracy on {HEADLINES.name} (fp32 store, first-piece labels, 3 classes)")
         print(f"{'lang':<5} {'n':>3} {'raw':>8} {'calibrated':>11}")
         for lang, (raw, cal, n) in acc.items():

@@ -33,6 +33,10 @@ class ModelFault(RobotLLMError):
     """
 
 
+class BackendError(RobotLLMError):
+    """The chosen backend does not exist or cannot serve the request (the family, a flag it does not take)."""
+
+
 # Optional dependencies and the extra that installs each (pyproject.toml), for the one-line
 # error an entry point gives when it needs one that is not installed.
 EXTRAS: dict[str, str] = {

@@ -12,12 +12,14 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from robot_llm.errors import RobotLLMError
-from robot_llm.llm.engine.backends import BACKENDS, create_model
-from robot_llm.llm.engine.request import ModelRequest
-from robot_llm.llm.families.config import PRESETS, YalmConfig
+from robot_llm.errors import BackendError, RobotLLMError
+from robot_llm.llm.engine.backends import BACKENDS
+from robot_llm.llm.families.config import PRESETS
+
+if TYPE_CHECKING:
+    from robot_llm.llm.engine.runtime import ModelSettings
 
 #: check-fixture passes when every prompt's logits are within this of the reference (fp32).
 FIXTURE_TOLERANCE = 1e-4
@@ -56,35 +58,49 @@ def _logging_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _request(args: argparse.Namespace, checkpoint: Path, config: YalmConfig) -> ModelRequest:
-    return ModelRequest(
-        checkpoint=checkpoint,
-        config=config,
-        dtype=args.dtype,
-        device=args.device,
-        home=args.home,
-        offload=args.offload,
-        trust_pickle=args.trust_pickle,
-    )
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags of a ``model`` command (:func:`_engine_options`)."""
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "home": args.home,
+        "offload": args.offload,
+        "trust_pickle": args.trust_pickle,
+    }
 
 
-def _model_config(args: argparse.Namespace) -> YalmConfig:
-    if args.model_config and args.preset:
-        raise RobotLLMError("give either --config or --preset, not both")
-    if args.preset:
-        return YalmConfig.preset(args.preset)
-    if args.model_config:
-        candidates = [Path(args.model_config)]
-    else:
-        candidates = [args.checkpoint / "config.json", args.checkpoint.parent / "config.json"]
-    for path in candidates:
-        if path.is_file():
-            try:
-                return YalmConfig.from_json(path)
-            except (ValueError, TypeError) as exc:
-                raise RobotLLMError(f"{path}: {exc}") from exc
-    raise RobotLLMError(
-        f"no model config: pass --config FILE or --preset NAME (tried {', '.join(map(str, candidates))})"
+def _settings(
+    engine: str,
+    *,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    home: str | None = None,
+    offload: str | None = None,
+    trust_pickle: bool = False,
+    **where: Any,
+) -> ModelSettings:
+    """The door's settings the engine flags mean (``where``: the weights, the vocabulary, the rest).
+
+    The flags an engine does not take are refused: ``--home`` is the stream engine's, ``--offload`` DeepSpeed's.
+    """
+    from robot_llm.llm.engine.runtime import ModelSettings
+
+    if home is not None and engine != "stream":
+        raise BackendError(f"--home applies to the stream engine, not to {engine!r}")
+    if offload is not None and engine != "deepspeed":
+        raise BackendError(f"--offload applies to the deepspeed engine, not to {engine!r}")
+    # The door places a model on a device kind; a device index (cuda:1) is CUDA_VISIBLE_DEVICES' job.
+    kind = "cuda" if device.startswith("cuda") else device
+    if kind not in ("auto", "cpu", "cuda"):
+        raise RobotLLMError(f"--device {device}: give cpu, cuda or auto")
+    return ModelSettings(
+        backend=engine,
+        home=home or "auto",
+        dtype=dtype,
+        device=kind,
+        offload=offload or "cpu",
+        trust_pickle=trust_pickle,
+        **where,
     )
 
 
@@ -121,29 +137,30 @@ def _print_completions(args: argparse.Namespace, completions: Sequence[Any]) -> 
             print(f"{prompt}\u2192{c.text}  [{c.new_token_count} tokens, {c.finish_reason}]")
 
 
-def _generate_planned(args: argparse.Namespace) -> int:
-    """A store through the stream engine, opened and planned the way a night opens it (runtime.open_model):
-    the weight home, KV home and threads from the plan unless pinned, each batch planned for its prompts."""
-    from robot_llm.llm.engine.runtime import ModelSettings, open_model
+def _generate(args: argparse.Namespace) -> int:
+    """Through the door the night uses (:meth:`Model.open`): a store is streamed, opened and planned the way a
+    night opens it (weight home, KV home and threads from the plan unless pinned), each batch planned."""
+    from robot_llm.llm.model import Model
 
-    device = "cuda" if args.device.startswith("cuda") else args.device
-    if device not in ("auto", "cpu", "cuda"):
-        raise RobotLLMError(f"--device {args.device}: the stream engine takes cpu, cuda or auto")
-    if args.offload is not None:
-        raise RobotLLMError("--offload applies to the deepspeed engine; the stream engine takes --home disk|ram")
-    settings = ModelSettings(
-        vocab=args.vocab or args.store,
-        backend="stream",
-        store=args.store,
-        home=args.home or "auto",
-        # int8/int4 name how a store keeps its weights, not a compute dtype: the store says which it is.
-        dtype="auto" if args.dtype in ("int8", "int4") else args.dtype,
-        device=device,
-        max_batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
+    if (args.store is None) == (args.checkpoint is None):
+        raise RobotLLMError("give either --store STORE_DIR or --checkpoint RELEASE_DIR")
+    if args.model_config and args.preset:
+        raise RobotLLMError("give either --config or --preset, not both")
+    if args.store is not None:
+        # A store is the stream engine's (or DeepSpeed's): "memory" (the default) streams it, planned.
+        engine = "stream" if args.engine == "memory" else args.engine
+        where: dict[str, Any] = {"store": args.store, "vocab": args.vocab or args.store}
+    else:
+        if args.vocab is None:
+            raise RobotLLMError("--checkpoint needs --vocab (the SentencePiece model)")
+        engine = args.engine
+        where = {"checkpoint": args.checkpoint, "vocab": args.vocab, "preset": args.preset}
+        where["config_file"] = Path(args.model_config) if args.model_config else None
+    settings = _settings(
+        engine, **_flags(args), max_batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, **where
     )
     params = _sampling(args)
-    model = open_model(settings)
+    model = Model.open(settings)
     try:
         _print_completions(args, model.generate(args.prompts, params))
     finally:
@@ -151,39 +168,9 @@ def _generate_planned(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from robot_llm.llm.generate import generate
-    from robot_llm.llm.tokenizer import load_tokenizer
-
-    if (args.store is None) == (args.checkpoint is None):
-        raise RobotLLMError("give either --store STORE_DIR or --checkpoint RELEASE_DIR")
-    if args.store is not None:
-        from robot_llm.llm.store.layout import StoreError
-        from robot_llm.llm.store.reader import read_manifest
-
-        try:
-            config = read_manifest(args.store).config
-        except StoreError as exc:
-            raise RobotLLMError(str(exc)) from exc
-        engine = "stream" if args.engine == "memory" else args.engine
-        if engine == "stream":
-            return _generate_planned(args)
-    else:
-        if args.vocab is None:
-            raise RobotLLMError("--checkpoint needs --vocab (the SentencePiece model)")
-        config, engine = _model_config(args), args.engine
-    try:
-        tokenizer = load_tokenizer(args.vocab or args.store)
-    except (OSError, ValueError) as exc:
-        raise RobotLLMError(str(exc)) from exc
-    params = _sampling(args)
-    model = create_model(engine, _request(args, args.store or args.checkpoint, config))
-    _print_completions(args, generate(model, tokenizer, args.prompts, params, batch_size=args.batch_size))
-    return 0
-
-
-def check_fixture(fixture: Path, engine: str, request_args: dict[str, Any]) -> dict[str, Any]:
-    """Run every fixture prompt through ``engine``; return the comparison summary.
+def check_fixture(fixture: Path, engine: str, **flags: Any) -> dict[str, Any]:
+    """Run every fixture prompt through ``engine``, opened by the door with the engine ``flags`` (``dtype``,
+    ``device``, ``home``, ``offload``, ``trust_pickle``); return the comparison summary.
 
     Keys: ``max_abs_diff`` (logits, all positions, all prompts), ``greedy_match``
     and ``greedy_total`` (12-token greedy continuations of the original loop),
@@ -191,18 +178,32 @@ def check_fixture(fixture: Path, engine: str, request_args: dict[str, Any]) -> d
     """
     import torch
 
-    from robot_llm.llm.families.original import generate_original
+    from robot_llm.llm.model import Model
     from robot_llm.llm.tokenizer import YalmTokenizer
 
     for name in ("config.json", "expected.json", "logits.pt", "weights"):
         if not (fixture / name).exists():
             raise FixtureError(f"{fixture}: missing {name}")
-    config = YalmConfig.from_json(fixture / "config.json")
     raw_config = json.loads((fixture / "config.json").read_text(encoding="utf-8"))
     expected = json.loads((fixture / "expected.json").read_text(encoding="utf-8"))
     reference = torch.load(fixture / "logits.pt", map_location="cpu", weights_only=True)
-    tokenizer = YalmTokenizer(fixture / raw_config.get("vocab_file", "vocab/voc_tiny.sp"))
-    model = create_model(engine, ModelRequest(checkpoint=fixture / "weights", config=config, **request_args))
+    vocab = fixture / raw_config.get("vocab_file", "vocab/voc_tiny.sp")
+    tokenizer = YalmTokenizer(vocab)
+    settings = _settings(
+        engine, **flags, checkpoint=fixture / "weights", config_file=fixture / "config.json", vocab=vocab
+    )
+    opened = Model.open(settings, tokenizer=tokenizer)
+    try:
+        return _compare(opened.engine, tokenizer, expected, reference)
+    finally:
+        opened.close()
+
+
+def _compare(model: Any, tokenizer: Any, expected: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from robot_llm.llm.families.original import generate_original
+
     gen = expected["generation"]
     max_diff = 0.0
     tokens_match = True
@@ -231,14 +232,7 @@ def check_fixture(fixture: Path, engine: str, request_args: dict[str, Any]) -> d
 
 
 def _check_fixture(args: argparse.Namespace) -> int:
-    request_args = {
-        "dtype": args.dtype,
-        "device": args.device,
-        "home": args.home,
-        "offload": args.offload,
-        "trust_pickle": args.trust_pickle,
-    }
-    result = check_fixture(args.fixture, args.engine, request_args)
+    result = check_fixture(args.fixture, args.engine, **_flags(args))
     print(json.dumps(result))
     ok = (
         result["max_abs_diff"] <= args.tolerance

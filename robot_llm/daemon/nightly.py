@@ -16,7 +16,7 @@ import threading
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from sqlalchemy import update
+from sqlalchemy import and_
 
 from robot_llm.clock import night_as_of, night_cutoff, non_trading_reason
 from robot_llm.night.child import ChildOutcome, generate_command, start_child, supervise_child
@@ -24,6 +24,7 @@ from robot_llm.store.db import Run, utcnow
 from robot_llm.store.runs import (
     NIGHTLY_KIND,
     beat_run,
+    fail_runs,
     finish_run,
     night_complete,
     queue_counts,
@@ -192,9 +193,4 @@ class NightlyJob:
 
     def _fail_orphaned_worker_runs(self, child_pid: int, error: str) -> None:
         # A killed worker cannot close its own Run row; close it for it so status does not lie.
-        with self._engine.begin() as conn:
-            conn.execute(
-                update(Run)
-                .where(Run.pid == child_pid, Run.host == self.host, Run.status == "running", Run.kind != NIGHTLY_KIND)
-                .values(status="failed", finished_at=utcnow(), error=error)
-            )
+        fail_runs(self._engine, and_(Run.pid == child_pid, Run.host == self.host, Run.kind != NIGHTLY_KIND), error)

@@ -1,7 +1,8 @@
 """``robot-llm model check-reference``: our Gemma 3 270M against transformers on the same GGUF weights.
 
 Both sides read the packaged ``gemma-3-270m-q4_k_m.gguf``: ours through the production
-importer (fp32 store, tokenizer rebuilt from the metadata) and the streaming engine;
+importer (fp32 store, tokenizer rebuilt from the metadata) and the door (:meth:`robot_llm.llm.model.Model.open`:
+the streaming engine, fp32, layers in RAM);
 transformers (the ``dev`` extra; never imported elsewhere) through its own GGUF loader,
 in fp32 with eager attention. Checked: token ids on a mixed Russian/English corpus
 (newlines, digits, emoji), the logits at every position of three prompts (one longer
@@ -66,11 +67,10 @@ def check_gemma(gguf: Path, store_dir: Path) -> dict[str, Any]:
     ``greedy_match``/``greedy_total``, ``long_prompt_tokens``."""
     import torch
 
-    from robot_llm.llm.engine.streaming import StreamingModel
-    from robot_llm.llm.generate import SamplingParams, generate
+    from robot_llm.llm.generate import SamplingParams
+    from robot_llm.llm.model import Model, ModelSettings
     from robot_llm.llm.store.importers import import_model
     from robot_llm.llm.store.reader import MANIFEST
-    from robot_llm.llm.tokenizer import load_tokenizer
 
     try:
         import transformers
@@ -78,8 +78,19 @@ def check_gemma(gguf: Path, store_dir: Path) -> dict[str, Any]:
         raise RobotLLMError("check-reference needs transformers (pip install -e '.[dev]')") from exc
     if not (store_dir / MANIFEST).is_file():
         import_model(gguf, store_dir, dtype="fp32")
-    tokenizer = load_tokenizer(store_dir)
-    ours = StreamingModel(store_dir, home="ram", device="cpu", dtype="fp32")
+    # Planned for this check's work (one prompt at a time, the long one within 1024 positions), not a night's.
+    settings = ModelSettings(
+        vocab=store_dir,
+        store=store_dir,
+        home="ram",
+        device="cpu",
+        dtype="fp32",
+        max_batch_size=1,
+        max_new_tokens=GREEDY_TOKENS,
+        max_positions=1024,
+    )
+    ours = Model.open(settings)
+    tokenizer = ours.tokenizer
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
@@ -92,13 +103,13 @@ def check_gemma(gguf: Path, store_dir: Path) -> dict[str, Any]:
             ids = tokenizer.encode(prompt)
             with torch.no_grad():
                 want = ref(torch.tensor([ids])).logits[0]
-            got = ours.forward(torch.tensor([ids]))[0]
+            got = ours.engine.forward(torch.tensor([ids]))[0]
             max_diff = max(max_diff, float((got - want).abs().max()))
             with torch.no_grad():
                 ref_new = ref.generate(
                     torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_id
                 )[0, len(ids) :].tolist()
-            mine = generate(ours, tokenizer, [prompt], SamplingParams(max_new_tokens=GREEDY_TOKENS, greedy=True))[0]
+            mine = ours.generate([prompt], SamplingParams(max_new_tokens=GREEDY_TOKENS, greedy=True))[0]
             greedy_match += list(mine.token_ids) == ref_new
             log.info("prompt of %d tokens: max |dlogit| %.2e, greedy %s", len(ids), max_diff, mine.text[:60])
     finally:

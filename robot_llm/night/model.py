@@ -1,33 +1,29 @@
-"""The one door that opens the configured model: ``config.model`` -> a loaded model the worker can use.
+"""``config.model`` -> the settings of the one door (:meth:`robot_llm.llm.model.Model.open`).
 
 Everything that needs the model the config describes (the worker, preflight's shape and
-memory checks) comes through here, so the mapping of the config onto the runtime lives in
-one place. The runtime itself (:mod:`robot_llm.llm.engine.runtime`) is imported only when a model
-is opened: this module stays free of torch.
+memory checks) starts here, so the mapping of the config onto the runtime's
+:class:`~robot_llm.llm.engine.runtime.ModelSettings` lives in one place. The runtime itself is
+imported only when a model is opened: this module stays free of torch (the daemon imports it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from robot_llm.errors import RobotLLMError
 
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
     from robot_llm.llm.engine.runtime import ModelSettings
-    from robot_llm.llm.generate import Completion, SamplingParams
-    from robot_llm.llm.scoring import Followup
+    from robot_llm.llm.model import Model
     from robot_llm.llm.store.reader import Manifest
     from robot_llm.llm.tokenizer import Tokenizer
     from robot_llm.prompting.template import Template
 
 __all__ = [
-    "BatchModel",
-    "ConfiguredModel",
     "ModelConfigError",
     "NightFacts",
     "backend_refusal",
@@ -39,82 +35,6 @@ __all__ = [
 
 class ModelConfigError(RobotLLMError):
     """The configured weights' shape cannot be read (a damaged manifest or config.json)."""
-
-
-class BatchModel(Protocol):
-    """What the worker needs from a loaded model (the engine's ``LoadedModel`` shape)."""
-
-    model_id: str
-    tokenizer: Tokenizer
-    max_positions: int
-
-    def generate(
-        self,
-        prompts: list[str],
-        params: list[SamplingParams],
-        on_progress: Callable[[int, int], None] | None = None,
-        followups: list[Followup | None] | None = None,
-    ) -> list[Completion]:
-        """One completion per prompt, in order (followups scored into ``followup_logprobs``)."""
-        ...
-
-    def score_pieces(self, prompt: str, continuations: list[str]) -> list[list[float]]:
-        """Log-probability of every token of each continuation after ``prompt``."""
-        ...
-
-    def close(self) -> None:
-        """Release the model's memory and files."""
-        ...
-
-
-@dataclass
-class ConfiguredModel:
-    """The runtime's ``LoadedModel`` plus what the worker needs: the window, per-step liveness."""
-
-    loaded: Any
-    max_positions: int
-    name: str
-
-    @property
-    def model_id(self) -> str:
-        # The user's name for the model (config model.id), then the runtime's id, which pins
-        # the exact weights: "yalm-100b:yalm-100b/fp16@3f2a9c1b7d0e".
-        return f"{self.name}:{self.loaded.model_id}"
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.loaded.tokenizer
-
-    def generate(
-        self,
-        prompts: list[str],
-        params: list[SamplingParams],
-        on_progress: Callable[[int, int], None] | None = None,
-        followups: list[Followup | None] | None = None,
-    ) -> list[Completion]:
-        if on_progress is None:
-            return self.loaded.generate(prompts, params, followups=followups)
-        done = [0]
-
-        def batch_done(finished: int, total: int) -> None:
-            done[0] = finished
-            on_progress(finished, total)
-
-        # Every forward pass (and every layer of one, with the stream engine) counts as liveness for
-        # the watchdog: one batch of the 100B model streamed from disk can outlast batch.stall_timeout.
-        return self.loaded.generate(
-            prompts,
-            params,
-            on_progress=batch_done,
-            on_step=lambda: on_progress(done[0], len(prompts)),
-            followups=followups,
-        )
-
-    def score_pieces(self, prompt: str, continuations: list[str]) -> list[list[float]]:
-        return self.loaded.score_pieces(prompt, continuations)
-
-    def close(self) -> None:
-        self.loaded.close()
 
 
 def release_config_file(config: AppConfig) -> Path | None:
@@ -257,21 +177,24 @@ def model_settings(config: AppConfig, templates: dict[str, Template] | None = No
         preset="yalm-100b" if m.store is None and release_config_file(config) is None else None,
         max_new_tokens=night_max_new_tokens(config, templates),
         max_positions=m.max_positions,
+        name=m.id,
     )
 
 
-def open_configured_model(config: AppConfig, facts: NightFacts | None = None) -> BatchModel:
-    """Load the model ``config.model`` describes, placed as the night's plan says.
+def open_configured_model(config: AppConfig, facts: NightFacts | None = None) -> Model:
+    """Open the model ``config.model`` describes through the door, placed as the night's plan says.
 
     Raises the runtime's user-facing errors (RobotLLMError) with a one-line reason when the
     weights, the vocabulary or the backend are not usable, or the night cannot fit.
     ``facts``: the night's manifest, tokenizer and templates, derived once (:func:`night_facts`).
     """
-    from robot_llm.llm.engine.runtime import open_model
+    from robot_llm.llm.model import Model
 
-    m = config.model
     facts = facts or NightFacts(manifest=None, tokenizer=None, templates=None)
-    loaded = open_model(model_settings(config, facts.templates), facts.manifest, facts.tokenizer)
-    return ConfiguredModel(
-        loaded=loaded, max_positions=min(m.max_positions, loaded.config.max_position_embeddings), name=m.id
-    )
+    model = Model.open(model_settings(config, facts.templates), manifest=facts.manifest, tokenizer=facts.tokenizer)
+    try:
+        model.tokenizer  # noqa: B018 - built now: a vocabulary that cannot load refuses the night, not a batch
+    except BaseException:
+        model.close()
+        raise
+    return model

@@ -32,7 +32,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from robot_llm.store.db import GenerationRequest, Run, Thesis, db_clock, utcnow
-from robot_llm.store.runs import beat_run, finish_run, process_gone, start_run
+from robot_llm.store.runs import abort_runs, beat_run, finish_run, process_gone, start_run
 from robot_llm.thesis.validity import thesis_problem
 
 if TYPE_CHECKING:
@@ -205,15 +205,8 @@ class RequestQueue:
             if not process_gone(row.host, row.pid):
                 continue
             if row.status == "running":
-                conn.execute(
-                    update(Run)
-                    .where(Run.id == row.id, Run.status == "running")
-                    .values(
-                        status="aborted",
-                        finished_at=now,
-                        error=f"its worker (pid {row.pid}) is gone (killed or crashed); taken over by {self.worker_id}",
-                    )
-                )
+                error = f"its worker (pid {row.pid}) is gone (killed or crashed); taken over by {self.worker_id}"
+                abort_runs(conn, Run.id == row.id, error, now=now)
             owner = (row.counts or {}).get("worker_id")
             if not owner:
                 continue
@@ -410,11 +403,7 @@ class RequestQueue:
                     tally.failures.append((request_id, error))
                 else:
                     tally.retried += 1
-            conn.execute(
-                update(Run)
-                .where(Run.id == self.run_id, Run.status == "running")
-                .values(heartbeat_at=now, **self._progress_values(tally, total))
-            )
+            beat_run(conn, self.run_id, now=now, **self._progress_values(tally, total))
             conn.commit()
 
     def release(self, request_ids: list[int]) -> None:

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from robot_llm.llm.generate import Completion
+    from robot_llm.llm.model import Model
     from robot_llm.llm.scoring import Followup
-    from robot_llm.night.model import BatchModel
 
 __all__ = [
     "CALIBRATION_MODES",
@@ -259,7 +259,7 @@ class Calibration:
             out[name] = {k: {label: round(v, 3) for label, v in d.items()} for k, d in entry.items()}
         return out
 
-    def prior(self, model: BatchModel, spec: StanceSpec) -> list[float] | None:
+    def prior(self, model: Model, spec: StanceSpec) -> list[float] | None:
         """The spec's scored-context label prior (None for ``none`` and ``batch``)."""
         contexts = spec.prior_contexts()
         if not contexts:
@@ -277,7 +277,7 @@ class Calibration:
 
     def stances(
         self,
-        model: BatchModel,
+        model: Model,
         scored: Sequence[tuple[StanceSpec, Sequence[Sequence[float]]] | None],
         names: Sequence[str] | None = None,
     ) -> list[StanceResult | None]:
@@ -307,7 +307,7 @@ class Calibration:
 
 
 def label_pieces(
-    model: BatchModel, prompt: str, completion: Completion, spec: StanceSpec, *, news: bool = False
+    model: Model, prompt: str, completion: Completion, spec: StanceSpec, *, news: bool = False
 ) -> list[list[float]]:
     """The label pieces' log-probabilities after ``completion``'s thesis and the cue (``news``: the news stance's).
 
@@ -330,7 +330,7 @@ def label_pieces(
 
 
 def score_stance(
-    model: BatchModel, prompt: str, completion: Completion, spec: StanceSpec, calibration: Calibration
+    model: Model, prompt: str, completion: Completion, spec: StanceSpec, calibration: Calibration
 ) -> StanceResult:
     """The stance of ``completion``'s thesis after ``prompt``, calibrated as its spec says (one row alone)."""
     result = calibration.stances(model, [(spec, label_pieces(model, prompt, completion, spec))])[0]

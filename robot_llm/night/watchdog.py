@@ -13,7 +13,8 @@ from sqlalchemy import update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from robot_llm.store.db import GenerationRequest, Run, error_line, make_engine, utcnow
+from robot_llm.store.db import GenerationRequest, error_line, make_engine, utcnow
+from robot_llm.store.runs import beat_run, finish_run
 
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
@@ -90,9 +91,7 @@ class Watchdog(threading.Thread):
             # Separate transactions, heartbeat first: a lock on the queue (another worker's
             # claim) must not stop this run from looking alive, and the main thread's store
             # locks requests then the run, so holding both here could deadlock with it.
-            conn.execute(
-                update(Run).where(Run.id == self.queue.run_id, Run.status == "running").values(heartbeat_at=now)
-            )
+            beat_run(conn, self.queue.run_id, now=now)
             conn.commit()
             conn.execute(
                 update(GenerationRequest)
@@ -113,11 +112,7 @@ class Watchdog(threading.Thread):
         try:
             with self.engine.connect() as conn:
                 self._bounded(conn, ABORT_RECORD_TIMEOUT_S)
-                conn.execute(
-                    update(Run)
-                    .where(Run.id == self.queue.run_id, Run.status == "running")
-                    .values(status="aborted", finished_at=utcnow(), heartbeat_at=utcnow(), error=reason)
-                )
+                finish_run(conn, self.queue.run_id, "aborted", error=reason)
                 conn.commit()
         except SQLAlchemyError as exc:
             recorded = f"NOT recorded in the runs table ({error_line(exc)})"

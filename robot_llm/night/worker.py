@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from robot_llm.clock import aware_utc
 from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, ModelFault, RobotLLMError
-from robot_llm.night.model import BatchModel, night_facts, open_configured_model
+from robot_llm.night.model import night_facts, open_configured_model
 from robot_llm.night.queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
 from robot_llm.night.stance import Calibration, StanceResult, StanceSpec, label_pieces, parse_stance_spec
 from robot_llm.night.watchdog import Watchdog
@@ -39,6 +39,7 @@ from robot_llm.thesis.validity import thesis_problem
 if TYPE_CHECKING:
     from robot_llm.config import AppConfig
     from robot_llm.llm.generate import SamplingParams
+    from robot_llm.llm.model import Model
 
 __all__ = [
     "BatchError",
@@ -147,7 +148,7 @@ class _Progress:
 
 
 def _run_batch(
-    model: BatchModel, batch: list[ClaimedRequest], on_progress: Callable[[], None], calibration: Calibration
+    model: Model, batch: list[ClaimedRequest], on_progress: Callable[[], None], calibration: Calibration
 ) -> tuple[list[dict[str, Any]], dict[int, str], int]:
     """Generate and score ``batch``; returns (thesis rows, errors by request id, new tokens).
 
@@ -295,7 +296,7 @@ def _work(
     config: AppConfig,
     engine: Engine,
     queue: RequestQueue,
-    model: BatchModel,
+    model: Model,
     tally: Tally,
     total: int,
     stop: threading.Event,

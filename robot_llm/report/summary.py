@@ -7,8 +7,6 @@ records the report itself as a ``report`` run (the morning job).
 
 from __future__ import annotations
 
-import os
-import socket
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime, time, timedelta
@@ -19,6 +17,7 @@ from sqlalchemy import and_, func, or_, select
 from robot_llm.report.health import Health, night_health
 from robot_llm.report.track_record import summary_lines
 from robot_llm.store.db import GenerationRequest, Run, Thesis, session_scope, utcnow
+from robot_llm.store.runs import record_finished
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -286,26 +285,8 @@ def report_job(config: AppConfig, engine: Engine, day: date | None = None) -> Re
     day = day or default_day(config, engine)
     now = utcnow()
     report = build_report(config, engine, day, track_record=True)
-    with session_scope(engine) as s:
-        s.add(
-            Run(
-                kind="report",
-                status="ok",
-                started_at=now,
-                finished_at=utcnow(),
-                heartbeat_at=now,
-                done=1,
-                total=1,
-                counts={
-                    "day": day.isoformat(),
-                    "runs": len(report.runs),
-                    "theses": report.theses,
-                    "failed": len(report.failures),
-                },
-                host=socket.gethostname(),
-                pid=os.getpid(),
-            )
-        )
+    counts = {"day": day.isoformat(), "runs": len(report.runs), "theses": report.theses, "failed": len(report.failures)}
+    record_finished(engine, "report", now, counts=counts, done=1, total=1)
     return report
 
 

@@ -6,6 +6,10 @@ night's plan + generation child) and the ingest and report jobs. A row is ``runn
 its process heartbeats, then ``ok``, ``failed``, ``aborted`` or ``skipped``; a process that
 was killed cannot close its own row, so whoever finds it dead closes it (see
 :func:`abort_runs`).
+
+Every write of a Run row is one of the functions here. Each takes an Engine (the write is its own
+transaction) or a Connection (the write joins the caller's transaction, which commits it: the queue
+heartbeats the run in the transaction that stores a batch, the watchdog bounds its lock waits).
 """
 
 from __future__ import annotations
@@ -16,24 +20,27 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, select, update
+from sqlalchemy.engine import Connection
 
 from robot_llm.clock import aware_utc
 from robot_llm.store.db import GenerationRequest, Run, session_scope, utcnow
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Engine
-    from sqlalchemy.sql import ColumnElement
+    from sqlalchemy.engine import CursorResult, Engine
+    from sqlalchemy.sql import ColumnElement, Executable
 
 __all__ = [
     "NIGHTLY_KIND",
     "abort_runs",
     "beat_run",
+    "fail_runs",
     "finish_run",
     "night_complete",
     "night_recorded",
     "process_gone",
     "queue_counts",
+    "record_finished",
     "record_skipped",
     "start_run",
 ]
@@ -42,6 +49,14 @@ __all__ = [
 #: worker records its 'generate' rows; this row says how the child as a whole ended).
 NIGHTLY_KIND = "nightly"
 _DONE_STATUSES = ("ok", "skipped")
+
+
+def _write(bind: Engine | Connection, statement: Executable) -> CursorResult[Any]:
+    """Run ``statement`` in the caller's transaction (a Connection) or in one of its own (an Engine)."""
+    if isinstance(bind, Connection):
+        return bind.execute(statement)
+    with bind.begin() as conn:
+        return conn.execute(statement)
 
 
 def process_gone(host: str | None, pid: int | None) -> bool:
@@ -83,15 +98,8 @@ def start_run(
     now = utcnow()
     with engine.begin() as conn:
         if abort_stale is not None:
-            conn.execute(
-                update(Run)
-                .where(Run.kind == kind, Run.status == "running", abort_stale)
-                .values(
-                    status="aborted",
-                    finished_at=now,
-                    error="the worker vanished (its heartbeat stopped: killed or crashed)",
-                )
-            )
+            error = "the worker vanished (its heartbeat stopped: killed or crashed)"
+            abort_runs(conn, and_(Run.kind == kind, abort_stale), error, now=now)
         values: dict[str, Any] = {"total": total} if total is not None else {}
         if counts is not None:
             values["counts"] = counts
@@ -112,16 +120,15 @@ def start_run(
     return int(run_id)
 
 
-def beat_run(engine: Engine, run_id: int, **values: Any) -> None:
-    """Heartbeat a running row, with progress (``done``, ``total``, ``counts``...) in ``values``."""
-    with engine.begin() as conn:
-        conn.execute(
-            update(Run).where(Run.id == run_id, Run.status == "running").values(heartbeat_at=utcnow(), **values)
-        )
+def beat_run(bind: Engine | Connection, run_id: int, *, now: datetime | None = None, **values: Any) -> None:
+    """Heartbeat a running row (at ``now``, default this instant), with progress (``done``, ``total``,
+    ``counts``...) in ``values``."""
+    statement = update(Run).where(Run.id == run_id, Run.status == "running")
+    _write(bind, statement.values(heartbeat_at=now or utcnow(), **values))
 
 
 def finish_run(
-    engine: Engine,
+    bind: Engine | Connection,
     run_id: int,
     status: str,
     *,
@@ -134,19 +141,48 @@ def finish_run(
     fields: dict[str, Any] = {"status": status, "finished_at": now, "heartbeat_at": now, "error": error, **values}
     if counts is not None:
         fields["counts"] = counts
-    with engine.begin() as conn:
-        conn.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(**fields))
+    _write(bind, update(Run).where(Run.id == run_id, Run.status == "running").values(**fields))
 
 
-def abort_runs(engine: Engine, where: ColumnElement[bool], error: str) -> int:
+def abort_runs(
+    bind: Engine | Connection, where: ColumnElement[bool], error: str, *, now: datetime | None = None
+) -> int:
     """Close the running rows ``where`` selects (their process is gone) as ``aborted``; returns how many."""
-    with engine.begin() as conn:
-        result = conn.execute(
-            update(Run)
-            .where(Run.status == "running", where)
-            .values(status="aborted", finished_at=utcnow(), error=error)
-        )
+    return _close_runs(bind, where, "aborted", error, now)
+
+
+def fail_runs(bind: Engine | Connection, where: ColumnElement[bool], error: str) -> int:
+    """Close the running rows ``where`` selects as ``failed`` (a child the daemon saw die); returns how many."""
+    return _close_runs(bind, where, "failed", error, None)
+
+
+def _close_runs(
+    bind: Engine | Connection, where: ColumnElement[bool], status: str, error: str, now: datetime | None
+) -> int:
+    statement = update(Run).where(Run.status == "running", where)
+    result = _write(bind, statement.values(status=status, finished_at=now or utcnow(), error=error))
     return int(result.rowcount or 0)
+
+
+def record_finished(
+    engine: Engine, kind: str, started_at: datetime, *, counts: dict[str, Any], done: int, total: int
+) -> None:
+    """Record a run of ``kind`` that started at ``started_at`` and ended ``ok`` just now (a report job)."""
+    _write(
+        engine,
+        Run.__table__.insert().values(
+            kind=kind,
+            status="ok",
+            started_at=started_at,
+            finished_at=utcnow(),
+            heartbeat_at=started_at,
+            done=done,
+            total=total,
+            counts=counts,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        ),
+    )
 
 
 def record_skipped(engine: Engine, as_of: datetime, reason: str, host: str | None = None) -> None:

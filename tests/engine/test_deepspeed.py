@@ -33,7 +33,7 @@ NVME_CONFIG = YalmConfig(
 
 
 def test_fixture_passes_with_cpu_offload(tiny_dir: Path) -> None:
-    result = check_fixture(tiny_dir, "deepspeed", {"dtype": "fp32", "device": "cpu", "offload": "cpu"})
+    result = check_fixture(tiny_dir, "deepspeed", dtype="fp32", device="cpu", offload="cpu")
     assert result["max_abs_diff"] <= 1e-4
     assert result["greedy_match"] == result["greedy_total"] == 4 and result["tokens_match"]
 

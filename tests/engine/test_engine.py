@@ -46,7 +46,7 @@ def test_engine_logits_equal_the_in_memory_model(
 
 @pytest.mark.parametrize("home", ["disk", "ram"])
 def test_fixture_passes_through_the_engine(tiny_dir: Path, home: str) -> None:
-    result = check_fixture(tiny_dir, "stream", {"dtype": "fp32", "device": "cpu", "home": home})
+    result = check_fixture(tiny_dir, "stream", dtype="fp32", device="cpu", home=home)
     assert result["max_abs_diff"] <= 1e-4
     assert result["greedy_match"] == result["greedy_total"] == 4 and result["tokens_match"]
 
@@ -55,7 +55,7 @@ def test_int8_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
     # Random fixture weights are the worst case for int8 (no outliers to spare, 64-wide rows):
     # measured max |logit diff| 0.11 over all positions of all prompts, greedy tokens still equal
     # (one scale per output channel since store format 2; 0.11 with groups of 64 before, too).
-    result = check_fixture(tiny_dir, "stream", {"dtype": "int8", "device": "cpu", "home": "disk"})
+    result = check_fixture(tiny_dir, "stream", dtype="int8", device="cpu", home="disk")
     # Computed in fp32 on this CPU: its int8 matrices and head meet torch's int8 kernel with bf16
     # activations at decode sizes (measured 0.21 on a CPU without native bf16).
     assert 1e-4 < result["max_abs_diff"] <= 0.3
@@ -70,7 +70,7 @@ def test_int4_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
     # greedy continuations diverge (1 of 4 equal; int8 keeps all 4). That the divergence is the
     # quantisation and not the engine is the next test (and tests/engine/test_quant.py for the
     # fused kernels).
-    result = check_fixture(tiny_dir, "stream", {"dtype": "int4", "device": "cpu", "home": "disk"})
+    result = check_fixture(tiny_dir, "stream", dtype="int4", device="cpu", home="disk")
     assert 0.11 < result["max_abs_diff"] <= 2.5
     assert result["tokens_match"] and result["greedy_total"] == 4
 

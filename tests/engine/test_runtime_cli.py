@@ -1,4 +1,4 @@
-"""runtime.open_model and the convert / verify / plan / check-fixture commands."""
+"""The door (Model.open) and the convert / verify / plan / check-fixture commands."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from robot_llm.commands.model import main
-from robot_llm.llm.engine.runtime import ModelSettings, open_model
 from robot_llm.llm.generate import SamplingParams
+from robot_llm.llm.model import Model, ModelSettings
 from robot_llm.llm.plan import rates
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
 from robot_llm.llm.plan.planner import PlanError
@@ -21,10 +21,10 @@ PROMPTS = ["Акции выросли", "The index fell after the report", "Не
 def test_stream_runtime_generates_what_the_memory_backend_generates(tiny_dir: Path, stores: dict[str, Path]) -> None:
     vocab = tiny_dir / "vocab" / "voc_tiny.sp"
     params = SamplingParams(max_new_tokens=6, greedy=True)
-    stream = open_model(
+    stream = Model.open(
         ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", dtype="fp32", memory_budget_bytes=4 << 30)
     )
-    memory = open_model(
+    memory = Model.open(
         ModelSettings(vocab=vocab, backend="memory", checkpoint=tiny_dir / "weights", device="cpu", dtype="fp32")
     )
     try:
@@ -42,23 +42,23 @@ def test_stream_runtime_generates_what_the_memory_backend_generates(tiny_dir: Pa
 def test_the_stream_engine_opens_as_planned(tiny_dir: Path, stores: dict[str, Path]) -> None:
     vocab = tiny_dir / "vocab" / "voc_tiny.sp"
     threads = torch.get_num_threads()
-    auto = open_model(ModelSettings(vocab=vocab, store=stores["int4"], device="cpu", memory_budget_bytes=4 << 30))
+    auto = Model.open(ModelSettings(vocab=vocab, store=stores["int4"], device="cpu", memory_budget_bytes=4 << 30))
     try:
         # Everything fits: the layers live in RAM; the CPU computes in bf16 exactly where it is native.
-        assert auto.model.home == "ram" and auto.model.ram_layers == 2
-        assert auto.model.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+        assert auto.engine.home == "ram" and auto.engine.ram_layers == 2
+        assert auto.engine.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
         completions = auto.generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True))
         assert all(c.new_token_count == 3 for c in completions)
     finally:
         auto.close()
-    pinned = open_model(
+    pinned = Model.open(
         ModelSettings(
             vocab=vocab, store=stores["fp16"], device="cpu", home="split", dtype="fp32", threads=1, kv_dtype="int8"
         )
     )
     try:
-        assert (pinned.model.home, pinned.model.ram_layers, pinned.model.dtype) == ("disk", 1, torch.float32)
-        assert torch.get_num_threads() == 1 and pinned.model.kv_dtype == "int8"
+        assert (pinned.engine.home, pinned.engine.ram_layers, pinned.engine.dtype) == ("disk", 1, torch.float32)
+        assert torch.get_num_threads() == 1 and pinned.engine.kv_dtype == "int8"
         completions = pinned.generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True))
         assert all(c.new_token_count == 3 for c in completions)
     finally:
@@ -71,7 +71,7 @@ def test_runtime_refuses_a_ram_home_over_budget(tiny_dir: Path, stores: dict[str
         vocab=tiny_dir / "vocab" / "voc_tiny.sp", store=stores["fp16"], home="ram", memory_budget_bytes=1 << 20
     )
     with pytest.raises(PlanError, match="RAM"):
-        open_model(settings)
+        Model.open(settings)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -154,8 +154,8 @@ def test_plan_command_measures_this_machine_and_given_rates_win(capsys: pytest.C
 def test_the_stream_engine_reports_liveness_after_every_layer(tiny_dir: Path, stores: dict[str, Path]) -> None:
     # The watchdog's unit of liveness is one layer (of one prefill micro-batch), not a whole forward pass.
     vocab = tiny_dir / "vocab" / "voc_tiny.sp"
-    loaded = open_model(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", micro_batch=2))
-    model = loaded.model
+    loaded = Model.open(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu", micro_batch=2))
+    model = loaded.engine
     layers = loaded.config.num_layers
     forwards: list[int] = []
     beats: list[int] = []
@@ -173,7 +173,8 @@ def test_the_stream_engine_reports_liveness_after_every_layer(tiny_dir: Path, st
     # Prefill of 3 rows in micro-batches of 2: 2 beats per layer; 2 decode steps: 1 per layer; +1 per pass.
     assert len(forwards) == 3
     assert len(beats) == layers * 2 + 1 + 2 * (layers + 1)
-    assert model.on_layer is None
+    # The job's callback and micro-batch were passed to the engine's calls, never written into it.
+    assert not hasattr(model, "on_layer") and model.micro_batch == loaded.policy.micro_batch == 2
 
 
 def test_plan_command_on_this_gpu_assumes_its_rates(
@@ -192,3 +193,30 @@ def test_plan_command_on_this_gpu_assumes_its_rates(
     assert "GPU 30 TFLOP/s (assumed; the night measures it, --gpu-tflops states yours)" in out
     assert "host-to-GPU 12.0 GB/s (assumed; the night measures it, --h2d-gbps states yours)" in out
     assert rates.gpu_rates.cache_info().currsize == 0
+
+
+def test_a_given_policy_is_the_engine_and_no_job_changes_it(tiny_dir: Path, stores: dict[str, Path]) -> None:
+    import dataclasses
+
+    from robot_llm.llm.model import Policy
+
+    vocab = tiny_dir / "vocab" / "voc_tiny.sp"
+    policy = Policy(device="cpu", compute_dtype="fp32", weight_home="split", ram_layers=1, threads=1, micro_batch=1)
+    threads = torch.get_num_threads()
+    opened = Model.open(ModelSettings(vocab=vocab, store=stores["fp16"], device="cpu"), policy)
+    engine = opened.engine
+    try:
+        assert opened.policy is policy and torch.get_num_threads() == 1
+        assert (engine.home, engine.ram_layers, engine.dtype, engine.micro_batch) == ("disk", 1, torch.float32, 1)
+        before = dict(vars(engine))
+        opened.generate(PROMPTS, SamplingParams(max_new_tokens=2, greedy=True))
+        opened.score("Нефть", [" выросла", " упала"])
+        # Every attribute the engine had is the same object after two jobs (the stats and slots it updates
+        # in place aside): nothing per-job was written into it.
+        changed = {k for k, v in vars(engine).items() if before.get(k) is not v}
+        assert changed <= {"_next", "_prefetched", "_current", "_read_busy_until"}, changed
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            policy.micro_batch = 4  # type: ignore[misc]
+    finally:
+        opened.close()
+        torch.set_num_threads(threads)

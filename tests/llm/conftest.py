@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,19 @@ def reference_logits(tiny_dir: Path) -> dict[str, torch.Tensor]:
 def tiny_model(tiny_dir: Path, tiny_config: YalmConfig) -> Yalm:
     """The fixture model computing in fp32."""
     return Yalm.from_release(str(tiny_dir / "weights"), tiny_config, dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def door() -> Callable[..., Any]:
+    """Opens a store through the door (``Model.open``) with the policy these tests compute under: the CPU,
+    one thread, layers streamed from disk, ``dtype`` (fp32 by default)."""
+    from robot_llm.llm.model import Model, ModelSettings, Policy
+
+    def open_store(store: Path, dtype: str = "fp32") -> Model:
+        policy = Policy(device="cpu", compute_dtype=dtype, weight_home="disk", threads=1)
+        return Model.open(ModelSettings(vocab=store, store=store, device="cpu"), policy)
+
+    return open_store
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from robot_llm.commands.main import main
-from robot_llm.llm.engine.request import BackendError
-from robot_llm.llm.engine.runtime import ModelSettings, open_model
+from robot_llm.errors import BackendError
 from robot_llm.llm.families.config import module_plan
 from robot_llm.llm.families.config_hf import Gemma3Config
 from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.model import Model, ModelSettings
 from robot_llm.llm.store.writer import convert_modules
 
 GEMMA = Gemma3Config(
@@ -83,4 +83,4 @@ def test_config_check_accepts_the_stream_backend_for_it(
 def test_the_door_refuses_it_before_loading_anything(gemma_store: Path) -> None:
     settings = ModelSettings(vocab=gemma_store, backend="deepspeed", store=gemma_store, device="cpu")
     with pytest.raises(BackendError, match="the deepspeed backend runs yalm models only, not gemma3"):
-        open_model(settings)
+        Model.open(settings)

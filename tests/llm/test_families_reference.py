@@ -16,7 +16,6 @@ import torch
 from reference_deps import require
 
 from robot_llm.llm.engine.memory import InMemoryModel
-from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families.config import module_plan
 from robot_llm.llm.families.family import Weights
 from robot_llm.llm.store.importers import hf_config, import_model, iter_hf_modules
@@ -140,21 +139,21 @@ def test_cached_decoding_and_padded_batches_match(reference: tuple[Any, Path], a
 
 
 def test_streaming_engine_on_the_imported_store(
-    reference: tuple[Any, Path], tmp_path: Path, tiny_tokenizer: Any
+    reference: tuple[Any, Path], tmp_path: Path, tiny_tokenizer: Any, door: Any
 ) -> None:
     model, folder = reference
     tokenizer_dir = tmp_path / "tok"
     tokenizer_dir.mkdir()
     tiny_tokenizer(model.config.vocab_size, tokenizer_dir)
     import_model(folder, tmp_path / "store", dtype="fp32", tokenizer=tokenizer_dir / "tokenizer.json")
-    engine = StreamingModel(tmp_path / "store", device="cpu", dtype="fp32")
+    opened = door(tmp_path / "store")
     try:
         ids = _ids(model.config.vocab_size)[0]
         with torch.no_grad():
             want = model(torch.tensor([ids])).logits[0]
-        assert (engine.forward(torch.tensor([ids]))[0] - want).abs().max().item() <= TOLERANCE
+        assert (opened.engine.forward(torch.tensor([ids]))[0] - want).abs().max().item() <= TOLERANCE
     finally:
-        engine.close()
+        opened.close()
     assert (tmp_path / "store" / "tokenizer.json").is_file()
 
 

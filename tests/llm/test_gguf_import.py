@@ -17,7 +17,6 @@ import torch
 from reference_deps import require
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.store.importers import import_model
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 
@@ -117,19 +116,19 @@ def tokenizer_json(tmp_path: Path, tiny_tokenizer: Any) -> Path:
     return tmp_path / "tokenizer.json"
 
 
-def test_llama_gguf_imports_faithfully(model: Any, tmp_path: Path, tokenizer_json: Path) -> None:
+def test_llama_gguf_imports_faithfully(model: Any, tmp_path: Path, tokenizer_json: Path, door: Any) -> None:
     path = tmp_path / "tiny-llama.gguf"
     _write_gguf(model, path)
     manifest = import_model(path, tmp_path / "store", dtype="fp32", tokenizer=tokenizer_json)
     assert manifest.config.family == "llama" and manifest.config.num_key_value_heads == KV_HEADS
-    engine = StreamingModel(tmp_path / "store", device="cpu", dtype="fp32")
+    opened = door(tmp_path / "store")
     try:
         ids = torch.randint(3, 160, (1, 21), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             want = model(ids).logits
-        assert (engine.forward(ids) - want).abs().max().item() <= 1e-4
+        assert (opened.engine.forward(ids) - want).abs().max().item() <= 1e-4
     finally:
-        engine.close()
+        opened.close()
     # int4 from a GGUF keeps the source's 32-weight blocks in their own groups; a float source gets 64.
     assert import_model(path, tmp_path / "q", dtype="int4", tokenizer=tokenizer_json).group_size == GGUF_INT4_GROUP
     assert import_model(path, tmp_path / "q64", dtype="int4", group_size=64, tokenizer=tokenizer_json).group_size == 64
@@ -145,3 +144,15 @@ def test_missing_tensor_and_garbage_are_named(model: Any, tmp_path: Path, tokeni
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(RobotLLMError, match=r"garbage\.gguf"):
         import_model(garbage, tmp_path / "store2", dtype="fp32", tokenizer=tokenizer_json)
+
+
+def test_each_importer_name_belongs_to_one_family() -> None:
+    # A family's GGUF architectures and Hugging Face model types live on its config class; the registry finds
+    # the one family that claims each (two claiming one name would import it as whichever is listed first).
+    from robot_llm.llm.families.registry import FAMILIES, gguf_config_class, hf_config_class
+
+    for cls, _ in FAMILIES.values():
+        assert all(gguf_config_class(arch) is cls for arch in cls.gguf_architectures), cls.family
+        assert all(hf_config_class(model_type) is cls for model_type in cls.hf_model_types), cls.family
+    assert gguf_config_class("qwen2").family == "llama" and hf_config_class("gemma3_text").family == "gemma3"
+    assert gguf_config_class("phi3") is None and hf_config_class("yalm") is None

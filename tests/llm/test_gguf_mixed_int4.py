@@ -22,7 +22,6 @@ import torch
 from reference_deps import require
 
 from robot_llm.commands.model import main
-from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.plan.machine import Machine
 from robot_llm.llm.plan.planner import Work, plan
 from robot_llm.llm.plan.sizes import layer_bytes
@@ -170,18 +169,20 @@ def test_wide_matrices_are_stored_int8_and_4_bit_ones_int4(converted: dict[str, 
 
 
 @pytest.mark.parametrize(("dtype", "bound"), [("fp32", 0.05), ("bf16", 0.1)])
-def test_logits_match_the_dequantised_model(converted: dict[str, Path], dtype: str, bound: float) -> None:
+def test_logits_match_the_dequantised_model(
+    converted: dict[str, Path], dtype: str, bound: float, door: Any
+) -> None:
     """The mixed store's logits against the fp32 store's (the dequantised model), computed alike; bf16 runs
     the fused kernels, int4 and int8 in one layer. Logits reach about 3.6; measured: 0.021 (fp32) and 0.047
     (bf16, its own rounding included) against 0.37 for the all-int4 store."""
     ids = torch.randint(3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
     logits = {}
     for name in ("fp32", "int4", "all"):
-        engine = StreamingModel(converted[name], device="cpu", dtype=dtype)
+        opened = door(converted[name], dtype)
         try:
-            logits[name] = engine.forward(ids)
+            logits[name] = opened.engine.forward(ids)
         finally:
-            engine.close()
+            opened.close()
     mixed = (logits["int4"] - logits["fp32"]).abs().max().item()
     squeezed = (logits["all"] - logits["fp32"]).abs().max().item()
     assert mixed <= bound, mixed

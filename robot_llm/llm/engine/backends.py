@@ -1,32 +1,27 @@
-"""Registry of model backends: how the CLI turns ``--engine NAME`` into a :class:`ForwardModel`.
+"""The model backends: which families each serves (:func:`refusal`) and the engine each builds (:func:`build_engine`).
 
-A backend is a factory ``create(request: ModelRequest) -> ForwardModel`` named
-by a ``"module:function"`` string, imported only when chosen (this package
-does not import torch). ``memory`` holds the whole model in RAM/VRAM
-(:mod:`robot_llm.llm.engine.memory`); ``stream`` and ``deepspeed`` are the
-offloading engines, provided by the modules named below.
+``memory`` holds the whole model in RAM/VRAM (:mod:`robot_llm.llm.engine.memory`); ``stream`` streams layers
+from a weight store (:mod:`robot_llm.llm.engine.streaming`); ``deepspeed`` offloads under ZeRO-3
+(:mod:`robot_llm.llm.engine.deepspeed`). :func:`build_engine` is the only place an engine is constructed
+(the door, :meth:`robot_llm.llm.model.Model.open`, calls it); each engine module, and torch with it,
+is imported only when chosen.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from robot_llm.llm.engine.request import BackendError, ModelRequest
+from robot_llm.errors import BackendError
 
 if TYPE_CHECKING:
-    from robot_llm.llm.families.family import ForwardModel
+    from robot_llm.llm.engine.policy import Policy
+    from robot_llm.llm.engine.runtime import ModelSettings
+    from robot_llm.llm.families.config import ModelConfig
+    from robot_llm.llm.store.reader import Store
 
-
-BackendFactory = Callable[[ModelRequest], "ForwardModel"]
-
-BACKENDS: dict[str, str] = {
-    "memory": "robot_llm.llm.engine.memory:create",
-    "stream": "robot_llm.llm.engine.stream:create",
-    "deepspeed": "robot_llm.llm.engine.deepspeed:create",
-}
-
+#: The backends, in the order the command line lists them.
+BACKENDS: tuple[str, ...] = ("memory", "stream", "deepspeed")
 
 #: The model families each backend computes; None: every family of the registry
 #: (:mod:`robot_llm.llm.families.registry`). The stream engine runs any family's forward; the memory
@@ -44,23 +39,43 @@ def refusal(backend: str, family: str) -> str | None:
     return f"the {backend} backend runs {runs} models only, not {family}: use backend {' or '.join(others)}"
 
 
-def get_backend(name: str) -> BackendFactory:
-    """Import and return the factory of backend ``name``."""
-    try:
-        target = BACKENDS[name]
-    except KeyError:
-        raise BackendError(f"unknown engine {name!r}; known: {', '.join(BACKENDS)}") from None
-    module_name, _, func = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            raise BackendError(f"engine {name!r} is not available in this installation ({module_name})") from exc
-        raise
-    factory: BackendFactory = getattr(module, func)
-    return factory
+def build_engine(settings: ModelSettings, config: ModelConfig, policy: Policy, store: Store | None) -> Any:
+    """The engine of ``settings.backend`` placed as ``policy`` says (``store``: the stream engine's)."""
+    if settings.backend == "stream":
+        from robot_llm.llm.engine.streaming import StreamingModel
 
+        assert store is not None
+        return StreamingModel(
+            store,
+            home="ram" if policy.weight_home == "ram" else "disk",
+            ram_layers=policy.ram_layers if policy.weight_home == "split" else 0,
+            device=policy.device,
+            dtype=policy.compute_dtype,
+            kv_home=policy.kv_home,
+            attention_home=policy.attention_home,
+            micro_batch=policy.micro_batch,
+            kv_dtype=policy.kv_dtype,
+            read_depth=policy.read_depth,
+        )
+    source = settings.store or settings.checkpoint
+    assert source is not None
+    if settings.backend == "deepspeed":
+        try:
+            from robot_llm.llm.engine.deepspeed import DeepSpeedModel
+        except ModuleNotFoundError as exc:
+            if exc.name != "deepspeed":
+                raise
+            raise BackendError("engine 'deepspeed' is not available in this installation") from exc
+        return DeepSpeedModel(
+            source,
+            config,
+            offload=settings.offload,
+            dtype=policy.compute_dtype,
+            offload_dir=settings.offload_dir,
+            trust_pickle=settings.trust_pickle,
+        )
+    from robot_llm.llm.engine.memory import Yalm
 
-def create_model(name: str, request: ModelRequest) -> ForwardModel:
-    """Build the model of backend ``name`` for ``request``."""
-    return get_backend(name)(request)
+    return Yalm.from_release(
+        str(Path(source)), config, dtype=policy.compute_dtype, device=policy.device, trust_pickle=settings.trust_pickle
+    )

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 
+from robot_llm.errors import BackendError
 from robot_llm.llm.engine.kv_cache import KVCache
-from robot_llm.llm.engine.request import BackendError, ModelRequest
 from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.families.family import Params, StepInfo, prepare_step, resolve_dtype
 from robot_llm.llm.families.yalm import embed, output_head, rope, transformer_layer
@@ -332,20 +332,3 @@ class DeepSpeedModel:
         self.engine.destroy()
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
-
-
-def create(request: ModelRequest) -> DeepSpeedModel:
-    """``--engine deepspeed [--offload cpu|nvme]`` (default cpu)."""
-    if request.home is not None:
-        raise BackendError("--home applies to the stream engine; the deepspeed engine takes --offload cpu|nvme")
-    if request.config.family != "yalm":
-        raise BackendError(
-            f"the deepspeed engine runs YaLM only, not a {request.config.family} model: use the stream engine"
-        )
-    return DeepSpeedModel(
-        request.checkpoint,
-        request.config,
-        offload=request.offload or "cpu",
-        dtype=request.dtype,
-        trust_pickle=request.trust_pickle,
-    )

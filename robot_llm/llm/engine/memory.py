@@ -1,4 +1,4 @@
-"""The whole model in memory, any family (:class:`InMemoryModel`); the ``memory`` backend: YaLM from a release."""
+"""The whole model in memory, any family (:class:`InMemoryModel`); the ``memory`` backend's YaLM from a release."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from torch import Tensor
 
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache
-from robot_llm.llm.engine.request import BackendError, ModelRequest
 from robot_llm.llm.families.config import ModelConfig, YalmConfig
-from robot_llm.llm.families.family import DTYPES, Weights, prepare_step, resolve_dtype
+from robot_llm.llm.families.family import Weights, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
 
 
@@ -86,19 +85,3 @@ class Yalm(InMemoryModel):
 
         weights = load_release(directory, cfg, trust_pickle=trust_pickle)
         return cls(cfg, weights, dtype=resolve_dtype(dtype), device=device)
-
-
-
-def create(request: ModelRequest) -> Yalm:
-    """Load a release checkpoint folder into a :class:`Yalm` on ``request.device``."""
-    if request.home is not None or request.offload is not None:
-        raise BackendError("--home and --offload apply to the stream and deepspeed engines, not to 'memory'")
-    if request.dtype not in DTYPES:
-        raise BackendError(f"the memory engine computes in {', '.join(DTYPES)}, not {request.dtype!r}")
-    return Yalm.from_release(
-        str(request.checkpoint),
-        request.config,
-        dtype=request.dtype,
-        device=request.device,
-        trust_pickle=request.trust_pickle,
-    )

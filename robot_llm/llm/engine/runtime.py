@@ -1,19 +1,17 @@
-"""One entry point for the nightly batch: :func:`open_model` -> :class:`LoadedModel`.
+"""The planning behind the door (:meth:`robot_llm.llm.model.Model.open`): :class:`ModelSettings` -> a
+:class:`~robot_llm.llm.engine.policy.Policy` at open, a :class:`~robot_llm.llm.engine.policy.Task` per job.
 
-:class:`ModelSettings` says which engine runs the model (``memory``,
-``stream`` or ``deepspeed``), where the weights are and how much memory the
-run may take; :class:`LoadedModel` generates and scores through
-:mod:`robot_llm.llm.generate`.
+:class:`ModelSettings` says which engine runs the model (``memory``, ``stream`` or ``deepspeed``),
+where the weights are and how much memory the run may take; the night builds it from its config
+(:func:`robot_llm.night.model.model_settings`), the command line from its flags.
 
-The plan is the run. Opening the stream engine plans the night
-(:func:`plan_run`, :mod:`robot_llm.llm.plan.planner`): the weight home (disk, RAM
-or split across both), the compute dtype (bf16 on a CPU that has it natively,
-never fp16 on a CPU), the KV home and the intra-op threads come from the plan,
-within ``memory_budget_bytes`` and ``gpu_memory_budget_bytes``; every setting
-that is not ``auto`` pins its choice. Every :meth:`LoadedModel.generate` and
-:meth:`LoadedModel.score` call is then planned for its real work: the batch size
-and prefill micro-batch come from that plan, and a job that cannot fit is
-refused before any token is computed. ``robot-llm doctor`` prints the same plan.
+The plan is the run. Opening the stream engine plans the night (:func:`decide_policy`,
+:mod:`robot_llm.llm.plan.planner`): the weight home (disk, RAM or split across both), the compute
+dtype (bf16 on a CPU that has it natively, never fp16 on a CPU), the KV home and the intra-op threads
+come from the plan, within ``memory_budget_bytes`` and ``gpu_memory_budget_bytes``; every setting
+that is not ``auto`` pins its choice. Every ``generate`` and ``score`` call is then planned for its
+real work (:func:`plan_task`): the batch size and prefill micro-batch come from that plan, and a job
+that cannot fit is refused before any token is computed. ``robot-llm doctor`` prints the same plan.
 The plan's rates are this machine's, measured once per process (:func:`night_machine`):
 the disk under the store, the CPU's GEMM and RAM read rates at the night's threads,
 and a GPU's copy and GEMM rates.
@@ -25,22 +23,19 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from robot_llm.errors import RobotLLMError
+from robot_llm.errors import BackendError, RobotLLMError
+from robot_llm.llm.engine.policy import Policy, Task
 from robot_llm.llm.families.config import PRESETS, ModelConfig, YalmConfig
 from robot_llm.llm.plan.machine import Machine, detect_machine
 from robot_llm.llm.plan.planner import Plan, Work, auto_compute_dtype, gpu_compute_dtype, plan, warn_gpu_dtype
 from robot_llm.llm.plan.rates import measure_rates
 
 if TYPE_CHECKING:
-    from robot_llm.llm.generate import Completion, SamplingParams
-    from robot_llm.llm.scoring import Followup
-    from robot_llm.llm.store.reader import Manifest
-    from robot_llm.llm.tokenizer import Tokenizer
+    from robot_llm.llm.store.reader import Manifest, Store
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +76,13 @@ class ModelSettings:
       ``max_positions`` when it is shorter than the model's).
     * ``offload_dir``: DeepSpeed NVMe swap folder / converted store folder.
     * ``offload``: DeepSpeed parameter offload target, ``cpu`` or ``nvme``.
-    * ``preset``: model config name when the release folder has no ``config.json``.
+    * ``preset``: model config name when the release folder has no ``config.json``;
+      ``config_file``: the release's config elsewhere (a fixture's ``config.json``).
+    * ``trust_pickle``: load release files that ``torch.load(weights_only=True)`` refuses.
+    * ``name``: the user's name for the model (config ``model.id``), the head of the model id.
+
+    ``dtype`` ``int8``/``int4`` names a store's weights, not a compute dtype: the plan picks the compute
+    dtype, and a release opened by the stream engine is converted into such a store.
     """
 
     vocab: Path
@@ -104,6 +105,9 @@ class ModelSettings:
     offload_dir: Path | None = None
     offload: Literal["cpu", "nvme"] = "nvme"
     preset: str | None = None
+    config_file: Path | None = None
+    trust_pickle: bool = False
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("memory", "stream", "deepspeed"):
@@ -116,115 +120,8 @@ class ModelSettings:
             raise RobotLLMError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.refill_slots < 0:
             raise RobotLLMError(f"refill_slots must be >= 0, got {self.refill_slots}")
-
-
-class LoadedModel:
-    """An open model: tokenizer, engine, and generation/scoring with planned batch sizes."""
-
-    def __init__(
-        self, settings: ModelSettings, model: object, config: ModelConfig, model_id: str, tokenizer: Tokenizer | None
-    ) -> None:
-        from robot_llm.llm.tokenizer import load_tokenizer
-
-        self.settings = settings
-        self.model = model
-        self.config = config
-        self.model_id = model_id
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.vocab)
-
-    def generate(
-        self,
-        prompts: Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams],
-        on_progress: Callable[[int, int], None] | None = None,
-        on_step: Callable[[], None] | None = None,
-        followups: Sequence[Followup | None] | None = None,
-    ) -> list[Completion]:
-        """Continue ``prompts`` (one ``SamplingParams`` or one per prompt); see :func:`generate.generate`.
-
-        ``on_step`` is called after every forward pass and, with the stream engine, after
-        every layer of it too (one pass of a big batch can outlast the watchdog's patience).
-        """
-        from robot_llm.llm.engine.streaming import StreamingModel
-        from robot_llm.llm.generate import SamplingParams, generate, shared_prefix_length
-        from robot_llm.llm.scoring import followup_slots
-
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        encoded = [self.tokenizer.encode(p) for p in prompts]
-        prompt_tokens = max((len(ids) for ids in encoded), default=1)
-        new_tokens = max((p.max_new_tokens for p in per_prompt), default=0)
-        # The step that scores followups from the cache takes a few slots more per row.
-        extra = max((followup_slots(self.tokenizer, f) for f in followups or ()), default=0)
-        # Every batch shares at least the head all the prompts share (a batch of one template shares more).
-        shared = shared_prefix_length(encoded) if len(encoded) > 1 else 0
-        shared = shared if shared >= SHARE_PREFIX_MIN else 0
-        refill = self.settings.refill_slots
-        batch = self._prepare(len(prompts), prompt_tokens, new_tokens + extra + refill, shared)
-        streaming = isinstance(self.model, StreamingModel)
-        if streaming:
-            self.model.on_layer = on_step
-        try:
-            return generate(
-                self.model,
-                self.tokenizer,
-                prompts,
-                params,
-                batch_size=batch,
-                on_progress=on_progress,
-                on_step=on_step,
-                followups=followups,
-                share_prefix=SHARE_PREFIX_MIN,
-                refill_slots=refill,
-            )
-        finally:
-            if streaming:
-                self.model.on_layer = None
-
-    def score(self, prompt: str, continuations: Sequence[str]) -> list[float]:
-        """Sum of log-probabilities of each continuation after ``prompt``."""
-        return [float(sum(p)) for p in self.score_pieces(prompt, continuations)]
-
-    def score_pieces(self, prompt: str, continuations: Sequence[str]) -> list[list[float]]:
-        """Log-probability of every token of each continuation after ``prompt`` (a re-prefill)."""
-        from robot_llm.llm.scoring import score_pieces
-
-        longest = max((len(self.tokenizer.encode(prompt + c)) for c in continuations), default=1)
-        batch = self._prepare(len(continuations), longest, 0)
-        return score_pieces(self.model, self.tokenizer, prompt, continuations, batch_size=batch)
-
-    def _prepare(self, count: int, prompt_tokens: int, new_tokens: int, shared: int = 0) -> int:
-        """Batch size for this job: with the stream engine, planned for the engine as it is (or refused)."""
-        import torch
-
-        from robot_llm.llm.engine.streaming import StreamingModel
-
-        model = self.model
-        if not isinstance(model, StreamingModel) or count == 0:
-            return self.settings.max_batch_size
-        home = "ram" if model.home == "ram" else "split" if model.ram_layers else "disk"
-        kv_dtype = model.kv_dtype or _dtype_name(model.dtype)
-        # Planned for the engine as it runs: its threads too (the ones the night's rates were measured at,
-        # not the cores free this minute, which would measure again and time a thread count nothing uses).
-        settings = replace(
-            self.settings,
-            home=home,
-            dtype=_dtype_name(model.dtype),
-            kv_dtype=kv_dtype,
-            threads=torch.get_num_threads(),
-        )
-        work = Work(count, prompt_tokens, new_tokens, shared)
-        job = plan_run(settings, self.config, work, model.store.manifest)
-        model.micro_batch = min(job.micro_batch, self.settings.micro_batch or job.micro_batch)
-        model.kv_device = model.device if job.kv_home == "device" else torch.device("cpu")
-        model.attention_home = job.attention_home
-        log.info("plan: batch %d, micro-batch %d, KV on %s", job.batch_size, job.micro_batch, job.kv_home)
-        return job.batch_size
-
-    def close(self) -> None:
-        """Stop background work and free the engine's resources."""
-        close = getattr(self.model, "close", None)
-        if close is not None:
-            close()
+        if self.backend != "stream" and self.dtype in ("int8", "int4"):
+            raise BackendError(f"the {self.backend} backend computes in fp32, bf16 or fp16, not {self.dtype!r}")
 
 
 #: Where the GPU's rates come from when they are not probed (``doctor``, ``model plan``).
@@ -325,7 +222,8 @@ def plan_run(
     )
 
 
-def _set_threads(threads: int) -> None:
+def set_threads(threads: int) -> None:
+    """Compute with ``threads`` intra-op threads (the policy's, set once when the model opens)."""
     import torch
 
     if torch.get_num_threads() != threads:
@@ -333,11 +231,9 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _dtype_name(dtype: object) -> str:
-    return {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}[str(dtype)]
-
-
-def _config(settings: ModelSettings, manifest: Manifest | None) -> ModelConfig:
+def weights_config(settings: ModelSettings, manifest: Manifest | None = None) -> ModelConfig:
+    """The shape of the weights ``settings`` names: a store's manifest (``manifest``, when read already),
+    ``config_file``, ``preset``, or the release folder's ``config.json`` (or one folder above)."""
     if manifest is not None:
         return manifest.config
     if settings.store is not None:
@@ -347,13 +243,19 @@ def _config(settings: ModelSettings, manifest: Manifest | None) -> ModelConfig:
     if settings.preset is not None:
         return YalmConfig.preset(settings.preset)
     assert settings.checkpoint is not None
-    for path in (settings.checkpoint / "config.json", settings.checkpoint.parent / "config.json"):
+    candidates = [settings.config_file] if settings.config_file is not None else []
+    candidates += [settings.checkpoint / "config.json", settings.checkpoint.parent / "config.json"]
+    for path in candidates:
         if path.is_file():
-            return YalmConfig.from_json(path)
-    raise RobotLLMError(f"{settings.checkpoint} has no config.json; set preset (e.g. yalm-100b)")
+            try:
+                return YalmConfig.from_json(path)
+            except (ValueError, TypeError) as exc:
+                raise RobotLLMError(f"{path}: {exc}") from exc
+    tried = ", ".join(map(str, candidates))
+    raise RobotLLMError(f"no model config (tried {tried}): set preset (e.g. yalm-100b) or a config file")
 
 
-def _model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
+def model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
     """``<preset or yalm-custom>/<weights dtype>@<digest>``; the digest pins the exact weights when known."""
     name = next((n for n, c in PRESETS.items() if c == config), f"{config.family}-custom")
     manifest = weights / "manifest.json"
@@ -361,33 +263,43 @@ def _model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
     return f"{name}/{weights_dtype}@{hashlib.sha256(source).hexdigest()[:12]}"
 
 
-def open_model(
-    settings: ModelSettings, manifest: Manifest | None = None, tokenizer: Tokenizer | None = None
-) -> LoadedModel:
-    """Open the model described by ``settings`` (refuses a stream run whose weights cannot fit).
+def open_store(settings: ModelSettings, config: ModelConfig, manifest: Manifest | None) -> tuple[Store, Path | None]:
+    """The stream engine's store, and the temporary folder to delete with the model (None: kept).
 
-    ``manifest`` (``settings.store``'s) and ``tokenizer`` (``settings.vocab``'s): when the caller has
-    them already (a night derives them once); otherwise they are read here.
+    A release (no ``store``) is converted, fp16 or the int8/int4 ``dtype`` names, into
+    ``offload_dir/store`` (kept for the next run) or, without ``offload_dir``, a temporary folder.
     """
-    from robot_llm.llm.engine.backends import create_model, refusal
-    from robot_llm.llm.engine.request import BackendError, ModelRequest
+    import tempfile
 
-    if settings.store is None:
-        manifest = None
-    config = _config(settings, manifest)
-    reason = refusal(settings.backend, config.family)
-    if reason is not None:
-        raise BackendError(reason)
-    device = settings.device
+    from robot_llm.llm.store.reader import MANIFEST, Store
+    from robot_llm.llm.store.writer import convert
+
+    if settings.store is not None:
+        return Store(settings.store, manifest), None
+    assert settings.checkpoint is not None
+    temporary = None
+    if settings.offload_dir is not None:
+        store_dir = settings.offload_dir / "store"
+    else:
+        store_dir = temporary = Path(tempfile.mkdtemp(prefix="robot-llm-store-"))
+    if not (store_dir / MANIFEST).is_file():
+        store_dtype = settings.dtype if settings.dtype in ("int8", "int4") else "fp16"
+        log.info("converting %s into the %s store %s", settings.checkpoint, store_dtype, store_dir)
+        convert(settings.checkpoint, store_dir, dtype=store_dtype, config=config, trust_pickle=settings.trust_pickle)
+    return Store(store_dir), temporary
+
+
+def decide_policy(settings: ModelSettings, config: ModelConfig, manifest: Manifest | None) -> Policy:
+    """The policy the model opens with: for the stream engine the night's plan (:func:`night_work`, refused
+    with PlanError when it cannot fit; ``manifest``: its store's); for the others the device, the compute
+    dtype (``auto``: the family's on a GPU, bf16 on a CPU that has it natively, else fp32) and the threads."""
     if settings.backend == "stream":
-        return _open_stream(settings, config, manifest, tokenizer)
-
-    assert settings.checkpoint is not None or settings.store is not None
-    source = settings.store or settings.checkpoint
-    assert source is not None
+        assert manifest is not None
+        night = plan_run(settings, config, night_work(settings, config), manifest)
+        log.info("the night's plan:\n%s", night.describe())
+        return Policy.from_plan(night, settings.micro_batch)
     machine = machine_for(settings)
-    if device == "auto":
-        device = "cuda" if machine.has_gpu else "cpu"
+    device = settings.device if settings.device != "auto" else "cuda" if machine.has_gpu else "cpu"
     dtype = settings.dtype
     if dtype == "auto":
         dtype = (
@@ -397,49 +309,28 @@ def open_model(
         )
     elif device == "cuda":
         warn_gpu_dtype(config, dtype)
-    _set_threads(machine.compute_threads)
-    if settings.backend == "deepspeed":
-        from robot_llm.llm.engine.deepspeed import DeepSpeedModel
-
-        model: object = DeepSpeedModel(
-            source, config, offload=settings.offload, dtype=dtype, offload_dir=settings.offload_dir
-        )
-    else:
-        request = ModelRequest(checkpoint=source, config=config, dtype=dtype, device=device)
-        model = create_model("memory", request)
-    return LoadedModel(settings, model, config, _model_id(config, source, dtype), tokenizer)
-
-
-def _open_stream(
-    settings: ModelSettings, config: ModelConfig, manifest: Manifest | None, tokenizer: Tokenizer | None
-) -> LoadedModel:
-    from robot_llm.llm.engine.streaming import StreamingModel
-    from robot_llm.llm.store.reader import MANIFEST, Store
-    from robot_llm.llm.store.writer import convert
-
-    store_dir = settings.store
-    if store_dir is None:
-        assert settings.checkpoint is not None
-        if settings.offload_dir is None:
-            raise RobotLLMError("the stream engine needs a store; set store, or offload_dir to convert into")
-        store_dir = settings.offload_dir / "store"
-        if not (store_dir / MANIFEST).is_file():
-            log.info("converting %s into the store %s", settings.checkpoint, store_dir)
-            convert(settings.checkpoint, store_dir, dtype="fp16", config=config)
-    store = Store(store_dir, manifest if store_dir == settings.store else None)
-    # Refuse now what cannot fit; otherwise open the engine exactly as planned.
-    night = plan_run(settings, config, night_work(settings, config), store.manifest)
-    log.info("the night's plan:\n%s", night.describe())
-    _set_threads(night.threads)
-    model = StreamingModel(
-        store,
-        home="ram" if night.weight_home == "ram" else "disk",
-        ram_layers=night.ram_layers if night.weight_home == "split" else 0,
-        device=night.device,
-        dtype=night.compute_dtype,
-        kv_home=night.kv_home,
-        attention_home=night.attention_home,
-        micro_batch=min(night.micro_batch, settings.micro_batch or night.micro_batch),
-        kv_dtype=night.kv_dtype if night.kv_dtype in ("int8", "int4") else None,
+    home = "disk" if settings.backend == "deepspeed" and settings.offload == "nvme" else "ram"
+    return Policy(
+        device=device,
+        compute_dtype=dtype,
+        weight_home=home,
+        threads=machine.compute_threads,
+        micro_batch=settings.micro_batch,
     )
-    return LoadedModel(settings, model, config, _model_id(config, store.path, store.manifest.dtype), tokenizer)
+
+
+def plan_task(settings: ModelSettings, config: ModelConfig, policy: Policy, work: Work, manifest: Manifest) -> Task:
+    """One stream job's task, planned for its real work on the engine as the policy placed it (PlanError:
+    it cannot fit, before any token). Its threads are the policy's, at which the night's rates were measured,
+    not the cores free this minute (which would measure again and time a thread count nothing uses)."""
+    pinned = replace(
+        settings,
+        home=policy.weight_home,
+        dtype=policy.compute_dtype,
+        kv_dtype=policy.kv_dtype or policy.compute_dtype,
+        threads=policy.threads,
+    )
+    job = plan_run(pinned, config, work, manifest)
+    micro = min(job.micro_batch, policy.micro_batch or job.micro_batch)
+    log.info("plan: batch %d, micro-batch %d, KV on %s", job.batch_size, micro, job.kv_home)
+    return Task(job.batch_size, micro, job.kv_home, job.attention_home)

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache
+from robot_llm.llm.engine.policy import AttentionHome, KVHome, Task
 from robot_llm.llm.engine.stream_slots import LayerReadError, Slot, StreamStats, resolve_device
 from robot_llm.llm.families.config import embedding_is_head
 from robot_llm.llm.families.family import Params, Resident, prepare_step, resolve_dtype
@@ -67,8 +68,6 @@ from robot_llm.llm.store.reader import QUANTIZED, Store
 log = logging.getLogger(__name__)
 
 WeightHome = Literal["disk", "ram"]
-KVHome = Literal["device", "cpu"]
-AttentionHome = Literal["compute", "kv"]
 
 #: Tries of one layer read before the forward pass fails (a transient EIO or short read is retried).
 READ_ATTEMPTS = 4
@@ -99,7 +98,7 @@ class StreamingModel:
     copies the cache's slice to the compute device.
     ``quantized_head`` holds the LM head (and an embedding tied to it) as int8 per vocabulary row
     (:mod:`robot_llm.llm.store.qhead`); None (default): where a quantized store computes on the CPU.
-    ``on_layer``, when set, is called after every layer of every micro-batch.
+    The door fixes these (a :mod:`~robot_llm.llm.engine.policy` ``Policy``); one job's ``Task`` goes to each call.
     """
 
     def __init__(
@@ -132,9 +131,6 @@ class StreamingModel:
         self.kv_dtype = kv_dtype
         self.attention_home = attention_home
         self.micro_batch = micro_batch
-        # Called after every layer of every micro-batch: the watchdog's unit of liveness, since
-        # one forward pass of a big batch (a CPU-only prefill) can outlast batch.stall_timeout.
-        self.on_layer: Callable[[], None] | None = None
         self.prefetch = prefetch
         if home not in ("disk", "ram"):
             raise ValueError(f"weight home must be 'disk' or 'ram', got {home!r}")
@@ -191,12 +187,10 @@ class StreamingModel:
         # Two reader threads: the next layer's reads join the disk pool's queue while the last requests of
         # the layer before are still in flight, so the disk never waits at a file's end for the queue to
         # refill. All that follows a read (the GPU copy, conversions, stats) runs one layer at a time.
-        # Every layer in RAM on the CPU, and the reader would only wrap views (fused kernels, or the compute dtype):
-        # fill slots inline. Handing layers to a reader thread cost GIL handoffs worth more than the wrapping (a
-        # loaded 2-core box, int4 Gemma 3 270M, batch-1 decode: 28 of a step's 97 ms waited in the pool's queue).
+        # But every layer in RAM on the CPU with nothing to convert (fused kernels, or the compute dtype) fills inline:
+        # the threads' GIL handoffs cost 28 of a batch-1 decode step's 97 ms (int4 Gemma 3 270M, cProfile, loaded).
         same = self.fused or self.store.manifest.dtype == _DTYPE_NAMES.get(self.dtype)
-        inline = not self.cuda and self.ram_layers == cfg.num_layers and same
-        pool = prefetch and not inline
+        pool = prefetch and not (not self.cuda and self.ram_layers == cfg.num_layers and same)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="layer-reader") if pool else None
         self._after_read = threading.Lock()
         self._read_busy_until = 0.0
@@ -402,12 +396,14 @@ class StreamingModel:
 
     # ------------------------------------------------------------------ ForwardModel
 
-    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
-        """An empty cache in the compute dtype on the KV home."""
+    def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None, task: Task | None = None) -> KVCache:
+        """An empty cache in the compute dtype on the KV home (``task``'s, if it plans one, else the engine's)."""
+        home = task.kv_home if task is not None else None
+        device = self.kv_device if home is None else self.device if home == "device" else torch.device("cpu")
         cache = KVCache.allocate(
-            self.config, batch, max_len, dtype=self.dtype, device=self.kv_device, pad=pad, kv_dtype=self.kv_dtype
+            self.config, batch, max_len, dtype=self.dtype, device=device, pad=pad, kv_dtype=self.kv_dtype
         )
-        cache.attend_where_stored = self.attention_home == "kv"
+        cache.attend_where_stored = ((task and task.attention_home) or self.attention_home) == "kv"
         return cache
 
     @torch.inference_mode()
@@ -418,8 +414,12 @@ class StreamingModel:
         pad: Tensor | None = None,
         *,
         last_only: bool = False,
+        task: Task | None = None,
+        on_layer: Callable[[], None] | None = None,
     ) -> Tensor:
-        """Run ``ids [B, T]``; returns fp32 CPU logits (see ``ForwardModel.forward``)."""
+        """Run ``ids [B, T]``; returns fp32 CPU logits (see ``ForwardModel.forward``). ``task``: its prefill
+        micro-batch, else the engine's. ``on_layer`` after every layer of every micro-batch: the watchdog's unit
+        of liveness (one pass of a big batch, a CPU-only prefill, can outlast batch.stall_timeout)."""
         started = time.perf_counter()
         cfg, fam = self.config, self.family
         B, T = ids.shape
@@ -427,7 +427,7 @@ class StreamingModel:
         x = fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device)
         self.watch.reset()
         self.watch.note("the embedding", x)
-        rows = B if T == 1 or not self.micro_batch else self.micro_batch
+        rows = B if T == 1 else (task and task.micro_batch) or self.micro_batch or B
         if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
             self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
             self._prefetched = self._request(0)
@@ -440,8 +440,8 @@ class StreamingModel:
                 b = min(a + rows, B)
                 kv = cache.layer(i).rows(a, b) if cache is not None else None
                 x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
-                if self.on_layer is not None:
-                    self.on_layer()
+                if on_layer is not None:
+                    on_layer()
             self.watch.note(f"layer {i} ({self.paths[i].name})", x)
             if self.cuda:
                 assert self._current.free is not None

@@ -26,6 +26,14 @@ class ModelConfig(Protocol):
     family: ClassVar[str]
     #: The compute dtype on a GPU under ``dtype: auto``: where the GPU has native bf16, and where it has not.
     gpu_dtypes: ClassVar[tuple[str, str]]
+    #: The importer's names for the family: GGUF ``general.architecture`` values, Hugging Face
+    #: ``config.json`` ``model_type`` values, GGUF norm tensor names (after ``blk.N.``) -> store keys,
+    #: what llama.cpp adds to a stored norm gain, and the architectures whose q/k rows llama.cpp permuted.
+    gguf_architectures: ClassVar[tuple[str, ...]]
+    hf_model_types: ClassVar[tuple[str, ...]]
+    gguf_norms: ClassVar[dict[str, str]]
+    gguf_norm_offset: ClassVar[float]
+    gguf_permuted: ClassVar[tuple[str, ...]]
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -81,6 +89,12 @@ class YalmConfig:
     family: ClassVar[str] = "yalm"
     #: YaLM-100B was released and computes in fp16 (the original inference is fp16 throughout).
     gpu_dtypes: ClassVar[tuple[str, str]] = ("fp16", "fp16")
+    #: A YaLM release is its own layout (:mod:`robot_llm.llm.store.checkpoint`), never a GGUF or HF folder.
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    hf_model_types: ClassVar[tuple[str, ...]] = ()
+    gguf_norms: ClassVar[dict[str, str]] = {}
+    gguf_norm_offset: ClassVar[float] = 0.0
+    gguf_permuted: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for name in (

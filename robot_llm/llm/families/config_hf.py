@@ -116,6 +116,13 @@ class LlamaConfig:
     family: ClassVar[str] = "llama"
     #: Llama was trained in bf16; fp16 where the GPU lacks it.
     gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp16")
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+    hf_model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+    #: One norm before the MLP.
+    gguf_norms: ClassVar[dict[str, str]] = {"ffn_norm.weight": "post_attention_layernorm.weight"}
+    gguf_norm_offset: ClassVar[float] = 0.0
+    #: llama.cpp's converter permutes these architectures' q/k rows for its interleaved rotary.
+    gguf_permuted: ClassVar[tuple[str, ...]] = ("llama", "mistral")
 
     def __post_init__(self) -> None:
         _check_positive(self, _SIZES)
@@ -218,6 +225,17 @@ class Gemma3Config:
     family: ClassVar[str] = "gemma3"
     #: Gemma 3's activations exceed fp16's range (65504): bf16, else fp32, never fp16.
     gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp32")
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
+    hf_model_types: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
+    #: A norm after attention, one before and one after the MLP.
+    gguf_norms: ClassVar[dict[str, str]] = {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }
+    #: llama.cpp stores Gemma's RMSNorm gain as 1 + weight.
+    gguf_norm_offset: ClassVar[float] = 1.0
+    gguf_permuted: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))

@@ -1,10 +1,11 @@
 """The model families: one line each, naming the family's config class and the module of its forward pass.
 
 A config class is imported without torch; the forward module, which imports torch, only when a
-model is built. A family today is its forward module here (a
+model is built. A family is its forward module here (a
 :class:`~robot_llm.llm.families.family.Family` named ``FAMILY``), its config class (``config.py``
-for YaLM, ``config_hf.py`` for the Hugging Face families), its importer names in
-:mod:`robot_llm.llm.store.importers`, and one line below.
+for YaLM, ``config_hf.py`` for the Hugging Face families: they stay torch-free for the command
+line and the planner), which carries the importer's names for it (GGUF architectures, Hugging Face
+model types, GGUF norm names: :mod:`robot_llm.llm.store.importers` reads them here), and one line below.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def config_from_dict(data: dict[str, Any], family: str = "yalm") -> ModelConfig:
     """Build the config of ``family`` from its :meth:`ModelConfig.to_dict` form."""
     config: ModelConfig = config_class(family).from_dict(data)
     return config
+
+
+def gguf_config_class(architecture: str) -> Any:
+    """The config class of the family that computes GGUF ``general.architecture`` (None: no family does)."""
+    return next((cls for cls, _ in FAMILIES.values() if architecture in cls.gguf_architectures), None)
+
+
+def hf_config_class(model_type: str) -> Any:
+    """The config class of the family that computes Hugging Face ``model_type`` (None: no family does)."""
+    return next((cls for cls, _ in FAMILIES.values() if model_type in cls.hf_model_types), None)
 
 
 def family_of(cfg: ModelConfig) -> Family:

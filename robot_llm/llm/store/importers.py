@@ -36,6 +36,7 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.families.config_hf import FULL, SLIDING, Gemma3Config, LlamaConfig
 from robot_llm.llm.families.family import Params
+from robot_llm.llm.families.registry import FAMILIES, gguf_config_class, hf_config_class
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 from robot_llm.llm.store.reader import Manifest, StoreFile, file_name, is_quantized_key
 from robot_llm.llm.store.writer import convert_modules
@@ -72,23 +73,13 @@ _GGUF_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GGUF_NORMS = {
-    # Llama: one norm before the MLP.
-    "llama": {"ffn_norm.weight": "post_attention_layernorm.weight"},
-    # Gemma 3: a norm after attention, one before and one after the MLP.
-    "gemma3": {
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    },
-}
 _GGUF_RESIDENT: dict[str, tuple[ModuleKind, str]] = {
     "token_embd.weight": ("embedding", "embed_tokens.weight"),
     "output_norm.weight": ("output", "norm.weight"),
     "output.weight": ("output", "lm_head.weight"),
 }
-#: GGUF architectures computed by each family.
-_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma3": "gemma3"}
+#: Each family's own names (its architectures, its norms) are on its config class (the registry finds it).
+_SUPPORTED = ", ".join(a for cls, _ in FAMILIES.values() for a in cls.gguf_architectures)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -99,8 +90,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def gguf_config(reader: Any, path: Path) -> ModelConfig:
     """The family config a GGUF file describes (``general.architecture`` and its hyperparameters)."""
     arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ModelImportError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)})")
+    family = gguf_config_class(arch)
+    if family is None:
+        raise ModelImportError(f"{path}: GGUF architecture {arch!r} is not supported ({_SUPPORTED})")
 
     def get(key: str, default: Any = None) -> Any:
         value = _field(reader, f"{arch}.{key}", default)
@@ -123,7 +115,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             len(_field(reader, "tokenizer.ggml.tokens", [])) or _tensor(reader, "token_embd.weight").shape[1]
         ),
     }
-    if arch == "gemma3":
+    if family is Gemma3Config:
         window = int(get("attention.sliding_window"))
         # llama.cpp (and transformers' default) make every sixth layer global.
         types = tuple(SLIDING if (i + 1) % 6 else FULL for i in range(common["num_layers"]))
@@ -170,7 +162,7 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 def _gguf_by_module(reader: Any, path: Path) -> tuple[dict[tuple[str, int], dict[str, Any]], list[str]]:
     """The file's tensors by store module ``(kind, index)`` and Hugging Face key; the names of those it ignores."""
     arch = _field(reader, "general.architecture")
-    layer_names = _GGUF_LAYER | _GGUF_NORMS[_GGUF_ARCHS[arch]]
+    layer_names = _GGUF_LAYER | gguf_config_class(arch).gguf_norms
     by_module: dict[tuple[str, int], dict[str, Any]] = {}
     ignored = []
     for t in reader.tensors:
@@ -253,7 +245,8 @@ def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tup
     from gguf import dequantize
 
     arch = _field(reader, "general.architecture")
-    family = _GGUF_ARCHS[arch]
+    family = gguf_config_class(arch)
+    permuted = arch in family.gguf_permuted
     by_module, ignored = _gguf_by_module(reader, path)
     for name in ignored:
         log.warning("%s: ignoring tensor %s", path, name)
@@ -262,11 +255,11 @@ def iter_gguf_modules(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tup
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not w.flags.writeable:  # an F32 tensor is a view of the read-only memory map
             w = w.copy()
-        if family == "gemma3" and key.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's RMSNorm gain as 1 + weight
-        if arch in ("llama", "mistral") and key == "self_attn.q_proj.weight":
+        if family.gguf_norm_offset and key.endswith("norm.weight"):
+            w = w - family.gguf_norm_offset
+        if permuted and key == "self_attn.q_proj.weight":
             w = _unpermute(w, cfg.num_attention_heads)
-        if arch in ("llama", "mistral") and key == "self_attn.k_proj.weight":
+        if permuted and key == "self_attn.k_proj.weight":
             w = _unpermute(w, cfg.num_key_value_heads)
         return w
 
@@ -356,14 +349,6 @@ def gguf_tokenizer(reader: Any, path: Path) -> tuple[Any, dict[str, Any]]:
 
 # --------------------------------------------------------------------------- Hugging Face folders
 
-_HF_FAMILIES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
-    "llama": LlamaConfig.from_hf,
-    "mistral": LlamaConfig.from_hf,
-    "qwen2": LlamaConfig.from_hf,
-    "qwen3": LlamaConfig.from_hf,
-    "gemma3_text": Gemma3Config.from_hf,
-    "gemma3": Gemma3Config.from_hf,
-}
 
 
 def hf_config(folder: Path) -> ModelConfig:
@@ -371,10 +356,13 @@ def hf_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     model_type = data.get("model_type")
-    if model_type not in _HF_FAMILIES:
-        raise ModelImportError(f"{path}: model_type {model_type!r} is not supported ({', '.join(_HF_FAMILIES)})")
+    family = hf_config_class(model_type)
+    if family is None:
+        known = ", ".join(t for cls, _ in FAMILIES.values() for t in cls.hf_model_types)
+        raise ModelImportError(f"{path}: model_type {model_type!r} is not supported ({known})")
     try:
-        return _HF_FAMILIES[model_type](data)
+        config: ModelConfig = family.from_hf(data)
+        return config
     except (KeyError, ValueError) as exc:
         raise ModelImportError(f"{path}: {exc}") from exc
 
