@@ -60,8 +60,9 @@ from typing import Any
 import torch
 
 from robot_llm.llm.engine.runtime import night_work, plan_run
-from robot_llm.llm.families.config import ModuleKind, YalmConfig, module_plan
+from robot_llm.llm.families.config import ModuleKind, module_plan
 from robot_llm.llm.families.family import Params
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.model import Model, ModelSettings, Policy
 from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine
 from robot_llm.llm.plan.planner import HEADROOM, Work, plan

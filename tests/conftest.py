@@ -17,14 +17,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.tokenizer import YalmTokenizer
 from robot_llm.store.db import make_engine
+
+if TYPE_CHECKING:
+    from robot_llm.llm.families.yalm import YalmConfig
 
 PG_URL = os.environ.get("ROBOT_LLM_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parent.parent
@@ -94,6 +97,10 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_config() -> YalmConfig:
     """The fixture model's shape."""
+    # Imported here: YaLM's module (its config beside its forward pass) imports torch, which this
+    # conftest should not load for every test.
+    from robot_llm.llm.families.yalm import YalmConfig
+
     return YalmConfig.from_json(TINY / "config.json")
 
 

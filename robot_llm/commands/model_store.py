@@ -11,12 +11,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.families.config import PRESETS, ModelConfig, YalmConfig
-from robot_llm.llm.families.config_hf import HF_PRESETS
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
+
+if TYPE_CHECKING:
+    from robot_llm.llm.families.config import ModelConfig
 
 GB = 1e9
 #: The ``model plan`` option that states each rate (named where a rate is assumed).
@@ -40,11 +41,24 @@ def _progress_bar(total_label: str) -> Any:
     return tqdm(desc=total_label, unit="file")
 
 
+def _preset(name: str, *, release: bool = False) -> ModelConfig:
+    """The named config (``release``: a YaLM one, the only family with a release folder); a clear error else."""
+    from robot_llm.llm.families import registry
+
+    try:
+        config = registry.preset(name)
+    except ValueError as exc:
+        raise RobotLLMError(f"--preset: {exc}") from None
+    if release and config.family != "yalm":
+        raise RobotLLMError(f"--preset {name} is a {config.family} model: a release folder is YaLM's")
+    return config
+
+
 def _convert(args: argparse.Namespace) -> int:
     from robot_llm.llm.store.layout import StoreError
     from robot_llm.llm.store.writer import convert
 
-    config = YalmConfig.preset(args.preset) if args.preset else None
+    config = _preset(args.preset, release=True) if args.preset else None
     bar = _progress_bar("convert")
 
     def on_file(entry: Any, done: int, total: int) -> None:
@@ -136,7 +150,7 @@ def _plan(args: argparse.Namespace) -> int:
     config: ModelConfig
     weight_dtype, layer_sizes, int8_share = args.dtype or "fp16", None, 0.0
     if args.preset:
-        config = HF_PRESETS[args.preset] if args.preset in HF_PRESETS else YalmConfig.preset(args.preset)
+        config = _preset(args.preset)
     elif args.store:
         from robot_llm.llm.store.reader import read_manifest
 
@@ -254,7 +268,8 @@ def add_engine_commands(model_sub: Any) -> None:
         "than 5 bits per weight (Q5_0, Q6_K, Q8_0, ...), which are otherwise stored int8: the smallest store, "
         "at a cost in quality (Gemma 3 270M Q4_K_M: see README)",
     )
-    conv.add_argument("--preset", choices=sorted(PRESETS), help="model config when the release has no config.json")
+    # Preset names are checked when the command runs: the configs live with their families, which import torch.
+    conv.add_argument("--preset", help="YaLM model config when the release has no config.json (e.g. yalm-100b)")
     conv.add_argument("--trust-pickle", action="store_true", help="allow pickled objects in release files")
     conv.add_argument("--tokenizer", type=Path, help="tokenizer.json to store instead of the source's own (GGUF/HF)")
     conv.set_defaults(handler=_convert)
@@ -270,7 +285,7 @@ def add_engine_commands(model_sub: Any) -> None:
     ver.set_defaults(handler=_verify)
 
     pl = model_sub.add_parser("plan", help="plan batch size and memory placement for a batch job")
-    pl.add_argument("--preset", choices=sorted([*PRESETS, *HF_PRESETS]), help="model (or --store)")
+    pl.add_argument("--preset", help="a named model config, e.g. yalm-100b or llama-3.1-70b (or --store)")
     pl.add_argument(
         "--store", type=Path, help="a converted store (its config and weights' bytes; measures its read bandwidth)"
     )

@@ -2,8 +2,8 @@
 
 Subpackages, in the order a model is used:
 
-* :mod:`robot_llm.llm.families` -- each family's config (sizes, weight names and shapes per
-  module, named presets; no torch import) and forward pass, behind one interface;
+* :mod:`robot_llm.llm.families` -- each family in one file: its config (sizes, weight names and
+  shapes per module, the importer's names, named presets) and forward pass, behind one interface;
 * :mod:`robot_llm.llm.store` -- the weight store: reading, writing, importing (release
   checkpoints, GGUF, Hugging Face folders), quantisation and large reads;
 * :mod:`robot_llm.llm.plan` -- the memory planner and what it knows about the machine;
@@ -16,7 +16,3 @@ Subpackages, in the order a model is used:
 
 Importing this package does not import torch; import the submodules you need.
 """
-
-from robot_llm.llm.families.config import PRESETS, YalmConfig
-
-__all__ = ["PRESETS", "YalmConfig"]

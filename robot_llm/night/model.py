@@ -109,13 +109,13 @@ def night_facts(config: AppConfig) -> NightFacts:
 
 
 def model_shape(config: AppConfig, manifest: Manifest | None = None) -> Any:
-    """The :class:`~robot_llm.llm.families.config.YalmConfig` of the configured weights, as the runtime will see it.
+    """The :class:`~robot_llm.llm.families.yalm.YalmConfig` of the configured weights, as the runtime will see it.
 
     A store carries it in its manifest (``manifest``, when read already); a release checkpoint
     in a ``config.json`` next to (or one folder above) the weight files; a release without one (the published
     YaLM-100B) is the ``yalm-100b`` preset.
     """
-    from robot_llm.llm.families.config import YalmConfig
+    from robot_llm.llm.families.yalm import YalmConfig
 
     m = config.model
     if m.store is not None:

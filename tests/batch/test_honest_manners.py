@@ -137,7 +137,7 @@ def test_config_check_refuses_deepspeed_for_a_gemma_store(tmp_path, capsys):
     import torch
 
     from robot_llm.llm.families.config import module_plan
-    from robot_llm.llm.families.config_hf import Gemma3Config
+    from robot_llm.llm.families.gemma3 import Gemma3Config
     from robot_llm.llm.store.writer import write_store
 
     cfg = Gemma3Config(

@@ -131,6 +131,6 @@ def test_a_calibrated_night_scores_the_prior_once(benv, night, monkeypatch) -> N
 
 
 def _tiny_config():  # type: ignore[no-untyped-def]
-    from robot_llm.llm.families.config import YalmConfig
+    from robot_llm.llm.families.yalm import YalmConfig
 
     return YalmConfig.from_json(TINY / "config.json")

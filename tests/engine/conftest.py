@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from robot_llm.llm.engine.memory import Yalm
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.store.writer import convert
 
 # Tiny models: more intra-op threads only add synchronisation cost on shared CI cores.

@@ -13,8 +13,8 @@ import torch
 from robot_llm.commands.model import check_fixture
 from robot_llm.llm.engine.deepspeed import DeepSpeedModel
 from robot_llm.llm.engine.memory import Yalm
-from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.store.writer import write_store
 
 HERE = Path(__file__).resolve().parent

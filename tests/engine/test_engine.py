@@ -11,8 +11,8 @@ from torch import Tensor
 from robot_llm.commands.model import check_fixture
 from robot_llm.llm.engine.memory import InMemoryModel, Yalm
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.families.family import Weights
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.store.layout import SCALE_SUFFIX
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, dequantize_int4_into, dequantize_int8_into

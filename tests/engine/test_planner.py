@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.llm.families.config import PRESETS
-from robot_llm.llm.families.config_hf import HF_PRESETS
+from robot_llm.llm.families import gemma3, llama
+from robot_llm.llm.families.yalm import PRESETS
 from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
 from robot_llm.llm.plan.planner import (
     GB,
@@ -110,7 +110,7 @@ def test_cpu_compute_dtype_is_bf16_where_native_and_never_fp16() -> None:
     assert slow.prefill_seconds > plan(YALM, work, bf16_cpu).prefill_seconds
 
 
-LLAMA, GEMMA = HF_PRESETS["llama-3.1-70b"], HF_PRESETS["gemma-3-270m"]
+LLAMA, GEMMA = llama.PRESETS["llama-3.1-70b"], gemma3.PRESETS["gemma-3-270m"]
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families.config import module_plan
-from robot_llm.llm.families.config_hf import Gemma3Config
 from robot_llm.llm.families.family import embedding, grouped_attention, linear, random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.plan.machine import cpu_compute_path
 from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
 from robot_llm.llm.store.quant import ALIGN

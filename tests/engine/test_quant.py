@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
-from robot_llm.llm.families.config_hf import Gemma3Config, LlamaConfig
 from robot_llm.llm.families.family import Params, Weights, linear, random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
+from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,

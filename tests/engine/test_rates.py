@@ -13,7 +13,7 @@ import torch
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.engine.runtime import ModelSettings, machine_for, night_machine
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.plan import rates
 from robot_llm.llm.plan.machine import GPUError, Machine, cpu_has_native_bf16, usable_gpu_bytes
 from robot_llm.llm.plan.planner import Work, plan

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.store.checkpoint import module_plan
 from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
 from robot_llm.llm.store.reader import MANIFEST, PROGRESS, Store, StoreFile, read_manifest, sha256_file, verify

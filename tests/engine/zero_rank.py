@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from robot_llm.llm.engine.deepspeed import DeepSpeedModel
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 
 
 def main(fixture: Path, out: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from robot_llm.llm.engine.memory import Yalm
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 
 # The models here are tiny: intra-op threads only add synchronisation cost, which
 # explodes when the test machine's cores are shared.

@@ -9,8 +9,8 @@ import pytest
 from robot_llm.commands.main import main
 from robot_llm.errors import BackendError
 from robot_llm.llm.families.config import module_plan
-from robot_llm.llm.families.config_hf import Gemma3Config
 from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.model import Model, ModelSettings
 from robot_llm.llm.store.writer import convert_modules
 

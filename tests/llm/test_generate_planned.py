@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from robot_llm.commands.main import main
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.store.writer import convert
 
 

@@ -149,9 +149,9 @@ def test_missing_tensor_and_garbage_are_named(model: Any, tmp_path: Path, tokeni
 def test_each_importer_name_belongs_to_one_family() -> None:
     # A family's GGUF architectures and Hugging Face model types live on its config class; the registry finds
     # the one family that claims each (two claiming one name would import it as whichever is listed first).
-    from robot_llm.llm.families.registry import FAMILIES, gguf_config_class, hf_config_class
+    from robot_llm.llm.families.registry import config_classes, gguf_config_class, hf_config_class
 
-    for cls, _ in FAMILIES.values():
+    for cls in config_classes():
         assert all(gguf_config_class(arch) is cls for arch in cls.gguf_architectures), cls.family
         assert all(hf_config_class(model_type) is cls for model_type in cls.hf_model_types), cls.family
     assert gguf_config_class("qwen2").family == "llama" and hf_config_class("gemma3_text").family == "gemma3"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.store.checkpoint import (
     CheckpointError,
     CheckpointWarning,

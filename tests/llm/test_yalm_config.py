@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from robot_llm.llm.families.config import PRESETS, YalmConfig
+from robot_llm.llm.families.yalm import PRESETS, YalmConfig
 
 
 def test_fixture_config_is_the_tiny_preset(tiny_dir: Path) -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from robot_llm.llm.engine.memory import Yalm
-from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.families.original import generate_original
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.tokenizer import YalmTokenizer
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from robot_llm.llm.engine.memory import Yalm
-from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.scoring import score
 from robot_llm.llm.store.checkpoint import save_release

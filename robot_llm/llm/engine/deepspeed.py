@@ -40,9 +40,8 @@ from torch import Tensor, nn
 
 from robot_llm.errors import BackendError
 from robot_llm.llm.engine.kv_cache import KVCache
-from robot_llm.llm.families.config import YalmConfig
 from robot_llm.llm.families.family import Params, StepInfo, prepare_step, resolve_dtype
-from robot_llm.llm.families.yalm import embed, output_head, rope, transformer_layer
+from robot_llm.llm.families.yalm import YalmConfig, embed, output_head, rope, transformer_layer
 from robot_llm.llm.store.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.store.reader import MANIFEST, QUANTIZED, Store
 

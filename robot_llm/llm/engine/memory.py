@@ -7,9 +7,10 @@ from torch import Tensor
 
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache
-from robot_llm.llm.families.config import ModelConfig, YalmConfig
+from robot_llm.llm.families.config import ModelConfig
 from robot_llm.llm.families.family import Weights, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
+from robot_llm.llm.families.yalm import YalmConfig
 
 
 class InMemoryModel:
@@ -30,6 +31,9 @@ class InMemoryModel:
         self.weights = weights.to(self.device, self.dtype)
         self.rope = self.family.rope(cfg)
         self.watch = FiniteWatch()
+        #: The last pass's final hidden states before the output head (``[B, T, H]``, or ``[B, 1, H]`` with
+        #: ``last_only``): what a stance head reads at a followup's branch, in the same weight pass.
+        self.last_hidden: Tensor | None = None
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
         """An empty cache on the model's device in the compute dtype."""
@@ -58,6 +62,7 @@ class InMemoryModel:
             cache.advance(T)
         if last_only:
             x = x[:, -1:]
+        self.last_hidden = x
         return fam.head(x, w.resident, cfg).float().cpu()
 
     __call__ = forward

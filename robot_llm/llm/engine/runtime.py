@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 from robot_llm.errors import BackendError, RobotLLMError
 from robot_llm.llm.engine.policy import Policy, Task
-from robot_llm.llm.families.config import PRESETS, ModelConfig, YalmConfig
+from robot_llm.llm.families.config import ModelConfig
 from robot_llm.llm.plan.machine import Machine, detect_machine
 from robot_llm.llm.plan.planner import Plan, Work, auto_compute_dtype, gpu_compute_dtype, plan, warn_gpu_dtype
 from robot_llm.llm.plan.rates import measure_rates
@@ -240,8 +240,14 @@ def weights_config(settings: ModelSettings, manifest: Manifest | None = None) ->
         from robot_llm.llm.store.reader import read_manifest
 
         return read_manifest(settings.store).config
+    # YaLM's module (its config beside its forward pass) imports torch: only a release needs it here.
+    from robot_llm.llm.families.yalm import YalmConfig
+
     if settings.preset is not None:
-        return YalmConfig.preset(settings.preset)
+        try:
+            return YalmConfig.preset(settings.preset)
+        except ValueError as exc:
+            raise RobotLLMError(f"preset: {exc}") from None
     assert settings.checkpoint is not None
     candidates = [settings.config_file] if settings.config_file is not None else []
     candidates += [settings.checkpoint / "config.json", settings.checkpoint.parent / "config.json"]
@@ -257,6 +263,8 @@ def weights_config(settings: ModelSettings, manifest: Manifest | None = None) ->
 
 def model_id(config: ModelConfig, weights: Path, weights_dtype: str) -> str:
     """``<preset or yalm-custom>/<weights dtype>@<digest>``; the digest pins the exact weights when known."""
+    from robot_llm.llm.families.yalm import PRESETS
+
     name = next((n for n, c in PRESETS.items() if c == config), f"{config.family}-custom")
     manifest = weights / "manifest.json"
     source = manifest.read_bytes() if manifest.is_file() else json.dumps(config.to_dict(), sort_keys=True).encode()

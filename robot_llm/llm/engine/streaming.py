@@ -140,6 +140,7 @@ class StreamingModel:
         self.read_depth = read_depth
         self.stats = StreamStats()
         self.watch = FiniteWatch()
+        self.last_hidden: Tensor | None = None  # the last pass's pre-head states, as InMemoryModel.last_hidden
         # Quantized matrices go to torch's fused CPU kernels as stored, fp32 activations cast to bf16 for them:
         # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (quant.FUSED_COMPUTE_DTYPES).
         self.fused = not self.cuda and fused_on_cpu(self.store.manifest.dtype, _DTYPE_NAMES.get(self.dtype, ""))
@@ -453,8 +454,7 @@ class StreamingModel:
             self._prefetched = None
         if cache is not None:
             cache.advance(T)
-        if last_only:
-            x = x[:, -1:]
+        x = self.last_hidden = x[:, -1:] if last_only else x  # kept: a stance head reads the pre-head states
         logits = fam.head(x, self.resident, cfg).float().cpu()
         self.stats.forwards += 1
         self.stats.forward_seconds += time.perf_counter() - started

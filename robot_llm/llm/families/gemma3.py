@@ -1,4 +1,5 @@
-"""Gemma 3 (text) forward pass in plain PyTorch: the ``gemma3`` :class:`Family`.
+"""Gemma 3 (text) in one file: its config (:class:`Gemma3Config`, the importer's names, the presets) and its
+forward pass in plain PyTorch: the ``gemma3`` :class:`Family`.
 
 Written from transformers' ``modeling_gemma3`` behaviour. Per layer (keys of
 :meth:`Gemma3Config.layer_shapes`)::
@@ -17,12 +18,25 @@ scaled) and see everything. The LM head is the embedding matrix (unscaled).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
-from robot_llm.llm.families.config_hf import FULL, SLIDING, Gemma3Config
+from robot_llm.llm.families.config import (
+    HF_SIZES,
+    ModuleKind,
+    Shapes,
+    check_positive,
+    decoder_shapes,
+    from_fields,
+    hf_rope,
+)
 from robot_llm.llm.families.family import (
     Family,
     Params,
@@ -96,4 +110,160 @@ def output_head(x: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:
     return logits
 
 
+# --------------------------------------------------------------------------- config
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    """Gemma 3 (text): RMSNorm with ``(1 + weight)``, four norms per layer, QK-norm, GeGLU (tanh GELU),
+    embeddings scaled by ``sqrt(hidden)``, local sliding-window and global layers with their own rotary bases.
+
+    ``layer_types[i]`` is ``"sliding_attention"`` or ``"full_attention"``;
+    ``rope_scaling_factor`` is the linear scaling of the global layers' rotary.
+    """
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    vocab_size: int
+    layer_types: tuple[str, ...]
+    sliding_window_size: int = 512
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    rope_scaling_factor: float = 1.0
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+
+    family: ClassVar[str] = "gemma3"
+    #: Gemma 3's activations exceed fp16's range (65504): bf16, else fp32, never fp16.
+    gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp32")
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
+    hf_model_types: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
+    #: A norm after attention, one before and one after the MLP.
+    gguf_norms: ClassVar[dict[str, str]] = {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }
+    #: llama.cpp stores Gemma's RMSNorm gain as 1 + weight.
+    gguf_norm_offset: ClassVar[float] = 1.0
+    gguf_permuted: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        check_positive(self, HF_SIZES)
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}:
+            raise ValueError(f"layer_types must name {self.num_layers} layers as {SLIDING!r} or {FULL!r}")
+
+    def sliding_window(self, layer_index: int) -> int | None:
+        """Local layers see the last ``sliding_window_size`` positions, global layers everything."""
+        return self.sliding_window_size if self.layer_types[layer_index] == SLIDING else None
+
+    def layer_shapes(self, layer_index: int) -> Shapes:
+        """Hugging Face keys of ``model.layers.N`` and their shapes (Llama's plus QK-norm and two MLP norms)."""
+        del layer_index
+        d, H = self.head_dim, self.hidden_size
+        return decoder_shapes(self) | {
+            "self_attn.q_norm.weight": (d,),
+            "self_attn.k_norm.weight": (d,),
+            "pre_feedforward_layernorm.weight": (H,),
+            "post_feedforward_layernorm.weight": (H,),
+        }
+
+    def resident_shapes(self) -> dict[ModuleKind, Shapes]:
+        """The token embedding (also the LM head) and the final norm."""
+        return {
+            "embedding": {"embed_tokens.weight": (self.vocab_size, self.hidden_size)},
+            "output": {"norm.weight": (self.hidden_size,)},
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON serialisable)."""
+        data = dataclasses.asdict(self)
+        data["layer_types"] = list(self.layer_types)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Gemma3Config:
+        """Build from :meth:`to_dict` output."""
+        config: Gemma3Config = from_fields(cls, data)
+        return config
+
+    @classmethod
+    def from_gguf(cls, common: dict[str, Any], get: Callable[..., Any], names: set[str]) -> Gemma3Config:
+        """From a GGUF file's metadata: ``common`` (the sizes every family reads), ``get(key, default)`` (this
+        architecture's fields), ``names`` (its tensors)."""
+        window = int(get("attention.sliding_window"))
+        # llama.cpp (and transformers' default) make every sixth layer global.
+        types = tuple(SLIDING if (i + 1) % 6 else FULL for i in range(common["num_layers"]))
+        return cls(
+            **common,
+            layer_types=types,
+            sliding_window_size=window,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 1_000_000.0)),
+            rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
+            # llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim) (the 27B model aside).
+            query_pre_attn_scalar=float(common["head_dim"]),
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> Gemma3Config:
+        """From a Hugging Face ``config.json`` of a Gemma 3 text model (``text_config`` of a multimodal one)."""
+        hf = hf.get("text_config", hf)
+        layers = hf["num_hidden_layers"]
+        pattern = hf.get("sliding_window_pattern", 6)
+        types = hf.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        theta, scaling = hf_rope(hf, FULL)
+        local_theta, _ = hf_rope(hf, SLIDING)
+        if (scaling or {}).get("rope_type", (scaling or {}).get("type", "linear")) != "linear":
+            raise ValueError(f"Gemma 3 rope scaling {scaling} is not supported (only linear)")
+        return cls(
+            num_layers=layers,
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf["num_key_value_heads"],
+            head_dim=hf["head_dim"],
+            max_position_embeddings=hf["max_position_embeddings"],
+            vocab_size=hf["vocab_size"],
+            layer_types=tuple(types),
+            sliding_window_size=hf.get("sliding_window", 512),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta or 1_000_000.0,
+            rope_local_base_freq=local_theta or hf.get("rope_local_base_freq", 10_000.0),
+            rope_scaling_factor=float((scaling or {}).get("factor", 1.0)),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+        )
+
+
+#: Named Gemma 3 configs (for the planner; a converted store carries its own config).
+PRESETS: dict[str, Gemma3Config] = {
+    "gemma-3-270m": Gemma3Config(
+        num_layers=18,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        max_position_embeddings=32768,
+        vocab_size=262144,
+        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(18)),
+    ),
+}
+
+
+#: The registry's handle on this family's config (:mod:`robot_llm.llm.families.registry`).
+CONFIG = Gemma3Config
 FAMILY = Family(name="gemma3", rope=rope, embed=embed, layer=transformer_layer, head=output_head)

@@ -1,4 +1,5 @@
-"""The Llama family forward pass (Llama 2/3.x, Mistral, Qwen 2/2.5/3) in plain PyTorch: the ``llama`` :class:`Family`.
+"""The Llama family (Llama 2/3.x, Mistral, Qwen 2/2.5/3) in one file: its config (:class:`LlamaConfig`, the
+importer's names, the presets) and its forward pass in plain PyTorch: the ``llama`` :class:`Family`.
 
 Written from transformers' ``modeling_llama`` / ``modeling_qwen2`` / ``modeling_qwen3`` /
 ``modeling_mistral`` behaviour. Per layer (keys of :meth:`LlamaConfig.layer_shapes`)::
@@ -14,14 +15,26 @@ positions back. Logits are ``norm(x) @ lm_head`` (the embedding when tied).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
-from robot_llm.llm.families.config_hf import LlamaConfig
+from robot_llm.llm.families.config import (
+    HF_SIZES,
+    ModuleKind,
+    Shapes,
+    check_positive,
+    decoder_shapes,
+    from_fields,
+    hf_rope,
+)
 from robot_llm.llm.families.family import (
     Family,
     Params,
@@ -106,4 +119,165 @@ def output_head(x: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:
     return linear(rms_norm(x, out["norm.weight"], cfg.rms_norm_eps), head)
 
 
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Llama 2/3.x, Mistral and Qwen 2/2.5/3: pre-RMSNorm decoder, SwiGLU MLP, grouped-query attention.
+
+    ``qkv_bias`` (Qwen 2) adds biases to the q/k/v projections; ``o_bias`` to the
+    output projection (Llama's ``attention_bias`` sets both); ``qk_norm`` (Qwen 3)
+    RMS-normalises each query and key head before the rotary; ``rope_scaling`` is
+    the ``config.json`` dict (``llama3`` and ``linear`` are computed);
+    ``sliding_window_size`` (Mistral) limits every layer's attention span.
+    """
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window_size: int | None = None
+
+    family: ClassVar[str] = "llama"
+    #: Llama was trained in bf16; fp16 where the GPU lacks it.
+    gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp16")
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+    hf_model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+    #: One norm before the MLP.
+    gguf_norms: ClassVar[dict[str, str]] = {"ffn_norm.weight": "post_attention_layernorm.weight"}
+    gguf_norm_offset: ClassVar[float] = 0.0
+    #: llama.cpp's converter permutes these architectures' q/k rows for its interleaved rotary.
+    gguf_permuted: ClassVar[tuple[str, ...]] = ("llama", "mistral")
+
+    def __post_init__(self) -> None:
+        check_positive(self, HF_SIZES)
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if kind not in ("default", "llama3", "linear"):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+    def sliding_window(self, layer_index: int) -> int | None:
+        """Mistral-style models attend to the last ``sliding_window_size`` positions in every layer."""
+        del layer_index
+        return self.sliding_window_size
+
+    def layer_shapes(self, layer_index: int) -> Shapes:
+        """Hugging Face keys of ``model.layers.N`` and their shapes."""
+        del layer_index
+        shapes = decoder_shapes(self)
+        n, kv, d = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        if self.qkv_bias:
+            shapes |= {"self_attn.q_proj.bias": (n * d,), "self_attn.k_proj.bias": (kv * d,)}
+            shapes["self_attn.v_proj.bias"] = (kv * d,)
+        if self.qk_norm:
+            shapes |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        if self.o_bias:
+            shapes["self_attn.o_proj.bias"] = (self.hidden_size,)
+        return shapes
+
+    def resident_shapes(self) -> dict[ModuleKind, Shapes]:
+        """The token embedding; the final norm and, unless tied to the embedding, the LM head."""
+        output: Shapes = {"norm.weight": (self.hidden_size,)}
+        if not self.tie_word_embeddings:
+            output["lm_head.weight"] = (self.vocab_size, self.hidden_size)
+        return {"embedding": {"embed_tokens.weight": (self.vocab_size, self.hidden_size)}, "output": output}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LlamaConfig:
+        """Build from :meth:`to_dict` output."""
+        config: LlamaConfig = from_fields(cls, data)
+        return config
+
+    @classmethod
+    def from_gguf(cls, common: dict[str, Any], get: Callable[..., Any], names: set[str]) -> LlamaConfig:
+        """From a GGUF file's metadata: ``common`` (the sizes every family reads), ``get(key, default)`` (this
+        architecture's fields), ``names`` (its tensors)."""
+        window = get("attention.sliding_window", required=False)
+        if "rope_freqs.weight" in names:
+            raise ValueError(
+                "per-frequency rope factors (Llama 3.1 rope scaling) are not read from GGUF; "
+                "convert the model's Hugging Face folder instead"
+            )
+        return cls(
+            **common,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            tie_word_embeddings="output.weight" not in names,
+            sliding_window_size=None if window is None else int(window),
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` of a Llama, Mistral, Qwen2 or Qwen3 model."""
+        model_type = hf.get("model_type", "llama")
+        n = hf["num_attention_heads"]
+        theta, scaling = hf_rope(hf)
+        window = hf.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            window = None
+        return cls(
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_attention_heads=n,
+            num_key_value_heads=hf.get("num_key_value_heads") or n,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n,
+            max_position_embeddings=hf["max_position_embeddings"],
+            vocab_size=hf["vocab_size"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=theta or 10000.0,
+            rope_scaling=scaling,
+            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window_size=window,
+        )
+
+
+#: Llama 3.1's rotary scaling (its config.json's rope_scaling).
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+#: Named Llama-family configs (for the planner; a converted store carries its own config).
+PRESETS: dict[str, LlamaConfig] = {
+    "llama-3.1-70b": LlamaConfig(
+        num_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_ROPE,
+    ),
+}
+
+
+#: The registry's handle on this family's config (:mod:`robot_llm.llm.families.registry`).
+CONFIG = LlamaConfig
 FAMILY = Family(name="llama", rope=rope, embed=embed, layer=transformer_layer, head=output_head)

@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 
 from robot_llm.errors import RobotLLMError
-from robot_llm.llm.families.config import ModuleKind, YalmConfig
+from robot_llm.llm.families.config import ModuleKind
 from robot_llm.llm.families.config import module_plan as config_plan
 from robot_llm.llm.families.family import Params, Weights
+from robot_llm.llm.families.yalm import YalmConfig
 
 FILE_PATTERN = re.compile(r"^layer_(\d\d)-model_00-model_states\.pt$")
 

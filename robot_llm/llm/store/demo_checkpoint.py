@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from robot_llm.llm.families.config import YalmConfig
+from robot_llm.llm.families.yalm import YalmConfig
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,8 @@ import torch
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
-from robot_llm.llm.families.config_hf import FULL, SLIDING, Gemma3Config, LlamaConfig
 from robot_llm.llm.families.family import Params
-from robot_llm.llm.families.registry import FAMILIES, gguf_config_class, hf_config_class
+from robot_llm.llm.families.registry import config_classes, gguf_config_class, hf_config_class
 from robot_llm.llm.store.quant import DEFAULT_INT4_GROUP, GGUF_INT4_GROUP
 from robot_llm.llm.store.reader import Manifest, StoreFile, file_name, is_quantized_key
 from robot_llm.llm.store.writer import convert_modules
@@ -79,7 +78,7 @@ _GGUF_RESIDENT: dict[str, tuple[ModuleKind, str]] = {
     "output.weight": ("output", "lm_head.weight"),
 }
 #: Each family's own names (its architectures, its norms) are on its config class (the registry finds it).
-_SUPPORTED = ", ".join(a for cls, _ in FAMILIES.values() for a in cls.gguf_architectures)
+_SUPPORTED = ", ".join(a for cls in config_classes() for a in cls.gguf_architectures)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -94,9 +93,9 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     if family is None:
         raise ModelImportError(f"{path}: GGUF architecture {arch!r} is not supported ({_SUPPORTED})")
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, default: Any = None, *, required: bool = True) -> Any:
         value = _field(reader, f"{arch}.{key}", default)
-        if value is None:
+        if value is None and required:
             raise ModelImportError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
@@ -115,35 +114,11 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             len(_field(reader, "tokenizer.ggml.tokens", [])) or _tensor(reader, "token_embd.weight").shape[1]
         ),
     }
-    if family is Gemma3Config:
-        window = int(get("attention.sliding_window"))
-        # llama.cpp (and transformers' default) make every sixth layer global.
-        types = tuple(SLIDING if (i + 1) % 6 else FULL for i in range(common["num_layers"]))
-        return Gemma3Config(
-            **common,
-            layer_types=types,
-            sliding_window_size=window,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 1_000_000.0)),
-            rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
-            # llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim) (the 27B model aside).
-            query_pre_attn_scalar=float(common["head_dim"]),
-        )
-    window = _field(reader, f"{arch}.attention.sliding_window")
-    if "rope_freqs.weight" in names:
-        raise ModelImportError(
-            f"{path}: per-frequency rope factors (Llama 3.1 rope scaling) are not read from GGUF; "
-            "convert the model's Hugging Face folder instead"
-        )
-    return LlamaConfig(
-        **common,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        qkv_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        tie_word_embeddings="output.weight" not in names,
-        sliding_window_size=None if window is None else int(window),
-    )
+    try:  # the rest is the family's own (its config's from_gguf)
+        config: ModelConfig = family.from_gguf(common, get, names)
+    except ValueError as exc:
+        raise ModelImportError(f"{path}: {exc}") from None
+    return config
 
 
 def _tensor(reader: Any, name: str) -> Any:
@@ -358,7 +333,7 @@ def hf_config(folder: Path) -> ModelConfig:
     model_type = data.get("model_type")
     family = hf_config_class(model_type)
     if family is None:
-        known = ", ".join(t for cls, _ in FAMILIES.values() for t in cls.hf_model_types)
+        known = ", ".join(t for cls in config_classes() for t in cls.hf_model_types)
         raise ModelImportError(f"{path}: model_type {model_type!r} is not supported ({known})")
     try:
         config: ModelConfig = family.from_hf(data)

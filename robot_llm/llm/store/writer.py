@@ -23,8 +23,9 @@ from typing import Any
 
 from safetensors import SafetensorError
 
-from robot_llm.llm.families.config import ModelConfig, ModuleKind, YalmConfig, module_plan
+from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.families.family import Params
+from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.store.checkpoint import iter_release_modules
 from robot_llm.llm.store.checksum import ChecksumSpec, aux_digests, file_digests
 from robot_llm.llm.store.layout import LOGICAL_SHAPES, SCALE_SUFFIX, StoreError, save_aligned, write_json_atomic
