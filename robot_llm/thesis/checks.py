@@ -19,8 +19,8 @@ __all__ = [
     "FLAG_EXAMPLE",
     "FLAG_REPEATED",
     "degeneration_flags",
-    "own_words",
     "normalised",
+    "own_words",
     "thesis_direction",
 ]
 
