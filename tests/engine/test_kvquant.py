@@ -9,7 +9,10 @@ import torch
 
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.kvquant import QuantKV, kv_bits_per_value
+from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.tokenizer import YalmTokenizer
 
@@ -120,3 +123,37 @@ def test_the_engine_attends_where_the_cache_lives(stores: dict[str, Path], token
         logits.append(bf16.forward(first[:, -1:].argmax(-1), cache))
     assert float((logits[0] - logits[1]).abs().max()) <= 0.1
     bf16.close()
+
+
+def test_a_bf16_cache_under_fp32_compute_is_attended_as_stored_in_decode_and_close_to_fp32() -> None:
+    cfg = Gemma3Config(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=300,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window_size=5,
+        query_pre_attn_scalar=16.0,
+    )
+    model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+    ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(0))
+    pad = torch.tensor([0, 2, 4])
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = KVCache.allocate(cfg, 3, 16, dtype=dtype, pad=pad)
+        model.forward(ids, cache)
+        steps = [model.forward(ids[:, i : i + 1], cache) for i in range(3)]
+        logits[dtype] = torch.cat(steps, dim=1)
+        assert cache.k[0].dtype == dtype
+    # A decode step's keys are the cache's own slots (a view, no fp32 copy); a prefill's are cast up.
+    layer = cache.layer(0)
+    k = torch.randn(3, 1, 1, 16)
+    keys, _ = layer.update(k, k, fused=True)
+    assert keys.dtype == torch.bfloat16 and keys.data_ptr() == cache.k[0].data_ptr()
+    assert layer.update(k, k)[0].dtype == torch.float32
+    gap = (logits[torch.bfloat16] - logits[torch.float32]).abs().max().item()
+    assert 0 < gap < 0.05 * logits[torch.float32].abs().max().item()

@@ -129,6 +129,15 @@ def test_gpu_compute_dtype_follows_the_family_and_the_gpus_bf16(cfg, with_bf16: 
         assert "fp16" not in {gpu_compute_dtype(cfg, native) for native in (True, False)}
 
 
+def test_on_the_cpu_an_fp32_night_keeps_a_bf16_kv_cache_where_the_family_attends_it_as_stored() -> None:
+    work, cpu = Work(32, 512, 128), Machine(ram_bytes=int(64 * GB))
+    fp32, native = plan(GEMMA, work, cpu), plan(GEMMA, work, replace(cpu, cpu_bf16=True))
+    assert (fp32.compute_dtype, fp32.kv_dtype, native.kv_dtype) == ("fp32", "bf16", "bf16")
+    pinned = plan(GEMMA, work, cpu, kv_dtype="fp32")
+    assert fp32.memory["ram"]["KV cache"] * 2 == pinned.memory["ram"]["KV cache"]
+    assert plan(YALM, Work(4, 64, 8), Machine(ram_bytes=int(512 * GB))).kv_dtype == "fp32"  # YaLM casts it up
+
+
 def test_a_gemma_plan_on_a_gpu_computes_in_bf16_or_fp32_and_its_memory_follows() -> None:
     work = Work(64, 512, 128)
     gpu = Machine(ram_bytes=int(64 * GB), gpu_bytes=int(24 * GB))

@@ -35,8 +35,9 @@ class Policy:
     * ``weight_home``: where the stream engine keeps layers (``disk``; ``ram``; ``split``: the first
       ``ram_layers`` in RAM, the rest on disk). The memory backend holds everything (``ram``); DeepSpeed
       offloads to ``ram`` (its ``cpu``) or ``disk`` (``nvme``).
-    * ``kv_dtype``: ``int8``/``int4`` (compressed, :mod:`robot_llm.llm.engine.kvquant`) or None (the compute
-      dtype); ``kv_home`` and ``attention_home``: the night's worst case, a job's own plan may do better.
+    * ``kv_dtype``: ``int8``/``int4`` (compressed, :mod:`robot_llm.llm.engine.kvquant`), a float dtype other
+      than the compute dtype (``bf16`` under fp32 compute on the CPU), or None (the compute dtype);
+      ``kv_home`` and ``attention_home``: the night's worst case, a job's own plan may do better.
     * ``threads``: intra-op compute threads, set once at open.
     * ``micro_batch``: the most rows of one prefill pass, a cap on every job's planned micro-batch (None:
       each job's plan decides alone; an engine called directly, outside a job, then does not split).
@@ -63,7 +64,7 @@ class Policy:
             compute_dtype=plan.compute_dtype,
             weight_home=plan.weight_home,
             ram_layers=plan.ram_layers if plan.weight_home == "split" else 0,
-            kv_dtype=plan.kv_dtype if plan.kv_dtype in ("int8", "int4") else None,
+            kv_dtype=plan.kv_dtype if plan.kv_dtype != plan.compute_dtype else None,
             kv_home=plan.kv_home,
             attention_home=plan.attention_home,
             threads=plan.threads,

@@ -40,7 +40,7 @@ from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.policy import AttentionHome, KVHome, Task
 from robot_llm.llm.engine.stream_slots import LayerReadError, Slot, StreamStats, resolve_device
 from robot_llm.llm.families.config import embedding_is_head
-from robot_llm.llm.families.family import Params, Resident, prepare_step, resolve_dtype
+from robot_llm.llm.families.family import DTYPES, Params, Resident, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
 from robot_llm.llm.plan.machine import gpu_has_native_bf16
 from robot_llm.llm.plan.planner import gpu_compute_dtype
@@ -398,12 +398,13 @@ class StreamingModel:
     # ------------------------------------------------------------------ ForwardModel
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None, task: Task | None = None) -> KVCache:
-        """An empty cache in the compute dtype on the KV home (``task``'s, if it plans one, else the engine's)."""
+        """An empty cache on the KV home (``task``'s, if it plans one, else the engine's), in ``kv_dtype`` or else
+        the compute dtype."""
         home = task.kv_home if task is not None else None
         device = self.kv_device if home is None else self.device if home == "device" else torch.device("cpu")
-        cache = KVCache.allocate(
-            self.config, batch, max_len, dtype=self.dtype, device=device, pad=pad, kv_dtype=self.kv_dtype
-        )
+        kvd = self.kv_dtype
+        dtype = resolve_dtype(kvd) if kvd in DTYPES else self.dtype
+        cache = KVCache.allocate(self.config, batch, max_len, dtype=dtype, device=device, pad=pad, kv_dtype=kvd)
         cache.attend_where_stored = ((task and task.attention_home) or self.attention_home) == "kv"
         return cache
 

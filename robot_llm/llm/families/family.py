@@ -38,6 +38,7 @@ from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
+from robot_llm.llm.plan.machine import cpu_has_native_bf16
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
@@ -314,6 +315,13 @@ def rope_inv_freq(base: float, dim: int) -> Tensor:
 EAGER_MAX_SCORES = 1 << 24
 
 
+def _fast_matmul(q: Tensor) -> bool:
+    """Whether plain matmuls in ``q``'s dtype are fast here: not for bf16/fp16 on a CPU without native bf16
+    (a bf16 cache read in place under fp32 compute, :func:`~robot_llm.llm.engine.kv_cache.reads_in_place`:
+    the eager decode path then takes 21 ms a layer against the fused kernel's 2.7, AVX2 kernels)."""
+    return q.dtype == torch.float32 or q.device.type != "cpu" or cpu_has_native_bf16()
+
+
 def grouped_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
 ) -> Tensor:
@@ -341,7 +349,7 @@ def grouped_attention(
     rows = q.view(B, T, kv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, kv, group * T, hd)
     keys, values = k.transpose(1, 2), v.transpose(1, 2)
     forbidden = mask if group == 1 else mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(B, 1, group * T, -1)
-    eager = T == 1 < B and B * n * keys.shape[2] <= EAGER_MAX_SCORES
+    eager = T == 1 < B and B * n * keys.shape[2] <= EAGER_MAX_SCORES and _fast_matmul(q)
     if softcap is None and not eager:
         out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=~forbidden, scale=scale)
     else:

@@ -82,7 +82,7 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     mask = step.mask_for(cfg.sliding_window(index))
     if kv is not None:
-        k, v = kv.update(k, v)
+        k, v = kv.update(k, v, fused=True)
         q, mask = attend_with(q, mask, k)
     o = grouped_attention(q, k, v, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcapping)
     o = o.to(a_in.device, a_in.dtype)
@@ -146,6 +146,7 @@ class Gemma3Config:
     family: ClassVar[str] = "gemma3"
     #: Gemma 3's activations exceed fp16's range (65504): bf16, else fp32, never fp16.
     gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp32")
+    kv_read_as_stored: ClassVar[bool] = True
     gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
     hf_model_types: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
     #: A norm after attention, one before and one after the MLP.

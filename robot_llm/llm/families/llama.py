@@ -95,7 +95,7 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     mask = step.mask_for(cfg.sliding_window_size)
     if kv is not None:
-        k, v = kv.update(k, v)
+        k, v = kv.update(k, v, fused=True)
         q, mask = attend_with(q, mask, k)
     o = grouped_attention(q, k, v, mask, 1.0 / math.sqrt(d)).to(a_in.device, a_in.dtype)
     return linear(o, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
@@ -153,6 +153,7 @@ class LlamaConfig:
     family: ClassVar[str] = "llama"
     #: Llama was trained in bf16; fp16 where the GPU lacks it.
     gpu_dtypes: ClassVar[tuple[str, str]] = ("bf16", "fp16")
+    kv_read_as_stored: ClassVar[bool] = True
     gguf_architectures: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
     hf_model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
     #: One norm before the MLP.

@@ -167,6 +167,7 @@ class YalmConfig:
     family: ClassVar[str] = "yalm"
     #: YaLM-100B was released and computes in fp16 (the original inference is fp16 throughout).
     gpu_dtypes: ClassVar[tuple[str, str]] = ("fp16", "fp16")
+    kv_read_as_stored: ClassVar[bool] = False
     #: A YaLM release is its own layout (:mod:`robot_llm.llm.store.checkpoint`), never a GGUF or HF folder.
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
     hf_model_types: ClassVar[tuple[str, ...]] = ()
