@@ -9,6 +9,7 @@ item's scores; an item not in the context is left unplaced.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -66,6 +67,11 @@ def _close(a: list[tuple[tuple[float, ...], ...]], b: list[tuple[tuple[float, ..
             assert p == pytest.approx(q, abs=tol)
 
 
+def _gap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
+    """The largest difference between two items' label piece scores."""
+    return max(abs(p - q) for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=True))
+
+
 def test_item_scores_from_the_cache_equal_the_rescored_path_and_the_first_item_a_plain_prefill(
     tiny_model: Yalm, tokenizer: YalmTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -90,11 +96,11 @@ def test_an_item_ignores_the_items_after_it_and_differs_from_its_neighbours(
     base = _items(_run(tiny_model, tokenizer, NEWS[:1])[0])
     changed = _items(_run(tiny_model, tokenizer, [[*NEWS[0][:2], "Банк разорился"]])[0])
     _close(base[:2], changed[:2], 1e-5)
-    assert max(abs(p - q) for x, y in zip(base[2], changed[2], strict=True) for p, q in zip(x, y)) > 1e-3
+    assert _gap(base[2], changed[2]) > 1e-3
     # Item 1 does not see item 0's keys: its scores are not those of the prompt up to it.
     prompt, spans = _prompt(NEWS[0])
     whole = score_pieces(tiny_model, tokenizer, prompt[: spans[1][1]] + "\nИтог:", LABELS)
-    assert max(abs(p - q) for x, y in zip(base[1], whole, strict=True) for p, q in zip(x, y)) > 1e-4
+    assert _gap(base[1], whole) > 1e-4
 
 
 def test_an_item_outside_the_context_is_not_placed(tiny_model: Yalm, tokenizer: YalmTokenizer) -> None:
