@@ -6,13 +6,12 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from batch_helpers import TINY, TINY_TEMPLATE, VOCAB
+from batch_helpers import TINY, TINY_TEMPLATE, VOCAB, add_news
 
 from robot_llm.forecasts import Forecasts
 from robot_llm.night.plan import plan_night
 from robot_llm.night.stance import StanceSpec, parse_stance_spec, stance_from_pieces
 from robot_llm.night.worker import run_queue
-from robot_llm.store.db import NewsItem, NewsTicker, session_scope
 from robot_llm.thesis.items import item_spans
 
 LABELS = ((" up", 1.0), (" down", -1.0), (" flat", 0.0))
@@ -23,22 +22,6 @@ TEMPLATE = TINY_TEMPLATE.replace(
 ).replace('    " flat": 0\n', '    " flat": 0\n  news:\n    cue: " so"\n    before: "\\n:"\n    items: true\n')
 
 
-def _news(benv, night, ticker: str, title: str, key: str, hours: int) -> int:  # type: ignore[no-untyped-def]
-    with session_scope(benv.engine) as s:
-        item = NewsItem(
-            feed="wire",
-            item_key=key,
-            title=title,
-            summary="",
-            fetched_at=night - timedelta(hours=hours),
-            content_hash=key,
-        )
-        item.tickers.append(NewsTicker(ticker=ticker))
-        s.add(item)
-        s.flush()
-        return item.id
-
-
 def test_each_news_item_gets_a_stance_stored_and_read_back(benv, night) -> None:  # type: ignore[no-untyped-def]
     from robot_llm.llm.engine.memory import Yalm
     from robot_llm.llm.families.yalm import YalmConfig
@@ -47,9 +30,9 @@ def test_each_news_item_gets_a_stance_stored_and_read_back(benv, night) -> None:
 
     (benv.prompts_dir / "tiny.j2").write_text(TEMPLATE, encoding="utf-8")
     config = benv.config()
-    _news(benv, night, "T000", "Company cuts jobs", "a", 3)
-    _news(benv, night, "T000", "Company raises its dividend", "b", 2)
-    _news(benv, night, "T001", "Company wins a contract", "c", 2)
+    add_news(benv, night, "T000", "Company cuts jobs", "a", 3)
+    add_news(benv, night, "T000", "Company raises its dividend", "b", 2)
+    add_news(benv, night, "T001", "Company wins a contract", "c", 2)
     plan_night(config, benv.engine, night)
     assert run_queue(config, benv.engine, as_of=night, progress=False, preflight=False).done == 3
     model = Yalm.from_release(str(TINY / "weights"), YalmConfig.from_json(TINY / "config.json"))
