@@ -14,7 +14,9 @@ from dataclasses import replace
 
 import pytest
 
-from robot_llm.llm.engine.memory import Yalm
+from robot_llm.llm.engine.memory import InMemoryModel, Yalm
+from robot_llm.llm.families.family import ForwardModel, random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.generate import Completion, SamplingParams, generate
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer
@@ -37,7 +39,9 @@ def _news(spans: tuple[tuple[int, int], ...]) -> Followup:
     return Followup("\nИтог:", LABELS, after_prompt=True, anchor=ANCHOR, items=spans)
 
 
-def _run(model: Yalm, tokenizer: YalmTokenizer, news: list[list[str]], *, then: bool = True) -> list[Completion]:
+def _run(
+    model: ForwardModel, tokenizer: YalmTokenizer, news: Sequence[list[str]], *, then: bool = True
+) -> list[Completion]:
     prompts, followups = [], []
     for items in news:
         prompt, spans = _prompt(items)
@@ -88,6 +92,31 @@ def test_item_scores_from_the_cache_equal_the_rescored_path_and_the_first_item_a
             prompt, spans = _prompt(items)
             first = score_pieces(tiny_model, tokenizer, prompt[: spans[0][1]] + "\nИтог:", LABELS)
             _close(_items(c)[:1], [tuple(tuple(x) for x in first)], 1e-4)
+
+
+def test_item_scores_on_gemma3_with_sliding_windows(tokenizer: YalmTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Windows of 5 positions, shorter than the news block: an item branch's keys are limited by its
+    # item's span and by the sliding window, both measured in positions, across masked slots.
+    import robot_llm.llm.generate as generation
+
+    cfg = Gemma3Config(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=tokenizer.vocab_size,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window_size=5,
+        query_pre_attn_scalar=16.0,
+    )
+    model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+    cached = _run(model, tokenizer, NEWS)
+    monkeypatch.setattr(generation, "followup_slots", lambda tokenizer, followup: 0)
+    for c, r in zip(cached, _run(model, tokenizer, NEWS), strict=True):
+        _close(_items(c), _items(r), 1e-4)
 
 
 def test_an_item_ignores_the_items_after_it_and_differs_from_its_neighbours(
