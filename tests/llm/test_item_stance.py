@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -92,6 +93,27 @@ def test_item_scores_from_the_cache_equal_the_rescored_path_and_the_first_item_a
             prompt, spans = _prompt(items)
             first = score_pieces(tiny_model, tokenizer, prompt[: spans[0][1]] + "\nИтог:", LABELS)
             _close(_items(c)[:1], [tuple(tuple(x) for x in first)], 1e-4)
+
+
+def test_item_branches_take_no_weight_pass_of_their_own(tiny_model: Yalm, tokenizer: YalmTokenizer) -> None:
+    calls: list[int] = []
+    forward = tiny_model.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tiny_model, "forward", counted)
+        _run(tiny_model, tokenizer, NEWS)
+        with_items = len(calls)
+        calls.clear()
+        prompts = [_prompt(items)[0] for items in NEWS]
+        thesis = Followup("\nИтог:", LABELS)
+        plain = [replace(thesis, then=_news(())) for _ in prompts]  # the same followups, no items
+        params = [SamplingParams(max_new_tokens=n, greedy=True) for n in (3, 6, 2)]
+        generate(tiny_model, tokenizer, prompts, params, batch_size=len(prompts), followups=plain)
+    assert with_items == len(calls)
 
 
 def test_item_scores_on_gemma3_with_sliding_windows(tokenizer: YalmTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
