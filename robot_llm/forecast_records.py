@@ -60,6 +60,19 @@ def require_aware(value: Any, name: str = "moment") -> datetime:
 
 
 @dataclass(frozen=True, slots=True)
+class ItemStance:
+    """One news item's stance in a thesis's prompt: -1 .. +1, its label and per-label probabilities.
+
+    ``stance`` and ``label`` are None (``probs`` empty) for an item the night could not place.
+    """
+
+    news_id: int
+    stance: float | None
+    label: str | None
+    probs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class ThesisRecord:
     """One thesis as a strategy sees it, with its time contract.
 
@@ -77,6 +90,8 @@ class ThesisRecord:
     and ``news_stance`` the one read from the news items, whichever ``stance`` is not;
     ``stance_source`` says which reading ``stance`` is (``thesis``, ``news`` or ``head``: a
     stance head on the model's hidden state, when one ships beside the weights).
+    ``item_stances`` are each news item's own stance (templates with ``stance.news.items``),
+    ``item_stance`` their mean over the placed items (None: none placed, or none asked).
     """
 
     id: int
@@ -102,6 +117,8 @@ class ThesisRecord:
     text_stance: float | None = None
     news_stance: float | None = None
     stance_source: str | None = None
+    item_stance: float | None = None
+    item_stances: tuple[ItemStance, ...] = ()
 
     @property
     def abstained(self) -> bool:
@@ -156,6 +173,8 @@ THESIS_COLUMNS = (
     Thesis.text_stance,
     Thesis.news_stance,
     Thesis.stance_source,
+    Thesis.item_stance,
+    Thesis.item_stances,
 )
 
 SIGNAL_COLUMNS = (
@@ -181,6 +200,15 @@ def thesis_record(row: Any) -> ThesisRecord:
     values["up_probability"] = up_probability(values["stance"], values["stance_label"], values["score"], labels)
     values["flags"] = tuple(str(f) for f in values["flags"] or ())
     values["stance_probs"] = {str(k): float(v) for k, v in (values["stance_probs"] or {}).items()}
+    values["item_stances"] = tuple(
+        ItemStance(
+            news_id=int(e["news_id"]),
+            stance=None if e.get("stance") is None else float(e["stance"]),
+            label=e.get("label"),
+            probs={str(k): float(v) for k, v in (e.get("probs") or {}).items()},
+        )
+        for e in values["item_stances"] or ()
+    )
     return ThesisRecord(**values)
 
 

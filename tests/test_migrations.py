@@ -155,10 +155,11 @@ def test_0004_stance_keeps_stored_theses_and_gives_them_defaults(empty_db_url: s
         migrate.upgrade(empty_db_url)
         with engine.connect() as conn:
             row = conn.execute(
-                text("SELECT kind, flags, stance_probs, text_stance, news_stance, stance FROM theses")
+                text("SELECT kind, flags, stance_probs, text_stance, news_stance, stance, item_stances FROM theses")
             ).one()
         assert row.kind == "thesis" and row.text_stance is None and row.news_stance is None and row.stance == 0.5
         assert row.flags in ("[]", []) and row.stance_probs in ("{}", {})
+        assert row.item_stances in ("[]", [])  # revision 0006: stored rows have no item stances
         migrate.downgrade(empty_db_url, "0001")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM theses")).scalar_one() == 1
@@ -180,5 +181,23 @@ def test_0005_stance_source_leaves_stored_theses_without_a_source(empty_db_url: 
         migrate.downgrade(empty_db_url, "0004")
         with engine.connect() as conn:
             assert "stance_source" not in {c["name"] for c in inspect(conn).get_columns("theses")}
+    finally:
+        engine.dispose()
+
+
+def test_0006_item_stances_leave_stored_theses_without_item_stances(empty_db_url: str) -> None:
+    """Revision 0006 adds ``item_stance`` (None) and ``item_stances`` (an empty list for rows stored before it)."""
+    migrate.upgrade(empty_db_url, "0005")
+    engine = make_engine(empty_db_url)
+    try:
+        with engine.connect() as conn:
+            assert not {"item_stance", "item_stances"} & {c["name"] for c in inspect(conn).get_columns("theses")}
+        migrate.upgrade(empty_db_url)
+        with engine.connect() as conn:
+            columns = {c["name"]: c for c in inspect(conn).get_columns("theses")}
+        assert columns["item_stance"]["nullable"] is True and columns["item_stances"]["nullable"] is False
+        migrate.downgrade(empty_db_url, "0005")
+        with engine.connect() as conn:
+            assert not {"item_stance", "item_stances"} & {c["name"] for c in inspect(conn).get_columns("theses")}
     finally:
         engine.dispose()

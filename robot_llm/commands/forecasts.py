@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,10 +73,19 @@ def _show(args: argparse.Namespace) -> int:
         as_of_local, available, valid = (t.astimezone(zone).isoformat() for t in _times(rec))
         print(f"  data as of {as_of_local}, available {available}, valid until {valid}")
         print(f"  model {rec.model_id}, template {rec.template_name}@{rec.template_version}")
-        print(f"  inputs: news {list(rec.news_ids)}, signals {list(rec.signal_ids)}")
+        print(f"  inputs: news {list(rec.news_ids)}, signals {list(rec.signal_ids)}{_items_line(rec)}")
         for line in rec.text.strip().splitlines() or [""]:
             print(f"  | {line}")
     return 0
+
+
+def _items_line(rec: ThesisRecord) -> str:
+    """``; item stances placed/asked, mean`` for a thesis whose template scored each news item ("" otherwise)."""
+    if not rec.item_stances:
+        return ""
+    placed = sum(i.stance is not None for i in rec.item_stances)
+    mean = "n/a" if rec.item_stance is None else f"{rec.item_stance:+.2f}"
+    return f"; item stances {placed}/{len(rec.item_stances)}, mean {mean}"
 
 
 def _times(rec: ThesisRecord) -> tuple[datetime, datetime, datetime]:
@@ -87,8 +96,8 @@ def _times(rec: ThesisRecord) -> tuple[datetime, datetime, datetime]:
 def _csv_value(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
-    if isinstance(value, tuple):
-        return json.dumps(list(value))
+    if isinstance(value, tuple):  # id lists, and the item stances (dataclasses)
+        return json.dumps([asdict(v) if is_dataclass(v) else v for v in value], ensure_ascii=False)
     if isinstance(value, dict):
         return json.dumps(value, ensure_ascii=False)
     return "" if value is None else value

@@ -29,10 +29,12 @@ from robot_llm.llm.engine.finite import check_logits
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.slots import tree_layout
 from robot_llm.llm.families.family import ForwardModel
-from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, tree_hidden, tree_scores
+from robot_llm.llm.scoring import Followup, Tree, followup_slots, item_scores, plan_tree, tree_hidden, tree_scores
 from robot_llm.llm.tokenizer import Tokenizer
 
 FinishReason = Literal["eos", "stop", "length"]
+#: Per news item, each label's per-token log-probabilities (None: the item could not be placed).
+ItemScores = tuple[tuple[tuple[float, ...], ...] | None, ...]
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class Completion:
     followup_logprobs: tuple[tuple[float, ...], ...] | None = None
     then_logprobs: tuple[tuple[float, ...], ...] | None = None  # the followup's ``then``
     hidden: tuple[float, ...] | None = None  # the hidden state where a ``Followup(hidden=True)`` was scored
+    item_logprobs: ItemScores | None = None  # per ``Followup.items`` span (the followup or its ``then``'s)
 
 
 def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0) -> Tensor:
@@ -146,6 +149,7 @@ class _Row:
     followup_logprobs: tuple[tuple[float, ...], ...] | None = None
     then_logprobs: tuple[tuple[float, ...], ...] | None = None
     hidden: tuple[float, ...] | None = None
+    item_logprobs: ItemScores | None = None
 
     def push(self, token: int, tokenizer: Tokenizer) -> None:
         self.new_ids.append(token)
@@ -173,6 +177,7 @@ class _Row:
             followup_logprobs=self.followup_logprobs,
             then_logprobs=self.then_logprobs,
             hidden=self.hidden,
+            item_logprobs=self.item_logprobs,
         )
 
     def followup_context(self, tokenizer: Tokenizer, followup: Followup | None = None) -> str:
@@ -276,7 +281,7 @@ def _run_batch(
         if trees or fills:
             shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
             shapes |= {b: (len(f), [], True) for b, f in fills.items()}
-            cache.layout = tree_layout(len(rows), steps, shapes, cache.slots)
+            cache.layout = tree_layout(len(rows), steps, shapes, cache.slots, {b: t.placed() for b, t in trees.items()})
         out = model.forward(step, cache, last_only=not (trees or fills))
         if on_step is not None:
             on_step()
@@ -287,7 +292,7 @@ def _run_batch(
                 rows[b].then_logprobs = scores
             else:
                 rows[b].followup_logprobs = scores
-            _keep_hidden(model, rows[b], b, trees[b], then=b in seconds)
+            _keep_hidden(model, rows[b], b, trees[b], out, then=b in seconds)
         for b, tree in trees.items():
             second = _then_tree(tokenizer, rows[b], tree, max_pos, cache, shared) if b not in seconds else None
             if second is not None:  # the row stays out of the refill until its second followup is read
@@ -439,7 +444,7 @@ def _rescore(
         for b, tree in trees.items():
             step[b, : len(tree.tokens)] = torch.tensor(tree.tokens)
         shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
-        cache.layout = tree_layout(len(chunk), steps, shapes, cache.slots)
+        cache.layout = tree_layout(len(chunk), steps, shapes, cache.slots, {b: t.placed() for b, t in trees.items()})
         out = model.forward(step, cache)
         for b, tree in trees.items():
             check_logits(out[b, : len(tree.tokens)], model)
@@ -448,12 +453,14 @@ def _rescore(
                 chunk[b][0].then_logprobs = scores
             else:
                 chunk[b][0].followup_logprobs = scores
-            _keep_hidden(model, chunk[b][0], b, trees[b], then=then)
+            _keep_hidden(model, chunk[b][0], b, trees[b], out, then=then)
 
 
-def _keep_hidden(model: ForwardModel, r: _Row, b: int, tree: Tree, *, then: bool) -> None:
-    """Keep row ``r``'s hidden state at ``tree``'s trunk end when the followup just scored asks for it."""
+def _keep_hidden(model: ForwardModel, r: _Row, b: int, tree: Tree, logits: Tensor, *, then: bool) -> None:
+    """Keep row ``r``'s hidden state at ``tree``'s trunk end, and its items' scores, when the followup asks."""
     assert r.followup is not None
     followup = r.followup.then if then else r.followup
     if followup is not None and followup.hidden:
         r.hidden = tree_hidden(model, b, tree)
+    if followup is not None and followup.items:
+        r.item_logprobs = item_scores(logits, b, tree)

@@ -37,6 +37,7 @@ class Followup:
     anchor: str | None = None  # with after_prompt: the prompt is cut before the last occurrence of this
     then: Followup | None = None  # scored in the step after this one, from the same row's cache
     hidden: bool = False  # keep the model's hidden state at the cue's last token (a stance head reads it)
+    items: tuple[tuple[int, int], ...] = ()  # with after_prompt: news items' char spans in the prompt (see plan_items)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "continuations", tuple(self.continuations))
@@ -84,10 +85,40 @@ class Tree:
     trunk: list[int]
     branches: list[list[int]]  # every continuation's tokens but its last (which is only predicted)
     targets: list[list[int]]  # every continuation's tokens
+    items: tuple[ItemBranches | None, ...] = ()  # one per Followup.items span; None: it could not be placed
 
     @property
     def tokens(self) -> list[int]:
-        return self.trunk + [t for branch in self.branches for t in branch]
+        placed = [t for item in self.items if item is not None for branch in item.branches for t in branch]
+        return self.trunk + [t for branch in self.branches for t in branch] + placed
+
+    def placed(self) -> list[tuple[int, int, int, int]]:
+        """The item branches as :data:`robot_llm.llm.engine.slots.Placed` entries, in feeding order."""
+        return [
+            (len(branch), item.end, item.below, item.start)
+            for item in self.items
+            if item is not None
+            for branch in item.branches
+        ]
+
+
+@dataclass(frozen=True)
+class ItemBranches:
+    """One news item's stance question: the cue (then each label's pieces but the last) placed after the item.
+
+    Token positions: ``below`` is the first item's first token, ``start .. end - 1`` this
+    item's tokens. Each branch (one per distinct ``cue + label[:-1]``) is positioned from
+    ``end`` and sees only the keys before ``below`` and this item's own; ``label_branch[j]``
+    is the branch label ``j`` is read from, ``targets[j]`` the label's tokens.
+    """
+
+    below: int
+    start: int
+    end: int
+    cue: int
+    branches: list[list[int]]
+    label_branch: list[int]
+    targets: list[list[int]]
 
 
 def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
@@ -95,8 +126,11 @@ def followup_slots(tokenizer: Tokenizer, followup: Followup | None) -> int:
     if followup is None:
         return 0
     pieces = [len(tokenizer.encode_pieces_ids(c)) for c in followup.continuations]
-    own = len(tokenizer.encode_pieces_ids(followup.cue)) + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
-    return max(own, followup_slots(tokenizer, followup.then))
+    cue = len(tokenizer.encode_pieces_ids(followup.cue))
+    own = cue + TRUNK_SLACK + sum(max(n - 1, 0) for n in pieces)
+    # Per item: the cue (2 tokens of slack for its joint tokenization), once more per multi-piece label.
+    per_item = (1 + sum(n > 1 for n in pieces)) * (cue + 2) + sum(max(n - 1, 0) for n in pieces)
+    return max(own + len(followup.items) * per_item, followup_slots(tokenizer, followup.then))
 
 
 def plan_tree(
@@ -117,8 +151,75 @@ def plan_tree(
         keep += 1
     if keep < shared:  # the context parts from the prompt inside the shared prefix
         return None
-    tree = Tree(keep=keep, trunk=ctx[keep:], branches=[t[:-1] for t in targets], targets=targets)
+    items = plan_items(tokenizer, followup, context, ctx)
+    tree = Tree(keep=keep, trunk=ctx[keep:], branches=[t[:-1] for t in targets], targets=targets, items=items)
     return tree if len(tree.tokens) <= room else None
+
+
+def plan_items(
+    tokenizer: Tokenizer, followup: Followup, context: str, ctx: list[int]
+) -> tuple[ItemBranches | None, ...]:
+    """Every news item's branches after ``context`` (tokens ``ctx``), None for an item that cannot be placed.
+
+    Item ``i``'s stance question is the cue right after its last token, its queries seeing the
+    keys before the first item and item ``i``'s own keys, not the other items'. Those own keys
+    are the ones the night's pass computed (they attended the items before ``i``), so the scores
+    depend not at all on the items after ``i`` and on those before it only through item ``i``'s
+    keys; for the first item they equal :func:`score_pieces` on ``prompt[:end] + cue``. An item
+    is placed when its span lies in the context and the tokenization of the prompt up to its
+    start and its end are prefixes of ``ctx`` (otherwise it is None, never guessed).
+    """
+    if not followup.items:
+        return ()
+
+    def token_at(chars: int) -> int | None:
+        ids = tokenizer.encode(context[:chars])
+        return len(ids) if chars < len(context) and ids == ctx[: len(ids)] else None
+
+    below = token_at(min(start for start, _ in followup.items))
+    out: list[ItemBranches | None] = []
+    for start, end in followup.items:
+        first, last = token_at(start), token_at(end)
+        if below is None or first is None or last is None or not below <= first < last:
+            out.append(None)
+            continue
+        head = context[:end] + followup.cue
+        cue = continuation_ids(tokenizer, ctx[:last], context[:end], followup.cue)
+        targets = [continuation_ids(tokenizer, ctx[:last] + cue, head, c) for c in followup.continuations]
+        branches: list[list[int]] = []
+        label_branch = []
+        for target in targets:
+            branch = cue + target[:-1]
+            if branch not in branches:
+                branches.append(branch)
+            label_branch.append(branches.index(branch))
+        out.append(ItemBranches(below, first, last, len(cue), branches, label_branch, targets))
+    return tuple(out)
+
+
+def item_scores(logits: Tensor, b: int, tree: Tree) -> tuple[tuple[tuple[float, ...], ...] | None, ...]:
+    """Row ``b``'s per-item label log-probabilities (per token) from the step's logits, None for unplaced items."""
+    at = len(tree.trunk) + sum(len(branch) for branch in tree.branches)
+    out: list[tuple[tuple[float, ...], ...] | None] = []
+    for item in tree.items:
+        if item is None:
+            out.append(None)
+            continue
+        starts = []
+        for branch in item.branches:
+            starts.append(at)
+            at += len(branch)
+        scores = []
+        for j, target in enumerate(item.targets):
+            if not target:
+                scores.append(())
+                continue
+            # Piece 0 is predicted by the cue's last token, piece k by the label's piece k - 1, in its branch.
+            first = starts[item.label_branch[j]] + item.cue - 1
+            slots = torch.arange(first, first + len(target))
+            scores.append(tuple(token_logprobs(logits[b, slots], torch.tensor(target)).tolist()))
+        out.append(tuple(scores))
+    return tuple(out)
 
 
 def tree_scores(logits: Tensor, trees: dict[int, Tree]) -> dict[int, tuple[tuple[float, ...], ...]]:

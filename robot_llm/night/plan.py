@@ -112,7 +112,7 @@ def _stance_params(result: RenderResult, contexts: Sequence[str]) -> dict[str, A
     if result.calibration is not None:
         out["calibration"] = result.calibration
     if stance.news is not None:
-        out["news"] = {"cue": stance.news.cue, "before": stance.news.before}
+        out["news"] = {"cue": stance.news.cue, "before": stance.news.before, "items": stance.news.items}
         out["store"] = stance.store
     if stance.verdicts is not None:
         out["verdicts"] = dict(stance.verdicts)

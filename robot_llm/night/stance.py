@@ -64,17 +64,19 @@ class StanceSpec:
     calibration: str | None = None
     mode: str = "none"
     contexts: tuple[str, ...] = ()
-    after: str = "thesis"  # "prompt": the cue follows the prompt (the news), not the thesis
+    after: str = "thesis"  # "prompt": the cue follows the prompt (the news); "item": one news item (internal)
     anchor: str | None = None  # with after "prompt": the prompt is cut before the last occurrence of this
     news: StanceSpec | None = None  # the news stance asked beside this one (read in the next step)
     store: str = "thesis"  # which of the two is the stored ``stance``
     verdicts: tuple[tuple[str, str], ...] = ()  # label -> the phrase that closes the thesis (see close_thesis)
+    items: bool = False  # with after "prompt": also each news item's stance (robot_llm.thesis.items)
 
-    def followup(self, hidden: bool = False) -> Followup:
+    def followup(self, hidden: bool = False, items: tuple[tuple[int, int], ...] = ()) -> Followup:
         """The labels as continuations to score after the thesis (or the prompt) and the cue.
 
         ``hidden``: keep the hidden state where the stance after the prompt (the news's) is read,
-        for a stance head (:mod:`robot_llm.night.stance_head`).
+        for a stance head (:mod:`robot_llm.night.stance_head`). ``items``: the news items' char
+        spans in the prompt, scored as branches of the stance after the prompt when it asks for them.
         """
         from robot_llm.llm.scoring import Followup
 
@@ -83,16 +85,21 @@ class StanceSpec:
             tuple(name for name, _ in self.labels),
             after_prompt=self.after == "prompt",
             anchor=self.anchor,
-            then=self.news.followup(hidden) if self.news is not None else None,
+            then=self.news.followup(hidden, items) if self.news is not None else None,
             hidden=hidden and self.after == "prompt",
+            items=items if self.items and self.after == "prompt" else (),
         )
 
     def news_spec(self, news: dict[str, Any]) -> StanceSpec:
         """The news stance asked beside this one: the prompt cut before ``news['before']``, then ``news['cue']``.
 
         Calibrated the same way; its content-free and domain contexts are this spec's, cut the same way.
+        ``news['items']`` (default false): each news item's stance is read too.
         """
         before, cue = str(news["before"]), str(news["cue"])
+        items = news.get("items", False)
+        if not isinstance(items, bool):
+            raise ValueError(f"params.stance.news.items: expected true or false, got {items!r}")
 
         def cut(context: str) -> str:
             at = context.rfind(before)
@@ -107,6 +114,7 @@ class StanceSpec:
             contexts=tuple(cut(c) for c in self.contexts),
             after="prompt",
             anchor=before,
+            items=items,
         )
 
     def prior_contexts(self) -> tuple[str, ...]:

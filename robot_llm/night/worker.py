@@ -41,6 +41,7 @@ from robot_llm.night.stance import (
 from robot_llm.night.stance_head import StanceHead, TemplateHead, find_head
 from robot_llm.night.watchdog import Watchdog
 from robot_llm.store.db import error_line
+from robot_llm.thesis.items import item_spans, item_stances
 from robot_llm.thesis.rows import abstains, abstention_row, annotate_rows
 from robot_llm.thesis.validity import thesis_problem
 
@@ -199,7 +200,9 @@ def _run_batch(
                 [params for _, params, _ in group],
                 on_progress=lambda _done, _total: on_progress(),
                 followups=[
-                    spec.followup(hidden=_head_for(head, req) is not None) if spec is not None else None
+                    spec.followup(_head_for(head, req) is not None, item_spans(req.prompt, spec, len(req.news_ids)))
+                    if spec is not None
+                    else None
                     for req, _, spec in group
                 ],
             )
@@ -213,6 +216,9 @@ def _run_batch(
             names = [req.template_name for req, _, _ in group]
             stances: list[StanceResult | None] = calibration.stances(model, scored, names)
             news_stances = calibration.stances(model, news_scored, [f"{n}:news" for n in names])
+            per_item = item_stances(
+                model, calibration, [(s, c, r.news_ids) for (r, _, s), c in zip(group, completions, strict=True)], names
+            )
         except ModelFault:  # damaged weights or NaN: every batch would fail the same way
             raise
         except Exception as exc:  # the model's failure is this batch's, not the run's
@@ -223,7 +229,9 @@ def _run_batch(
                 errors[group[0][0].id] = f"{type(exc).__name__}: {exc}"
             continue
         seconds = time.monotonic() - started
-        for (req, params, spec), c, thesis_st, news_st in zip(group, completions, stances, news_stances, strict=True):
+        for (req, params, spec), c, thesis_st, news_st, items in zip(
+            group, completions, stances, news_stances, per_item, strict=True
+        ):
             # The thesis's stance and the news stance (after the prompt, or asked beside it); the template stores one.
             if spec is not None and spec.after == "prompt":
                 thesis_st, news_st = None, thesis_st
@@ -247,6 +255,8 @@ def _run_batch(
                 "text_stance": thesis_st.stance if thesis_st else None,
                 "news_stance": news_st.stance if news_st else None,
                 "stance_source": source,
+                "item_stance": items.stance if items else None,
+                "item_stances": items.items if items else [],
                 "model_id": model.model_id,
                 "params": req.params,
                 "seed": params.seed,

@@ -87,10 +87,13 @@ class NewsStanceOptions(_Section):
     The prompt is cut before the last occurrence of ``before`` (the line after the news,
     e.g. ``"\nRobot forecast:"``), then ``cue`` and the same labels are scored: the stance of
     the news the prompt shows, in the step after the thesis's own stance (no pass of its own).
+    ``items``: each news item (a ``- `` line right before ``before``) gets a stance of its own
+    too, as branches of that same step (:mod:`robot_llm.thesis.items`).
     """
 
     cue: str = Field(min_length=1)
     before: str = Field(min_length=1)
+    items: bool = False
 
 
 class StanceOptions(_Section):

@@ -115,6 +115,7 @@ class Base(DeclarativeBase):
         dict[str, Any]: JSON(),
         list[int]: JSON(),
         list[str]: JSON(),
+        list[dict[str, Any]]: JSON(),
     }
 
 
@@ -312,9 +313,13 @@ class Thesis(Base):
     flags: Mapped[list[str]] = mapped_column(default=list, server_default="[]")  # robot_llm.thesis.checks
     stance_probs: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")  # label -> p
     text_stance: Mapped[float | None] = mapped_column(Float)  # the stance read after the thesis
-    news_stance: Mapped[float | None] = mapped_column(Float)  # the news items' stances, aggregated
+    news_stance: Mapped[float | None] = mapped_column(Float)  # the stance read right after the news block
     # Revision 0005: which reading ``stance`` is, one of STANCE_SOURCES (None: stored before it was recorded).
     stance_source: Mapped[str | None] = mapped_column(String(16))
+    # Revision 0006: each news item's stance ({news_id, stance, label, probs}; stance None: not placed)
+    # and their mean over the placed items (robot_llm.thesis.items), beside the stored ``stance``.
+    item_stance: Mapped[float | None] = mapped_column(Float)
+    item_stances: Mapped[list[dict[str, Any]]] = mapped_column(default=list, server_default="[]")
 
 
 #: ``Thesis.kind``: a generated thesis, a stance asked without a thesis (``max_new_tokens: 0``),

@@ -39,6 +39,8 @@ _DEFAULTS: dict[str, Any] = {
     "text_stance": None,
     "news_stance": None,
     "stance_source": None,
+    "item_stance": None,
+    "item_stances": list,
 }
 
 

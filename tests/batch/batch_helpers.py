@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
 from robot_llm.config import AppConfig, load_config
-from robot_llm.store.db import GenerationRequest, Run, Thesis, session_scope, utcnow
+from robot_llm.store.db import GenerationRequest, NewsItem, NewsTicker, Run, Thesis, session_scope, utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "fixtures" / "yalm-tiny"
@@ -55,6 +55,23 @@ stance:
 """
 
 STANCE = {"cue": " so", "labels": {" up": 1.0, " down": -1.0, " flat": 0.0}}
+
+
+def add_news(benv: BatchEnv, night: datetime, ticker: str, title: str, key: str, hours: int = 2) -> int:
+    """A news item about ``ticker`` fetched ``hours`` before the night; returns its id."""
+    with session_scope(benv.engine) as s:
+        item = NewsItem(
+            feed="wire",
+            item_key=key,
+            title=title,
+            summary="",
+            fetched_at=night - timedelta(hours=hours),
+            content_hash=key,
+        )
+        item.tickers.append(NewsTicker(ticker=ticker))
+        s.add(item)
+        s.flush()
+        return item.id
 
 
 def contract_params(seed: int, max_new_tokens: int = 6) -> dict[str, Any]:

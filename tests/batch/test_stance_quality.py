@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from batch_helpers import TINY_TEMPLATE
+from batch_helpers import add_news as _news
 
 from robot_llm.forecasts import Forecasts
 from robot_llm.night.plan import plan_night
@@ -29,17 +30,6 @@ from robot_llm.thesis.priors import prior_warnings, template_warnings
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = ((" up", 1.0), (" down", -1.0), (" flat", 0.0))
-
-
-def _news(benv, night, ticker: str, title: str, key: str) -> int:  # type: ignore[no-untyped-def]
-    with session_scope(benv.engine) as s:
-        item = NewsItem(
-            feed="wire", item_key=key, title=title, summary="", fetched_at=night - timedelta(hours=2), content_hash=key
-        )
-        item.tickers.append(NewsTicker(ticker=ticker))
-        s.add(item)
-        s.flush()
-        return item.id
 
 
 def test_no_inputs_is_an_explicit_abstention_without_generation(benv, night) -> None:  # type: ignore[no-untyped-def]

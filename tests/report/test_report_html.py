@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from robot_llm.commands.main import main
@@ -24,6 +25,7 @@ from robot_llm.report.html import (
     write_index,
     write_morning,
 )
+from robot_llm.store.db import Thesis, session_scope
 from tests.report.conftest import DAY, NIGHTS
 
 
@@ -55,7 +57,13 @@ def test_morning_collects_thirty_nights_inputs_and_health(engine: Engine, month)
 def test_page_is_self_contained_and_escaped(engine: Engine, month) -> None:
     config_path, _ = month
     config = load_config(config_path)
+    with session_scope(engine) as session:  # the night's SBER thesis scored each of its two news items
+        last = session.scalars(select(Thesis).where(Thesis.ticker == "SBER").order_by(Thesis.as_of.desc())).first()
+        assert last is not None
+        last.item_stances = [{"news_id": 1, "stance": 0.4, "label": "рост"}, {"news_id": 2, "stance": None}]
+        last.item_stance = 0.4
     html = render_html(build_morning(config, engine, DAY), config)
+    assert "per-item stance: 1 of 2 items scored, mean +0.40" in html
     # No network: no external scripts, stylesheets or images; plotly.js is inline.
     assert not re.search(r"<(script|img|link)[^>]+(src|href)=\"(https?:)?//", html)
     assert "Plotly.newPlot" in html and len(html) > 1_000_000  # plotly.js itself is inside

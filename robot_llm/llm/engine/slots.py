@@ -33,12 +33,16 @@ class StepLayout:
     ``positions [B, T]``: rotary positions. ``attend [B, T, T]``: token ``t`` of row ``b``
     attends step token ``u`` (itself included). ``keep [B, T]``: the slot stays valid for
     later steps (False for fillers and for branches scored within this step).
+    ``window [B, T, 3]`` (None: no limit): token ``t`` sees a key held before the step (the
+    shared prefix included) at position ``p`` only when ``p < a`` or ``b <= p < c`` for its
+    ``(a, b, c)`` — how a news item's branch sees the prompt before the news and its own item.
     """
 
     real: Tensor
     positions: Tensor
     attend: Tensor
     keep: Tensor
+    window: Tensor | None = None
 
 
 @dataclass
@@ -84,6 +88,10 @@ class SlotState:
         batch, steps = layout.real.shape
         shared = torch.ones(batch, steps, self.prefix, dtype=torch.bool)
         before = self.valid[:, None, :start].expand(batch, steps, start)
+        if layout.window is not None:
+            held = torch.cat((torch.arange(self.prefix).expand(batch, self.prefix), self.pos[:, :start]), dim=1)
+            sees = in_window(held[:, None, :], layout.window)
+            shared, before = shared & sees[..., : self.prefix], before & sees[..., self.prefix :]
         return ~torch.cat((shared, before, layout.attend), dim=2)[:, None]
 
     def key_positions(self, start: int, layout: StepLayout) -> Tensor:
@@ -110,20 +118,40 @@ class SlotState:
         self.next_pos[row] = tokens
 
 
-def tree_layout(rows: int, steps: int, trees: dict[int, tuple[int, list[int], bool]], state: SlotState) -> StepLayout:
+def in_window(pos: Tensor, window: Tensor) -> Tensor:
+    """Whether keys at ``pos [B, 1|T, K]`` lie in each query's ``window [B, T, 3]`` (see :class:`StepLayout`)."""
+    a, b, c = window[..., 0:1], window[..., 1:2], window[..., 2:3]
+    return (pos < a) | ((pos >= b) & (pos < c))
+
+
+#: A branch placed inside the row: ``(length, first_position, seen_below, own_start)``: its tokens get
+#: positions from ``first_position`` and see only the row's keys at ``p < seen_below`` or
+#: ``own_start <= p < first_position`` (a news item's span), plus their own branch's earlier tokens.
+Placed = tuple[int, int, int, int]
+
+
+def tree_layout(
+    rows: int,
+    steps: int,
+    trees: dict[int, tuple[int, list[int], bool]],
+    state: SlotState,
+    placed: dict[int, list[Placed]] | None = None,
+) -> StepLayout:
     """One step in which row ``b`` of ``trees`` feeds a trunk then branches; active rows append one token.
 
     ``trees[b] = (trunk, branch_lengths, keep_trunk)``: step tokens ``0 .. trunk-1``
     continue row ``b`` (positions from ``next_pos[b]``; kept when ``keep_trunk``, as for a
     prompt prefilled into a freed row), then each branch's tokens in turn, each branch
     seeing the trunk and its own earlier tokens, positioned right after the trunk (never
-    kept). Every other active row feeds its next token at step index 0 (kept); everything
-    else is filler.
+    kept), then the row's ``placed`` branches (:data:`Placed`, never kept). Every other active
+    row feeds its next token at step index 0 (kept); everything else is filler.
     """
     real = torch.zeros(rows, steps, dtype=torch.bool)
     positions = torch.zeros(rows, steps, dtype=torch.long)
     attend = torch.eye(steps, dtype=torch.bool).repeat(rows, 1, 1)
     keep = torch.zeros(rows, steps, dtype=torch.bool)
+    unlimited = torch.tensor([torch.iinfo(torch.long).max, 0, 0])
+    window = unlimited.repeat(rows, steps, 1) if placed else None
     for b in range(rows):
         base = int(state.next_pos[b])
         if b in trees:
@@ -139,7 +167,15 @@ def tree_layout(rows: int, steps: int, trees: dict[int, tuple[int, list[int], bo
                 attend[b, at : at + n, :trunk] = True
                 attend[b, at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
                 at += n
+            for n, first, below, own in (placed or {}).get(b, []):
+                assert window is not None
+                real[b, at : at + n] = True
+                positions[b, at : at + n] = torch.arange(first, first + n)
+                window[b, at : at + n] = torch.tensor([below, own, first])
+                attend[b, at : at + n, :trunk] = in_window(positions[b, None, :trunk], window[b, at : at + n])
+                attend[b, at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                at += n
         elif bool(state.active[b]):
             real[b, 0] = keep[b, 0] = True
             positions[b, 0] = base
-    return StepLayout(real=real, positions=positions, attend=attend, keep=keep)
+    return StepLayout(real=real, positions=positions, attend=attend, keep=keep, window=window)
