@@ -23,6 +23,10 @@ over the time of both phases, as llama-batched-bench's ``speed``), their ratios 
 llama.cpp, each process's peak RSS, and the 1-minute load average when it started;
 the CPU's features head the table. The last line is one JSON object.
 
+On an AVX512-BF16 machine the AVX2 kind's paths of ours are run with
+``ATEN_CPU_CAPABILITY=avx2 ROBOT_LLM_HIDE_CPU_FLAGS=avx512_bf16,amx_bf16`` (torch's kernels
+and our feature detection, both inherited by the children); llama.cpp stays the native build.
+
     python benchmarks/llamacpp.py [--threads 1,2] [--batches 1,32] [--prompt 512] [--new 128]
         [--rounds 1] [--cache DIR] [--llama-bin DIR] [--quick]
 """
@@ -53,20 +57,23 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
-    """The CPU's model name and the flags that decide the fast paths (AVX2, AVX512, AVX512-BF16, AMX)."""
-    name, flags = "unknown CPU", set()
+def cpu_features() -> dict[str, Any]:
+    """The CPU's model name and the flags that decide the fast paths (AVX2, AVX512, AVX512-BF16, AMX), as
+    our engine sees them (``ROBOT_LLM_HIDE_CPU_FLAGS`` hides some), and torch's kernel dispatch level."""
+    from robot_llm.llm.plan.machine import cpu_flags
+
+    name = "unknown CPU"
     try:
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name") and name == "unknown CPU":
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
                 name = line.partition(":")[2].strip()
-            elif line.startswith("flags"):
-                flags = set(line.partition(":")[2].split())
                 break
     except OSError:
         pass
+    flags = cpu_flags()
     wanted = {"avx2": "avx2", "avx512f": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_bf16"}
-    return {"cpu": name, "cores": os.cpu_count(), **{k: flag in flags for k, flag in wanted.items()}}
+    torch_level = os.environ.get("ATEN_CPU_CAPABILITY", "default")
+    return {"cpu": name, "cores": os.cpu_count(), **{k: f in flags for k, f in wanted.items()}, "aten": torch_level}
 
 
 # --------------------------------------------------------------------------- the peer
@@ -133,7 +140,10 @@ def llama_row(binary: Path, gguf: Path, threads: int, batch: int, prompt: int, n
         tail = done.stderr.strip().splitlines()[-2:-1] or ["no output"]
         raise PeerUnavailable(f"llama.cpp peer: llama-batched-bench failed ({done.returncode}): {tail[0]}")
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    row = next(r for r in rows if int(r.get("pl", batch)) == batch)
+    row = next((r for r in rows if int(r.get("pl", batch)) == batch), None)
+    if row is None:
+        tail = (done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PeerUnavailable(f"llama.cpp peer: no batch-{batch} row in llama-batched-bench's output: {tail}")
     peak = _peak_from_stderr(done.stderr)
     return {
         "prefill": float(row["speed_pp"]),
@@ -282,8 +292,8 @@ def main() -> None:
                     results.setdefault((t, b), {}).setdefault(engine, []).append(row)
     print(
         f"CPU: {features['cpu']}, {features['cores']} cores; AVX2 {features['avx2']}, AVX512 {features['avx512f']}, "
-        f"AVX512-BF16 {features['avx512_bf16']}, AMX {features['amx']}; int4 kernel layout: "
-        f"{features['int4_kernel_layout']}"
+        f"AVX512-BF16 {features['avx512_bf16']}, AMX {features['amx']}; torch kernels: {features['aten']}; "
+        f"int4 kernel layout: {features['int4_kernel_layout']}"
     )
     print(f"Gemma 3 270M Q4_K_M, prompt {args.prompt} + {args.new} new tokens, greedy; best of {args.rounds} round(s)")
     print(

@@ -377,3 +377,16 @@ def test_a_mixed_store_may_take_batches_within_int8s_row_limit() -> None:
     work = Work(40, 8, 256)  # long decodes: the step's cost decides
     assert plan(YALM, work, machine, **pinned).batch_size == 40  # all int4: its kernel takes 40 rows
     assert plan(YALM, work, machine, **pinned, int8_share=0.9).batch_size <= FUSED_MAX_ROWS["int8"]
+
+
+def test_hidden_cpu_flags_make_this_machine_the_avx2_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from robot_llm.llm.plan import machine
+
+    monkeypatch.setenv(machine.HIDE_FLAGS_ENV, "avx512_bf16, amx_bf16")
+    machine._this_cpu_flags.cache_clear()
+    try:
+        assert not cpu_has_native_bf16()
+        assert machine.cpu_flags() == machine.cpu_flags("/proc/cpuinfo") - {"avx512_bf16", "amx_bf16"}
+    finally:
+        monkeypatch.delenv(machine.HIDE_FLAGS_ENV)
+        machine._this_cpu_flags.cache_clear()

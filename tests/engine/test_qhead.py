@@ -155,7 +155,9 @@ def test_doctor_says_which_matrix_path_a_cpu_night_runs(tmp_path: Path) -> None:
     fused = cpu_compute_path("int4", "bf16", str(info))
     assert fused.startswith("CPU (AVX2 yes, AVX512 no, AVX512-BF16 no, AMX no)")
     assert "fused kernels" in fused and "LM head int8" in fused
-    assert "dequantized into float buffers every pass" in cpu_compute_path("int8", "fp32", str(info))
+    widened = cpu_compute_path("int8", "fp32", str(info))
+    assert "fused kernels" in widened and "activations cast to bf16" in widened
+    assert "dequantized into float buffers every pass" in cpu_compute_path("int8", "fp16", str(info))
     info.write_text("processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n")
     native = cpu_compute_path("int8", "bf16", str(info))
     assert "AMX yes" in native and "cast to bf16" not in native

@@ -1,27 +1,22 @@
 """Streaming engine: run a model of any family layer by layer from a weight store, a whole batch at a time.
 
-Only the resident modules (embedding, YaLM's projector, the output head) stay
-on the compute device; the family's functions (:mod:`robot_llm.llm.families.family`)
-compute the embedding, each layer and the head. Transformer layers live in their *home* (the store on disk, or RAM)
-and pass through two preallocated slots: while layer ``l`` computes for every
-row of the batch, a background thread reads layer ``l+1`` into the other slot
-(pinned host memory, then a copy stream into a device slot when computing on
-CUDA). There are two such threads, so a layer's reads join the disk's queue
-while the layer before still has requests in flight; what follows a read runs
-one layer at a time. Quantized (int8, int4) matrices computed in bf16 on the CPU are handed to
-the family as they were read (:class:`~robot_llm.llm.store.quant.PackedInt4`,
-:class:`~robot_llm.llm.store.quant.PackedInt8`): :func:`robot_llm.llm.families.family.linear`
-runs torch's fused kernels on them at decode batch sizes, so nothing is dequantized; a call with more rows than the
-kernel is worth (a prefill; int8 from 11 rows) makes the matrix dense once in a
-compute buffer. The LM head of a quantized store is held in int8 on the CPU
-(:mod:`robot_llm.llm.store.qhead`). Otherwise (fp32/fp16 compute on the CPU, or CUDA)
-quantized and mixed-dtype layers are converted into
-compute-dtype buffers: on the CPU by a reader thread, one set per slot, so
-dequantization overlaps compute like the read does; on CUDA on the GPU right
-before use, from the bytes copied up. Slots and buffers are allocated once
-and reused for every layer and every step, so memory does not grow with the
-number of steps. The last layer of a step prefetches layer 0 of the next
-step, so decode steps overlap too.
+Only the resident modules (embedding, YaLM's projector, the output head) stay on the compute device; the family's
+functions (:mod:`robot_llm.llm.families.family`) compute the embedding, each layer and the head. Transformer layers
+live in their *home* (the store on disk, or RAM) and pass through two preallocated slots: while layer ``l`` computes
+for every row of the batch, a background thread reads layer ``l+1`` into the other slot (pinned host memory, then a
+copy stream into a device slot when computing on CUDA). There are two such threads, so a layer's reads join the
+disk's queue while the layer before still has requests in flight; what follows a read runs one layer at a time.
+Quantized (int8, int4) matrices computed in bf16 or fp32 on the CPU are handed to the family as they were read
+(:class:`~robot_llm.llm.store.quant.PackedInt4`, :class:`~robot_llm.llm.store.quant.PackedInt8`):
+:func:`robot_llm.llm.families.family.linear` runs torch's fused kernels on them at decode batch sizes, so nothing is
+dequantized; a call with more rows than the kernel is worth (a prefill; int8 from 11 rows) makes the matrix dense
+once in a compute buffer. The LM head of a quantized store is held in int8 on the CPU
+(:mod:`robot_llm.llm.store.qhead`). Otherwise (fp16 compute on the CPU, or CUDA) quantized and mixed-dtype
+layers are converted into compute-dtype buffers: on the CPU by a reader thread, one set per slot, so dequantization
+overlaps compute like the read does; on CUDA on the GPU right before use, from the bytes copied up. Slots and
+buffers are allocated once and reused for every layer and every step, so memory does not grow with the number of
+steps. The last layer of a step prefetches layer 0 of the next step, so decode steps overlap too. A CPU engine
+with every layer in RAM and nothing to convert fills its slots on the compute thread (no reader threads).
 
 :class:`StreamingModel` implements :class:`robot_llm.llm.families.yalm.ForwardModel`,
 so :mod:`robot_llm.llm.generate` runs on it unchanged.
@@ -146,7 +141,7 @@ class StreamingModel:
         self.stats = StreamStats()
         self.watch = FiniteWatch()
         # Quantized matrices go to torch's fused CPU kernels as stored, fp32 activations cast to bf16 for them:
-        # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (see quant.fused_on_cpu).
+        # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (quant.FUSED_COMPUTE_DTYPES).
         self.fused = not self.cuda and fused_on_cpu(self.store.manifest.dtype, _DTYPE_NAMES.get(self.dtype, ""))
         self.rope = self.family.rope(cfg)
         # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
@@ -192,7 +187,11 @@ class StreamingModel:
         # Two reader threads: the next layer's reads join the disk pool's queue while the last requests of
         # the layer before are still in flight, so the disk never waits at a file's end for the queue to
         # refill. All that follows a read (the GPU copy, conversions, stats) runs one layer at a time.
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="layer-reader") if prefetch else None
+        # But every layer in RAM on the CPU with nothing to convert (fused kernels, or the compute dtype) fills inline:
+        # the threads' GIL handoffs cost 28 of a batch-1 decode step's 97 ms (int4 Gemma 3 270M, cProfile, loaded).
+        same = self.fused or self.store.manifest.dtype == _DTYPE_NAMES.get(self.dtype)
+        pool = prefetch and not (not self.cuda and self.ram_layers == cfg.num_layers and same)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="layer-reader") if pool else None
         self._after_read = threading.Lock()
         self._read_busy_until = 0.0
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None

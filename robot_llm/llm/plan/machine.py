@@ -89,9 +89,16 @@ def cpu_flags(cpuinfo: str | Path | None = None) -> frozenset[str]:
     return frozenset()
 
 
+#: Environment variable naming CPU flags (comma-separated) this process acts as if the CPU lacked, e.g.
+#: ``avx512_bf16,amx_bf16`` to run an AVX512-BF16 machine as the common AVX2 kind (with torch's own
+#: ``ATEN_CPU_CAPABILITY=avx2`` for its kernels): one machine then measures both kinds' paths.
+HIDE_FLAGS_ENV = "ROBOT_LLM_HIDE_CPU_FLAGS"
+
+
 @functools.cache
 def _this_cpu_flags() -> frozenset[str]:
-    return cpu_flags("/proc/cpuinfo")
+    hidden = {f.strip() for f in os.environ.get(HIDE_FLAGS_ENV, "").split(",") if f.strip()}
+    return cpu_flags("/proc/cpuinfo") - hidden
 
 
 def cpu_has_native_bf16(cpuinfo: str | Path | None = None) -> bool:

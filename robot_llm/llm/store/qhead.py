@@ -6,8 +6,8 @@ A large vocabulary makes the head most of a small model's decode step: Gemma 3 2
 layers in int4/int8. Held as int8 codes with one bf16 scale per vocabulary row it is 168 MB;
 the logits of decode-sized calls come from torch's fused int8 kernel (bf16 activations, the
 codes read as stored), and a token's embedding is read exactly from the store (:class:`RowSource`),
-so the float table never exists in memory. Only a call with many rows (a whole-sequence scoring pass) widens
-the codes, a block of the vocabulary at a time into one reused buffer.
+so the float table never exists in memory. A call with more rows (a batched decode step, a whole-sequence
+scoring pass) widens the codes, a block of the vocabulary at a time into one reused buffer.
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 
 #: Rows of a head call up to which the fused int8 kernel computes the logits. At decode sizes it reads
 #: the 8-bit codes once and is as fast as the fp32 GEMM on a quarter of the bytes (torch 2.13, AVX2, 2
-#: threads, 65,536 x 640: 3.7 ms at 1 row against fp32's 12 ms, 47 ms at 32 against 48 ms); past a few
-#: dozen rows its cost grows row by row while a dense GEMM's barely does.
-HEAD_FUSED_ROWS = 64
-#: Vocabulary rows widened per block for a call with more rows (an fp32 block of 640-wide rows: 21 MB).
-WIDEN_BLOCK_ROWS = 8192
+#: threads, 65,536 x 640: 3.7 ms at 1 row against fp32's 12 ms); its cost then grows row by row while
+#: the widened blocks' barely does. Gemma 3 270M's 262,144 x 640 head, 1 thread, ms at 1 / 8 / 16 / 32
+#: rows, fused against widened in blocks of 2,048: AVX512-BF16 (bf16) 12 / 26 / 65 / 128 against
+#: 46 / 32 / 61 / 78; the AVX2 kernels (fp32) 16 / 87 / 167 / 407 against 17 / 52 / 112 / 214.
+HEAD_FUSED_ROWS = 8
+#: Vocabulary rows widened per block for a call with more rows: 2.6 MB in bf16, 5.2 in fp32, so the
+#: block stays near the cache while a batch's rows multiply it (8,192-row blocks measured slower).
+WIDEN_BLOCK_ROWS = 2048
 #: Rows quantized at a time when the table is built: the float temporaries stay small (a 262k x 640
 #: table quantized whole would hold a 671 MB fp32 copy at the peak of the engine's start).
 QUANTIZE_ROWS = 16384

@@ -69,13 +69,14 @@ _GPU_PASS_VALUES = 1 << 24
 #: int8 fused 24 / 5.8 / 3.7 ms at 32 rows against 11 / 2.8 / 1.6 ms to widen the codes to bf16 (a plain
 #: copy: 4 G values/s) and multiply densely, the scale applied to the output; int8 crosses at 8-12 rows.
 FUSED_MAX_ROWS = {"int4": 48, "int8": 10}
-#: Compute dtypes whose engine hands quantized matrices to the fused kernels on the CPU. fp32 would qualify
-#: by one matrix (fp32 rows cast to bf16 for the call, as :func:`robot_llm.llm.families.family.linear` does: torch
-#: 2.13, 65,536 x 640, int4 3.2 ms at 1 row against fp32's dense 12 ms), but not by the whole step: on this
-#: shared AVX2 box (load 9, 2 threads) an int4 Gemma 3 270M store decoded 0.5 tok/s that way against 1.3-2.3
-#: with the reader dequantizing into fp32 and prefilled 8-11 against 45-52 tok/s (1 thread, P=64, it was
-#: 1.3-3.9 against 0.8-2.5: faster). Until that is measured on a quiet machine, fp32 keeps the dense path.
-FUSED_COMPUTE_DTYPES = ("bf16",)
+#: Compute dtypes whose engine hands quantized matrices to the fused kernels on the CPU. fp32 qualifies (fp32
+#: rows cast to bf16 for the call, as :func:`robot_llm.llm.families.family.linear` does) by the whole step:
+#: an int4 Gemma 3 270M store (27 int4 + 99 int8 matrices, weights in RAM, 1 thread, the AVX2 kernels,
+#: prompt 512, CPU time per decode step, so that this shared box's load of 7-9 does not count) took 34 ms
+#: at batch 1 against 82 with every layer dequantized into fp32 each pass, 263 against 321 ms at batch 32,
+#: and prefilled at the same rate (prefill rows exceed :data:`FUSED_MAX_ROWS` and multiply dense fp32 either
+#: way). An earlier wall-clock measurement at load 9 had found it slower.
+FUSED_COMPUTE_DTYPES = ("bf16", "fp32")
 #: The int8 kernel reads garbage (or crashes) when K is not a multiple of 16 (measured: 168, 184, 27308),
 #: and crashes on weights not 16-byte aligned: stored int8 rows are zero-padded to a multiple of 64, and the
 #: store places every quantized matrix at a multiple of :data:`ALIGN` bytes.
