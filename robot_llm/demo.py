@@ -114,12 +114,25 @@ def _import_gemma(gguf: Path, store: Path, out: TextIO) -> None:
 
     # A second run reuses the store (reading the GGUF's metadata alone takes a while).
     manifest = read_manifest(store) if (store / MANIFEST).is_file() else import_model(gguf, store, dtype="bf16")
+    place_stance_head(store)
     print(
         f"[2/5] {GEMMA_NAME}: {manifest.config.num_layers} layers, hidden {manifest.config.hidden_size}, "
         f"vocab {manifest.config.vocab_size}; converted from {gguf.name} to a "
         f"{manifest.total_bytes / 2**20:.0f} MiB bf16 weight store",
         file=out,
     )
+
+
+def place_stance_head(store: Path) -> None:
+    """Put the package's stance head for the demo's Gemma store beside it (the night uses it if the weights match).
+
+    Trained by ``benchmarks/stance_head.py`` on public data; a head already there is kept.
+    """
+    from robot_llm.night.stance_head import HEAD_FILE
+
+    packaged = DEMO_DATA / HEAD_FILE
+    if packaged.is_file() and not (store / HEAD_FILE).exists():
+        (store / HEAD_FILE).write_bytes(packaged.read_bytes())
 
 
 def _build_model(workdir: Path, store: Path, out: TextIO) -> None:

@@ -74,7 +74,9 @@ class ThesisRecord:
     found (``disagrees``: the text states the other direction than the stance; ``example_copy``,
     ``headline_echo``, ``repeated``: degenerate text). ``stance_probs`` are the labels'
     probabilities behind ``stance``; ``text_stance`` is the stance read after the thesis
-    and ``news_stance`` the one read from the news items, whichever ``stance`` is not.
+    and ``news_stance`` the one read from the news items, whichever ``stance`` is not;
+    ``stance_source`` says which reading ``stance`` is (``thesis``, ``news`` or ``head``: a
+    stance head on the model's hidden state, when one ships beside the weights).
     """
 
     id: int
@@ -99,6 +101,7 @@ class ThesisRecord:
     stance_probs: dict[str, float] = field(default_factory=dict)
     text_stance: float | None = None
     news_stance: float | None = None
+    stance_source: str | None = None
 
     @property
     def abstained(self) -> bool:
@@ -152,6 +155,7 @@ THESIS_COLUMNS = (
     Thesis.stance_probs,
     Thesis.text_stance,
     Thesis.news_stance,
+    Thesis.stance_source,
 )
 
 SIGNAL_COLUMNS = (

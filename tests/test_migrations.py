@@ -164,3 +164,21 @@ def test_0004_stance_keeps_stored_theses_and_gives_them_defaults(empty_db_url: s
             assert conn.execute(text("SELECT count(*) FROM theses")).scalar_one() == 1
     finally:
         engine.dispose()
+
+
+def test_0005_stance_source_leaves_stored_theses_without_a_source(empty_db_url: str) -> None:
+    """Revision 0005 adds ``stance_source`` (None for rows stored before it); down again drops only the column."""
+    migrate.upgrade(empty_db_url, "0004")
+    engine = make_engine(empty_db_url)
+    try:
+        with engine.connect() as conn:
+            assert "stance_source" not in {c["name"] for c in inspect(conn).get_columns("theses")}
+        migrate.upgrade(empty_db_url)
+        with engine.connect() as conn:
+            columns = {c["name"]: c for c in inspect(conn).get_columns("theses")}
+        assert columns["stance_source"]["nullable"] is True
+        migrate.downgrade(empty_db_url, "0004")
+        with engine.connect() as conn:
+            assert "stance_source" not in {c["name"] for c in inspect(conn).get_columns("theses")}
+    finally:
+        engine.dispose()

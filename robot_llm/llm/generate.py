@@ -29,7 +29,7 @@ from robot_llm.llm.engine.finite import check_logits
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.slots import tree_layout
 from robot_llm.llm.families.family import ForwardModel
-from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, tree_scores
+from robot_llm.llm.scoring import Followup, Tree, followup_slots, plan_tree, tree_hidden, tree_scores
 from robot_llm.llm.tokenizer import Tokenizer
 
 FinishReason = Literal["eos", "stop", "length"]
@@ -85,6 +85,7 @@ class Completion:
     finish_reason: FinishReason
     followup_logprobs: tuple[tuple[float, ...], ...] | None = None
     then_logprobs: tuple[tuple[float, ...], ...] | None = None  # the followup's ``then``
+    hidden: tuple[float, ...] | None = None  # the hidden state where a ``Followup(hidden=True)`` was scored
 
 
 def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0) -> Tensor:
@@ -144,6 +145,7 @@ class _Row:
     text: str = ""
     followup_logprobs: tuple[tuple[float, ...], ...] | None = None
     then_logprobs: tuple[tuple[float, ...], ...] | None = None
+    hidden: tuple[float, ...] | None = None
 
     def push(self, token: int, tokenizer: Tokenizer) -> None:
         self.new_ids.append(token)
@@ -170,6 +172,7 @@ class _Row:
             finish_reason=self.finish or "length",
             followup_logprobs=self.followup_logprobs,
             then_logprobs=self.then_logprobs,
+            hidden=self.hidden,
         )
 
     def followup_context(self, tokenizer: Tokenizer, followup: Followup | None = None) -> str:
@@ -284,6 +287,7 @@ def _run_batch(
                 rows[b].then_logprobs = scores
             else:
                 rows[b].followup_logprobs = scores
+            _keep_hidden(model, rows[b], b, trees[b], then=b in seconds)
         for b, tree in trees.items():
             second = _then_tree(tokenizer, rows[b], tree, max_pos, cache, shared) if b not in seconds else None
             if second is not None:  # the row stays out of the refill until its second followup is read
@@ -444,3 +448,12 @@ def _rescore(
                 chunk[b][0].then_logprobs = scores
             else:
                 chunk[b][0].followup_logprobs = scores
+            _keep_hidden(model, chunk[b][0], b, trees[b], then=then)
+
+
+def _keep_hidden(model: ForwardModel, r: _Row, b: int, tree: Tree, *, then: bool) -> None:
+    """Keep row ``r``'s hidden state at ``tree``'s trunk end when the followup just scored asks for it."""
+    assert r.followup is not None
+    followup = r.followup.then if then else r.followup
+    if followup is not None and followup.hidden:
+        r.hidden = tree_hidden(model, b, tree)

@@ -36,6 +36,7 @@ class Followup:
     after_prompt: bool = False
     anchor: str | None = None  # with after_prompt: the prompt is cut before the last occurrence of this
     then: Followup | None = None  # scored in the step after this one, from the same row's cache
+    hidden: bool = False  # keep the model's hidden state at the cue's last token (a stance head reads it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "continuations", tuple(self.continuations))
@@ -137,6 +138,18 @@ def tree_scores(logits: Tensor, trees: dict[int, Tree]) -> dict[int, tuple[tuple
             at += len(branch)
         out[b] = tuple(scores)
     return out
+
+
+def tree_hidden(model: ForwardModel, b: int, tree: Tree) -> tuple[float, ...] | None:
+    """Row ``b``'s hidden state (before the output head) at ``tree``'s trunk end, from the pass that scored it.
+
+    The token whose logits predict the labels: a stance head reads the same position in the
+    same weight pass. None for an engine that keeps no ``last_hidden`` (DeepSpeed).
+    """
+    hidden = getattr(model, "last_hidden", None)
+    if hidden is None:
+        return None
+    return tuple(hidden[b, len(tree.trunk) - 1].float().cpu().tolist())
 
 
 def score_pieces(

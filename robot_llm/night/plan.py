@@ -114,6 +114,8 @@ def _stance_params(result: RenderResult, contexts: Sequence[str]) -> dict[str, A
     if stance.news is not None:
         out["news"] = {"cue": stance.news.cue, "before": stance.news.before}
         out["store"] = stance.store
+    if stance.verdicts is not None:
+        out["verdicts"] = dict(stance.verdicts)
     if stance.mode == "domain":
         out["calibration_contexts"] = list(contexts)
         if not contexts:  # a night without news has no domain words: fall back to no calibration

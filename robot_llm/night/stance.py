@@ -34,6 +34,7 @@ __all__ = [
     "Calibration",
     "StanceResult",
     "StanceSpec",
+    "close_thesis",
     "label_measure",
     "label_pieces",
     "parse_stance_spec",
@@ -67,9 +68,14 @@ class StanceSpec:
     anchor: str | None = None  # with after "prompt": the prompt is cut before the last occurrence of this
     news: StanceSpec | None = None  # the news stance asked beside this one (read in the next step)
     store: str = "thesis"  # which of the two is the stored ``stance``
+    verdicts: tuple[tuple[str, str], ...] = ()  # label -> the phrase that closes the thesis (see close_thesis)
 
-    def followup(self) -> Followup:
-        """The labels as continuations to score after the thesis (or the prompt) and the cue."""
+    def followup(self, hidden: bool = False) -> Followup:
+        """The labels as continuations to score after the thesis (or the prompt) and the cue.
+
+        ``hidden``: keep the hidden state where the stance after the prompt (the news's) is read,
+        for a stance head (:mod:`robot_llm.night.stance_head`).
+        """
         from robot_llm.llm.scoring import Followup
 
         return Followup(
@@ -77,7 +83,8 @@ class StanceSpec:
             tuple(name for name, _ in self.labels),
             after_prompt=self.after == "prompt",
             anchor=self.anchor,
-            then=self.news.followup() if self.news is not None else None,
+            then=self.news.followup(hidden) if self.news is not None else None,
+            hidden=hidden and self.after == "prompt",
         )
 
     def news_spec(self, news: dict[str, Any]) -> StanceSpec:
@@ -156,6 +163,9 @@ def parse_stance_spec(raw: object) -> StanceSpec | None:
     after = raw.get("after", "thesis")
     if after not in ("thesis", "prompt"):
         raise ValueError(f"params.stance.after: expected 'thesis' or 'prompt', got {after!r}")
+    verdicts = raw.get("verdicts", {})
+    if not isinstance(verdicts, dict) or (verdicts and set(verdicts) != {name for name, _ in labels}):
+        raise ValueError(f"params.stance.verdicts: expected one phrase per label, got {verdicts!r}")
     spec = StanceSpec(
         cue=raw["cue"],
         labels=labels,
@@ -164,6 +174,7 @@ def parse_stance_spec(raw: object) -> StanceSpec | None:
         mode=mode,
         contexts=tuple(contexts),
         after=after,
+        verdicts=tuple((str(k), str(v)) for k, v in verdicts.items()),
     )
     news = raw.get("news")
     if news is None:
@@ -174,6 +185,20 @@ def parse_stance_spec(raw: object) -> StanceSpec | None:
     if store not in ("thesis", "news"):
         raise ValueError(f"params.stance.store: expected 'thesis' or 'news', got {store!r}")
     return replace(spec, news=spec.news_spec(news), store=store)
+
+
+def close_thesis(text: str, spec: StanceSpec, label: str) -> str:
+    """The thesis the model wrote (the news's fact), closed with the verdict phrase of the stored ``label``.
+
+    Without verdicts, or for a row with no thesis, the text as written. The model writes up to
+    its first stop (``;`` in the templates that close it), the phrase follows: the sentence's
+    verdict is the stored stance's by construction.
+    """
+    phrase = next((v for name, v in spec.verdicts if name.strip() == label), None)
+    fact = text.strip().rstrip(";,.: ")
+    if phrase is None or not fact:
+        return text
+    return f"{fact}; {phrase}"
 
 
 def label_measure(pieces: Sequence[float], method: str) -> float:

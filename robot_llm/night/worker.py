@@ -30,7 +30,15 @@ from robot_llm.clock import aware_utc
 from robot_llm.errors import EXIT_BLOCKED, EXIT_REQUESTS_FAILED, ModelFault, RobotLLMError
 from robot_llm.night.model import night_facts, open_configured_model
 from robot_llm.night.queue import ClaimedRequest, RequestQueue, Tally, heartbeat_interval
-from robot_llm.night.stance import Calibration, StanceResult, StanceSpec, label_pieces, parse_stance_spec
+from robot_llm.night.stance import (
+    Calibration,
+    StanceResult,
+    StanceSpec,
+    close_thesis,
+    label_pieces,
+    parse_stance_spec,
+)
+from robot_llm.night.stance_head import StanceHead, TemplateHead, find_head
 from robot_llm.night.watchdog import Watchdog
 from robot_llm.store.db import error_line
 from robot_llm.thesis.rows import abstains, abstention_row, annotate_rows
@@ -148,9 +156,16 @@ class _Progress:
 
 
 def _run_batch(
-    model: Model, batch: list[ClaimedRequest], on_progress: Callable[[], None], calibration: Calibration
+    model: Model,
+    batch: list[ClaimedRequest],
+    on_progress: Callable[[], None],
+    calibration: Calibration,
+    head: StanceHead | None = None,
 ) -> tuple[list[dict[str, Any]], dict[int, str], int]:
     """Generate and score ``batch``; returns (thesis rows, errors by request id, new tokens).
+
+    ``head``: a stance head for these weights; a template it covers stores the head's stance,
+    read from the hidden state of the pass that scores its news stance (no pass of its own).
 
     A request that cannot run (bad params, a prompt longer than the window) gets an error
     of its own; a batch the model fails on is re-run one request at a time, so one bad
@@ -183,7 +198,10 @@ def _run_batch(
                 [req.prompt for req, _, _ in group],
                 [params for _, params, _ in group],
                 on_progress=lambda _done, _total: on_progress(),
-                followups=[spec.followup() if spec is not None else None for _, _, spec in group],
+                followups=[
+                    spec.followup(hidden=_head_for(head, req) is not None) if spec is not None else None
+                    for req, _, spec in group
+                ],
             )
             on_progress()
             scored, news_scored = [], []
@@ -210,13 +228,17 @@ def _run_batch(
             if spec is not None and spec.after == "prompt":
                 thesis_st, news_st = None, thesis_st
             st = news_st if spec is not None and spec.store == "news" else (thesis_st or news_st)
+            source = None if st is None else "news" if st is news_st else "thesis"
+            template_head = _head_for(head, req)
+            if template_head is not None and c.hidden is not None:
+                st, source = template_head.stance(c.hidden), "head"
             new_tokens += c.new_token_count
             row = {
                 "request_id": req.id,
                 "ticker": req.ticker,
                 "template_name": req.template_name,
                 "template_version": req.template_version,
-                "text": c.text,
+                "text": close_thesis(c.text, spec, st.label) if spec is not None and st is not None else c.text,
                 "stance": st.stance if st else None,
                 "stance_label": st.label if st else None,
                 "score": st.score if st else None,
@@ -224,6 +246,7 @@ def _run_batch(
                 "stance_probs": st.probs if st else {},
                 "text_stance": thesis_st.stance if thesis_st else None,
                 "news_stance": news_st.stance if news_st else None,
+                "stance_source": source,
                 "model_id": model.model_id,
                 "params": req.params,
                 "seed": params.seed,
@@ -244,6 +267,11 @@ def _run_batch(
             else:
                 errors[req.id] = problem
     return rows, errors, new_tokens
+
+
+def _head_for(head: StanceHead | None, req: ClaimedRequest) -> TemplateHead | None:
+    """The stance head of ``req``'s template and version, if the night has one."""
+    return head.for_template(req.template_name, req.template_version) if head is not None else None
 
 
 def run_queue(
@@ -311,6 +339,13 @@ def _work(
     watchdog.start()
     bar = _Progress(progress, total)
     calibration = Calibration()  # label priors: scored contexts once per template per night, the batch's mean
+    try:
+        head = find_head(config.model.store or config.model.checkpoint, model.model_id)  # beside these weights
+    except ValueError as exc:  # a damaged head file: the night keeps the label-word stance, and says why
+        log.error("stance head not used: %s", exc)
+        head = None
+    if head is not None:
+        log.info("stance head for %s: %s", ", ".join(sorted(head.templates)), head.source or "no source recorded")
     blocked_by: str | None = None
     status, error = "ok", None
     drained = crashed = False
@@ -326,7 +361,7 @@ def _work(
             in_flight = [r.id for r in claimed]
             watchdog.progress(in_flight)
             started = time.monotonic()
-            rows, errors, new_tokens = _run_batch(model, claimed, watchdog.progress, calibration)
+            rows, errors, new_tokens = _run_batch(model, claimed, watchdog.progress, calibration, head)
             tally.flags.update(annotate_rows(engine, rows, {r.id: r.prompt for r in claimed}))
             tally.label_priors = calibration.measured()
             tally.seconds += time.monotonic() - started

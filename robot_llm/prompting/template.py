@@ -110,7 +110,9 @@ class StanceOptions(_Section):
     (``prompt``: the stance of the news it shows, read from the same cache; the thesis is still
     written and stored). ``news`` asks the news stance as well, beside the thesis's; ``store``
     says which of the two is the row's ``stance`` (the other is kept in ``text_stance`` /
-    ``news_stance``).
+    ``news_stance``). ``verdicts`` (one phrase per label): the thesis the model writes (the
+    news's fact, up to a stop) is closed with the stored stance's verdict phrase, so that the
+    sentence a person reads and the number a strategy trades say the same thing.
     """
 
     cue: str = Field(min_length=1)
@@ -122,6 +124,13 @@ class StanceOptions(_Section):
     after: Literal["thesis", "prompt"] = "thesis"
     news: NewsStanceOptions | None = None
     store: Literal["thesis", "news"] = "thesis"
+    verdicts: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _verdict_per_label(self) -> StanceOptions:
+        if self.verdicts is not None and set(self.verdicts) != set(self.labels):
+            raise ValueError(f"stance.verdicts: one phrase per label ({', '.join(map(repr, self.labels))})")
+        return self
 
     @model_validator(mode="after")
     def _stored_exists(self) -> StanceOptions:

@@ -313,11 +313,17 @@ class Thesis(Base):
     stance_probs: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")  # label -> p
     text_stance: Mapped[float | None] = mapped_column(Float)  # the stance read after the thesis
     news_stance: Mapped[float | None] = mapped_column(Float)  # the news items' stances, aggregated
+    # Revision 0005: which reading ``stance`` is, one of STANCE_SOURCES (None: stored before it was recorded).
+    stance_source: Mapped[str | None] = mapped_column(String(16))
 
 
 #: ``Thesis.kind``: a generated thesis, a stance asked without a thesis (``max_new_tokens: 0``),
 #: or the explicit abstention of a prompt that had no news and no signals (no text, no stance).
 THESIS_KINDS = ("thesis", "stance_only", "no_inputs")
+
+#: ``Thesis.stance_source``: the label words after the thesis, after the news, or a stance head
+#: (:mod:`robot_llm.night.stance_head`) on the model's hidden state where the news stance is read.
+STANCE_SOURCES = ("thesis", "news", "head")
 
 
 class DaemonLease(Base):

@@ -38,6 +38,7 @@ _DEFAULTS: dict[str, Any] = {
     "stance_probs": dict,
     "text_stance": None,
     "news_stance": None,
+    "stance_source": None,
 }
 
 

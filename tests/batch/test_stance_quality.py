@@ -339,3 +339,143 @@ def test_batch_plan_as_of_now_says_how_many_prompts_have_no_news(benv) -> None: 
     assert "3 new request(s)" in out.stdout
     assert "3 prompt(s) have no news, 3 of them no signals either" in out.stdout
     assert "no news for tiny: no news has been fetched at all" in out.stdout
+
+
+def test_a_stance_head_beside_the_weights_is_read_from_the_news_stance_pass(benv, night, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A head file for these weights: the stored stance is the head's on the hidden state of the news stance's cue
+    (the same pass: equal to a re-prefill of that context), and says so; the label-word news stance stays readable."""
+    import json
+    import random
+    import shutil
+
+    import torch
+    from batch_helpers import TINY, VOCAB
+
+    from robot_llm.llm.engine.memory import Yalm
+    from robot_llm.llm.families.yalm import YalmConfig
+    from robot_llm.llm.tokenizer import YalmTokenizer
+    from robot_llm.night.model import open_configured_model
+    from robot_llm.night.stance_head import FORMAT, HEAD_FILE, load_head, weights_id
+
+    weights = tmp_path / "yalm-tiny"
+    shutil.copytree(TINY, weights)
+    news = '  news:\n    cue: " so"\n    before: ":"\n  store: news\n'
+    (benv.prompts_dir / "tiny.j2").write_text(
+        TINY_TEMPLATE.replace('    " flat": 0\n', '    " flat": 0\n' + news), encoding="utf-8"
+    )
+    config = benv.config(model={"checkpoint": str(weights)})
+    opened = open_configured_model(config)
+    model_id = weights_id(opened.model_id)
+    opened.close()
+    hidden = YalmConfig.from_json(TINY / "config.json").hidden_size
+    rng = random.Random(3)
+    head = {
+        "version": "1",
+        "labels": {" up": 1, " down": -1, " flat": 0},
+        "weights": [[rng.gauss(0, 1) for _ in range(hidden)] for _ in range(3)],
+        "bias": [0.1, -0.2, 0.0],
+    }
+    (weights / HEAD_FILE).write_text(
+        json.dumps({"format": FORMAT, "model": model_id, "templates": {"tiny": head}}), encoding="utf-8"
+    )
+    for i in range(3):
+        _news(benv, night, f"T00{i}", f"Company {i} cuts its dividend", f"k{i}")
+    plan_night(config, benv.engine, night)
+    assert run_queue(config, benv.engine, as_of=night, progress=False, preflight=False).done == 3
+
+    model = Yalm.from_release(str(TINY / "weights"), YalmConfig.from_json(TINY / "config.json"))
+    tokenizer = YalmTokenizer(VOCAB)
+    template_head = load_head(weights / HEAD_FILE).templates["tiny"]
+    requests = {r.id: r for r in benv.requests()}
+    for t in benv.theses():
+        prompt = requests[t.request_id].prompt
+        model.forward(torch.tensor([tokenizer.encode(prompt[: prompt.rfind(":")] + " so")]))
+        assert model.last_hidden is not None
+        want = template_head.stance(model.last_hidden[0, -1].tolist())
+        assert t.stance_source == "head" and t.stance == pytest.approx(want.stance, abs=1e-4)
+        assert t.stance_label == want.label and t.stance_probs == pytest.approx(want.probs, abs=1e-4)
+        assert t.news_stance is not None and t.news_stance != t.stance  # the label words' news stance stays
+
+
+def test_a_stance_head_for_other_weights_or_damaged_is_not_used(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from robot_llm.night.stance_head import FORMAT, HEAD_FILE, find_head, load_head
+
+    head = {"version": "1", "labels": {" up": 1, " down": -1}, "weights": [[1.0, 0.0], [0.0, 1.0]], "bias": [0, 0]}
+    path = tmp_path / HEAD_FILE
+    path.write_text(json.dumps({"format": FORMAT, "model": "tiny/fp32@abc", "templates": {"t": head}}))
+    assert find_head(tmp_path, "night:tiny/fp32@abc") is not None
+    assert find_head(tmp_path, "night:tiny/fp32@def") is None  # another store's weights
+    assert find_head(None, "night:tiny/fp32@abc") is None
+    result = load_head(path).templates["t"].stance([3.0, 1.0])
+    assert result.label == "up" and result.stance > 0 and sum(result.probs.values()) == pytest.approx(1.0)
+    path.write_text(path.read_text().replace('"bias": [0, 0]', '"bias": [0]'))
+    with pytest.raises(ValueError, match=r"stance_head.json: templates.t: one weight row and one bias per label"):
+        load_head(path)
+
+
+VERDICTS = '  verdicts:\n    " up": "it may rise."\n    " down": "it may fall."\n    " flat": "it may stay flat."\n'
+
+
+def test_the_thesis_is_closed_with_the_stored_stances_verdict(benv, night, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With ``stance.verdicts`` the model writes the fact and the night closes it with the stored label's phrase."""
+    from robot_llm.night.stance import close_thesis
+
+    (benv.prompts_dir / "tiny.j2").write_text(
+        TINY_TEMPLATE.replace('    " flat": 0\n', '    " flat": 0\n' + VERDICTS), encoding="utf-8"
+    )
+    config = benv.config()
+    for i in range(2):
+        _news(benv, night, f"T00{i}", f"Company {i} raises its dividend", f"k{i}")
+    plan_night(config, benv.engine, night)
+    assert run_queue(config, benv.engine, as_of=night, progress=False, preflight=False).done == 3
+    phrases = {"up": "it may rise.", "down": "it may fall.", "flat": "it may stay flat."}
+    assert any(t.text.strip() for t in benv.theses())
+    for t in benv.theses():
+        assert t.text.endswith("; " + phrases[t.stance_label]) or t.text.strip() == ""
+        if t.text.strip():
+            direction = thesis_direction(t.text, "en")
+            assert direction == {"up": 1, "down": -1, "flat": 0}[t.stance_label]
+            assert "disagrees" not in t.flags
+
+    two = {"cue": " so", "labels": {" up": 1, " down": -1}}
+    spec = parse_stance_spec({**two, "verdicts": {" up": "up!", " down": "no"}})
+    assert spec is not None
+    assert close_thesis(" Profits rose 5%;", spec, "up") == "Profits rose 5%; up!"
+    assert close_thesis("  ", spec, "up") == "  "  # no fact written: nothing to close
+    with pytest.raises(ValueError, match="verdicts"):
+        parse_stance_spec({**two, "verdicts": {" up": "x"}})
+    bad = tmp_path / "tiny.j2"
+    two_verdicts = VERDICTS[: VERDICTS.rindex('    " flat"')]
+    bad.write_text(TINY_TEMPLATE.replace('    " flat": 0\n', '    " flat": 0\n' + two_verdicts), encoding="utf-8")
+    with pytest.raises(TemplateError, match=r"stance\.verdicts: one phrase per label"):
+        load_template(bad)
+
+
+def test_the_demo_ships_a_stance_head_for_its_templates_as_they_are() -> None:
+    """The packaged head covers ``brief_en``/``brief_ru`` at their current versions and labels (a version bump
+    without retraining would silently drop the head), and belongs to the demo's Gemma weights."""
+    from robot_llm.night.stance_head import HEAD_FILE, load_head
+
+    head = load_head(REPO / "robot_llm" / "demo_data" / HEAD_FILE)
+    assert head.model.startswith("gemma3") and head.model.split("/")[1].startswith("bf16@")
+    for name in ("brief_en", "brief_ru"):
+        template = load_template(REPO / "prompts" / f"{name}.j2")
+        assert template.stance is not None
+        found = head.for_template(template.name, template.version)
+        assert found is not None, f"{name} v{template.version} has no head: retrain (benchmarks/stance_head.py)"
+        assert dict(found.labels) == template.stance.labels
+        assert len(found.weights[0]) == 640  # Gemma 3 270M's hidden size
+
+
+def test_the_demo_places_its_head_beside_a_converted_store_and_keeps_one_there(tmp_path: Path) -> None:
+    from robot_llm.demo import place_stance_head
+    from robot_llm.night.stance_head import HEAD_FILE
+
+    place_stance_head(tmp_path)
+    packaged = (REPO / "robot_llm" / "demo_data" / HEAD_FILE).read_bytes()
+    assert (tmp_path / HEAD_FILE).read_bytes() == packaged
+    (tmp_path / HEAD_FILE).write_text("{}", encoding="utf-8")  # the user's own head
+    place_stance_head(tmp_path)
+    assert (tmp_path / HEAD_FILE).read_text(encoding="utf-8") == "{}"

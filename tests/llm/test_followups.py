@@ -52,6 +52,10 @@ class Counting:
     def new_cache(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner.new_cache(*args, **kwargs)
 
+    @property
+    def last_hidden(self) -> Any:
+        return getattr(self.inner, "last_hidden", None)
+
     def forward(self, ids: torch.Tensor, cache: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls.append((ids.shape[0], ids.shape[1], cache is not None))
         return self.inner.forward(ids, cache, *args, **kwargs)
@@ -82,7 +86,7 @@ def _check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str], fo
     # One step more for the rows still scoring after the last token; two when that row has a second followup.
     assert len(counted.calls) <= len(plain.calls) + 1 + any(f.then is not None for f in followups)
     for prompt, p, f, c, w in zip(prompts, params, followups, got, without, strict=True):
-        assert replace(c, followup_logprobs=None, then_logprobs=None) == w
+        assert replace(c, followup_logprobs=None, then_logprobs=None, hidden=None) == w
         assert w == generate(model, tokenizer, [prompt], p)[0]
         assert c.followup_logprobs is not None
         want = score_pieces(model, tokenizer, f.context(prompt, c.text), f.continuations)
@@ -94,6 +98,12 @@ def _check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str], fo
             want = score_pieces(model, tokenizer, f.then.context(prompt, c.text), f.then.continuations)
             for mine, ref in zip(c.then_logprobs, want, strict=True):
                 assert mine == pytest.approx(ref, abs=1e-4)
+        asked = f if f.hidden else f.then if f.then is not None and f.then.hidden else None
+        assert (c.hidden is not None) == (asked is not None)
+        if asked is not None:  # the state at the cue, from the pass that scored it: a re-prefill's
+            model.forward(torch.tensor([tokenizer.encode(asked.context(prompt, c.text))]))
+            want_hidden = model.last_hidden[0, -1]  # type: ignore[attr-defined]
+            assert torch.tensor(c.hidden) == pytest.approx(want_hidden, abs=1e-4 * float(want_hidden.abs().max()))
 
 
 def test_followups_from_the_cache_on_the_tiny_fixture(
@@ -114,7 +124,7 @@ def test_a_second_followup_reads_the_news_from_the_same_cache(
     tiny_model: Yalm, tokenizer: YalmTokenizer, prompts: list[str]
 ) -> None:
     # The thesis's stance, then the news stance: the prompt cut before its open slot, another cue.
-    news = Followup(" итог", RU.continuations, after_prompt=True, anchor=" ")
+    news = Followup(" итог", RU.continuations, after_prompt=True, anchor=" ", hidden=True)
     both = [replace(RU, then=news), EN, replace(EN, then=replace(news, continuations=EN.continuations))]
     _check(tiny_model, tokenizer, [*prompts[:3]], both)
 
@@ -127,7 +137,7 @@ def test_followups_from_the_cache_on_the_demo_store(demo: tuple[StreamingModel, 
         "Новости:\n- Нефть подорожала\nТезис:",
         "Thesis:",
     ]
-    _check(model, tokenizer, prompts, [RU, EN, RU, EN])
+    _check(model, tokenizer, prompts, [RU, replace(EN, after_prompt=True, hidden=True), RU, EN])
 
 
 def test_followups_from_the_cache_on_gemma3_with_sliding_windows(tokenizer: YalmTokenizer, prompts: list[str]) -> None:

@@ -174,7 +174,7 @@ class YalmZero(nn.Module):
         layers = ((f"layer {i}", layer) for i, layer in enumerate(self.layers))
         return forward_pass(
             ids, step, cache, embed=self.embedding, layers=layers, head=self.head, watch=watch, last_only=last_only
-        )
+        )[0]
 
     def target(self, kind: ModuleKind, index: int) -> tuple[_Module, str]:
         """The module holding release module ``(kind, index)`` and the key prefix used there."""

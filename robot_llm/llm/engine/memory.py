@@ -31,6 +31,9 @@ class InMemoryModel:
         self.weights = weights.to(self.device, self.dtype)
         self.rope = self.family.rope(cfg)
         self.watch = FiniteWatch()
+        #: The last pass's final hidden states before the output head (``[B, T, H]``, or ``[B, 1, H]`` with
+        #: ``last_only``): what a stance head reads at a followup's branch, in the same weight pass.
+        self.last_hidden: Tensor | None = None
 
     def new_cache(self, batch: int, max_len: int, pad: Tensor | None = None) -> KVCache:
         """An empty cache on the model's device in the compute dtype."""
@@ -48,7 +51,7 @@ class InMemoryModel:
         """See :meth:`ForwardModel.forward`."""
         cfg, w, fam = self.config, self.weights, self.family
         step = prepare_step(cfg, self.rope, cache, ids.shape[1], pad, self.device, self.dtype, batch=ids.shape[0])
-        return forward_pass(
+        logits, self.last_hidden = forward_pass(
             ids,
             step,
             cache,
@@ -58,6 +61,7 @@ class InMemoryModel:
             watch=self.watch,
             last_only=last_only,
         )
+        return logits
 
     __call__ = forward
 

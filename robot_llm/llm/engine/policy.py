@@ -104,6 +104,11 @@ class TaskView:
 
     __call__ = forward
 
+    @property
+    def last_hidden(self) -> Tensor | None:
+        """The engine's last pass's pre-head hidden states (a stance head reads them: scoring.tree_hidden)."""
+        return self.engine.last_hidden
+
     def first_nonfinite(self) -> str:
         """Where the engine's last pass first went non-finite."""
         return self.engine.first_nonfinite()

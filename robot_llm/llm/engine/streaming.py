@@ -140,6 +140,7 @@ class StreamingModel:
         self.read_depth = read_depth
         self.stats = StreamStats()
         self.watch = FiniteWatch()
+        self.last_hidden: Tensor | None = None  # the last pass's pre-head states, as InMemoryModel.last_hidden
         # Quantized matrices go to torch's fused CPU kernels as stored, fp32 activations cast to bf16 for them:
         # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (quant.FUSED_COMPUTE_DTYPES).
         self.fused = not self.cuda and fused_on_cpu(self.store.manifest.dtype, _DTYPE_NAMES.get(self.dtype, ""))
@@ -423,7 +424,7 @@ class StreamingModel:
         started = time.perf_counter()
         cfg, fam = self.config, self.family
         B, T = ids.shape
-        logits = forward_pass(
+        logits, self.last_hidden = forward_pass(  # the pre-head states: a stance head reads them
             ids,
             prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B),
             cache,

@@ -12,7 +12,7 @@ loop every engine runs (in-memory, streaming, DeepSpeed); only where the weights
 
     fam = family_of(cfg)
     step = prepare_step(cfg, fam.rope(cfg), cache, T, pad, device, dtype, batch=B)
-    logits = forward_pass(
+    logits, hidden = forward_pass(
         ids, step, cache,                              # resident: {"embedding": ..., "output": ...}
         embed=lambda ids: fam.embed(ids, resident, cfg),
         layers=((f"layer {i}", bind_layer(fam, p, cfg, i)) for i, p in enumerate(layers)),
@@ -254,8 +254,9 @@ def forward_pass(
     rows: int | None = None,
     last_only: bool = False,
     on_layer: Callable[[], None] | None = None,
-) -> Tensor:
-    """One step of any engine over ``ids [B, T]``: embed, every layer, the head; fp32 CPU logits.
+) -> tuple[Tensor, Tensor]:
+    """One step of any engine over ``ids [B, T]``: embed, every layer, the head. Returns the fp32 CPU
+    logits and the hidden states the head read (``[B, T, H]``; a stance head reads them).
 
     The engines differ only in where weights come from, so they pass them in: ``layers`` yields
     each layer's name (for ``watch``) and its call, in order; a generator may fetch the next
@@ -264,7 +265,7 @@ def forward_pass(
     into micro-batches of that many rows (bounded activations; each layer still fetched once);
     ``on_layer`` runs after every layer of every micro-batch (the watchdog's liveness). ``cache``
     (``step`` from :func:`prepare_step` over it) is advanced by ``T``; ``last_only`` keeps the
-    last position's logits only.
+    last position only.
     """
     B, T = ids.shape
     rows = rows or B
@@ -287,7 +288,7 @@ def forward_pass(
         cache.advance(T)
     if last_only:
         x = x[:, -1:]
-    return head(x).float().cpu()
+    return head(x).float().cpu(), x
 
 
 # --------------------------------------------------------------------------- models
