@@ -256,7 +256,8 @@ def forward_pass(
     on_layer: Callable[[], None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One step of any engine over ``ids [B, T]``: embed, every layer, the head. Returns the fp32 CPU
-    logits and the hidden states the head read (``[B, T, H]``; a stance head reads them).
+    logits and the hidden states the head read (``[B, T, H]``, ``[B, 1, H]`` with ``last_only``: a
+    stance head reads them).
 
     The engines differ only in where weights come from, so they pass them in: ``layers`` yields
     each layer's name (for ``watch``) and its call, in order; a generator may fetch the next
