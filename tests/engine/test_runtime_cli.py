@@ -212,8 +212,8 @@ def test_a_given_policy_is_the_engine_and_no_job_changes_it(tiny_dir: Path, stor
         opened.generate(PROMPTS, SamplingParams(max_new_tokens=2, greedy=True))
         opened.score("Нефть", [" выросла", " упала"])
         # Every attribute the engine had is the same object after two jobs (the stats and slots it updates
-        # in place aside, and last_hidden, the last pass's output a stance head reads): nothing per-job was
-        # written into it.
+        # in place aside, the layer stream's position and the last pass's hidden state, an output the
+        # stance head reads): nothing per-job was written into it.
         changed = {k for k, v in vars(engine).items() if before.get(k) is not v}
         assert changed <= {"_next", "_prefetched", "_current", "_read_busy_until", "last_hidden"}, changed
         with pytest.raises(dataclasses.FrozenInstanceError):
