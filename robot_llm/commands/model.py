@@ -140,6 +140,7 @@ def _generate(args: argparse.Namespace) -> int:
     """Through the door the night uses (:meth:`Model.open`): a store is streamed, opened and planned the way a
     night opens it (weight home, KV home and threads from the plan unless pinned), each batch planned."""
     from robot_llm.llm.model import Model
+    from robot_llm.llm.tokenizer import load_tokenizer
 
     if (args.store is None) == (args.checkpoint is None):
         raise RobotLLMError("give either --store STORE_DIR or --checkpoint RELEASE_DIR")
@@ -155,11 +156,21 @@ def _generate(args: argparse.Namespace) -> int:
         engine = args.engine
         where = {"checkpoint": args.checkpoint, "vocab": args.vocab, "preset": args.preset}
         where["config_file"] = Path(args.model_config) if args.model_config else None
-    settings = _settings(
-        engine, **_flags(args), max_batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, **where
-    )
     params = _sampling(args)
-    model = Model.open(settings)
+    tokenizer = load_tokenizer(Path(where["vocab"]))
+    # Planned for these prompts, not for a night that fills the model's window (Gemma's is 32k tokens:
+    # its logits alone would not fit), and without a stance step.
+    longest = max(len(tokenizer.encode(p)) for p in args.prompts) + args.max_new_tokens
+    settings = _settings(
+        engine,
+        **_flags(args),
+        max_batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        max_positions=longest,
+        stance_tokens=0,
+        **where,
+    )
+    model = Model.open(settings, tokenizer=tokenizer)
     try:
         _print_completions(args, model.generate(args.prompts, params))
     finally:

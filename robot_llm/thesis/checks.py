@@ -20,6 +20,7 @@ __all__ = [
     "FLAG_REPEATED",
     "degeneration_flags",
     "normalised",
+    "own_words",
     "thesis_direction",
 ]
 
@@ -113,32 +114,50 @@ def thesis_direction(text: str, language: str) -> int | None:
     return None
 
 
-def degeneration_flags(text: str, prompt: str, news: Iterable[str], seen: Iterable[str]) -> list[str]:
+def own_words(text: str, verdicts: Iterable[str] = ()) -> str:
+    """``text`` without the verdict phrase the night closed it with (``stance.verdicts``): the model's own words."""
+    stripped = text.rstrip()
+    for phrase in verdicts:
+        phrase = phrase.strip()
+        if phrase and stripped.endswith(phrase):
+            return stripped[: -len(phrase)].rstrip("; ")
+    return text
+
+
+def degeneration_flags(
+    text: str, prompt: str, news: Iterable[str], seen: Iterable[str], verdicts: Iterable[str] = ()
+) -> list[str]:
     """Which degenerations a thesis shows: a copied prompt line (worked example), an echoed news line, a repeat.
 
-    ``news`` are the news texts shown in the prompt, ``seen`` the sentences already stored for
-    other instruments of the night. Near copies count: compared in :func:`normalised` form, a
-    thesis that a prompt line contains (or that contains it) and is at least half its length.
+    ``news`` are the texts of the news items shown in the prompt (title and summary: a prompt line
+    that shows part of one, a headline, is a news line too), ``seen`` the sentences already stored
+    for other instruments of the night, ``verdicts`` the phrases the night closes theses with: the
+    model's own words are compared (:func:`own_words`), not the template's phrase. Near copies count:
+    compared in :func:`normalised` form, a thesis that a prompt line contains (or that contains it)
+    and is at least half its length.
     """
-    mine = normalised(text)
+    verdicts = tuple(verdicts)
+    mine = normalised(own_words(text, verdicts))
     if not mine:
         return []
-    flags: list[str] = []
-    news_forms = [normalised(n) for n in news]
-    news_forms = [n for n in news_forms if n]
+    news_forms = [n for n in (normalised(n) for n in news) if n]
+    news_lines, other_lines = [], []
+    for line in prompt.splitlines():
+        _, _, tail = line.partition(":")
+        form = normalised(tail if tail else line)
+        if form:
+            shown = any(n in form or form in n for n in news_forms)
+            (news_lines if shown else other_lines).append(form)
 
     def near(a: str, b: str) -> bool:
         short, long = sorted((a, b), key=len)
         return bool(short) and short in long and 2 * len(short) >= len(long)
 
-    if any(near(mine, n) for n in news_forms):
+    flags: list[str] = []
+    if any(near(mine, n) for n in (*news_forms, *news_lines)):
         flags.append(FLAG_ECHO)
-    for line in prompt.splitlines():
-        _, _, tail = line.partition(":")
-        form = normalised(tail if tail else line)
-        if form and not any(n in form for n in news_forms) and near(mine, form):
-            flags.append(FLAG_EXAMPLE)
-            break
-    if mine in {normalised(s) for s in seen}:
+    if any(near(mine, form) for form in other_lines):
+        flags.append(FLAG_EXAMPLE)
+    if mine in {normalised(own_words(s, verdicts)) for s in seen}:
         flags.append(FLAG_REPEATED)
     return flags

@@ -115,7 +115,9 @@ def annotate_rows(engine: Engine, rows: list[dict[str, Any]], prompts: dict[int,
         flags: list[str] = []
         if not stance_only:
             night = seen[(row["as_of"], row["template_name"])]
-            flags += degeneration_flags(text, prompts[row["request_id"]], [news[i] for i in row["news_ids"]], night)
+            verdicts = dict(row["params"].get("stance") or {}).get("verdicts") or {}
+            shown = [news[i] for i in row["news_ids"]]
+            flags += degeneration_flags(text, prompts[row["request_id"]], shown, night, verdicts.values())
             night.append(text)  # a later row of this batch repeating it is a repeat too
             flags += _agreement_flags(text, row["stance"])
         row["flags"] = flags

@@ -178,6 +178,19 @@ def test_degeneration_flags() -> None:
     ]
     assert degeneration_flags(" The Ohio plant adds capacity, which supports the shares.", prompt, news, []) == []
 
+    # The prompt shows the headline only, the stored item has a summary too; the night closed the
+    # thesis with its verdict phrase (stance.verdicts): the model's own words are the headline, an echo.
+    shown = "Company: Southern Steel\nNews:\n- Southern Steel reported a loss\nThesis:"
+    item = ["Southern Steel reported a loss. The blast furnace stops for a month."]
+    verdicts = ["this weighs on the shares, they may fall.", "this supports the shares, they may rise."]
+    closed = "Southern Steel reported a loss; this weighs on the shares, they may fall."
+    assert degeneration_flags(closed, shown, item, [], verdicts) == [FLAG_ECHO]
+    assert degeneration_flags(closed, shown, item, [], []) == []  # the phrase counted: not half a copy
+    # Two instruments whose facts differ are no repeat, though both end with the same verdict.
+    other = "Northern Timber cut its dividend; this weighs on the shares, they may fall."
+    assert degeneration_flags(other, shown, item, [closed], verdicts) == []
+    assert degeneration_flags(closed, shown, item, [closed], verdicts) == [FLAG_ECHO, FLAG_REPEATED]
+
 
 def test_batch_calibration_divides_out_the_nights_mean_so_far() -> None:
     spec = StanceSpec(" so", LABELS, "sum", mode="batch")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,17 +43,20 @@ model:
 """
 
 
-@pytest.fixture(scope="module")
-def gemma_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    store = tmp_path_factory.mktemp("gemma") / "store"
-    weights = random_weights(GEMMA, seed=1)
+def _random_store(config: Gemma3Config, store: Path) -> Path:
+    weights = random_weights(config, seed=1)
     layers = iter(weights.layers)
     modules = (
         (kind, index, next(layers) if kind == "layer" else weights.resident[kind])
-        for kind, index, _ in module_plan(GEMMA)
+        for kind, index, _ in module_plan(config)
     )
-    convert_modules(GEMMA, modules, store, dtype="fp32", reserve_bytes=0)
+    convert_modules(config, modules, store, dtype="fp32", reserve_bytes=0)
     return store
+
+
+@pytest.fixture(scope="module")
+def gemma_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _random_store(GEMMA, tmp_path_factory.mktemp("gemma") / "store")
 
 
 def _config(folder: Path, store: Path, backend: str) -> Path:
@@ -84,3 +89,19 @@ def test_the_door_refuses_it_before_loading_anything(gemma_store: Path) -> None:
     settings = ModelSettings(vocab=gemma_store, backend="deepspeed", store=gemma_store, device="cpu")
     with pytest.raises(BackendError, match="the deepspeed backend runs yalm models only, not gemma3"):
         Model.open(settings)
+
+
+def test_model_generate_is_planned_for_its_prompts_not_for_the_models_whole_window(
+    tmp_path: Path, tiny_tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A window of millions of positions (Gemma 3's is 32k): a plan for the whole window needs terabytes
+    # of logits, so `model generate` through the door must plan the prompts it was given.
+    import dataclasses
+
+    wide = dataclasses.replace(GEMMA, max_position_embeddings=4_000_000)
+    store = _random_store(wide, tmp_path / "store")
+    tiny_tokenizer(wide.vocab_size, store)
+    argv = ["model", "generate", "--store", str(store), "--greedy", "--max-new-tokens", "3", "--json"]
+    assert main([*argv, "w5 w6 w7", "w8"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["new_tokens"], len(row["token_ids"])) for row in out] == [(3, 3), (3, 3)]
