@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from robot_llm.commands.model import check_fixture
@@ -115,3 +116,33 @@ def test_followups_and_a_shared_head_under_deepspeed(tiny_dir: Path) -> None:
         assert a.token_ids == b.token_ids and a.followup_logprobs is not None and b.followup_logprobs is not None
         for x, y in zip(a.followup_logprobs, b.followup_logprobs, strict=True):
             assert max(abs(p - q) for p, q in zip(x, y, strict=True)) <= 1e-4
+
+
+def test_deepspeed_names_the_first_nonfinite_layer(tmp_path: Path) -> None:
+    # The layer loop is the one every engine runs (family.forward_pass): ZeRO's modules get its watch too.
+    from robot_llm.llm.engine.finite import NonFiniteError, check_logits
+
+    cfg = YalmConfig(
+        num_layers=3,
+        hidden_size=64,
+        embedding_size=32,
+        intermediate_size=128,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        vocab_size=100,
+    )
+    weights = random_weights(cfg, seed=1)
+    key = next(k for k, v in weights.layers[1].items() if v.dim() == 2)
+    weights.layers[1][key][3, 3] = float("inf")
+    weights.layers[1][key][4, 4] = float("-inf")
+    modules = [("embedding", 0, weights.resident["embedding"]), ("projector", 0, weights.resident["projector"])]
+    modules += [("layer", i, p) for i, p in enumerate(weights.layers)] + [("output", 0, weights.resident["output"])]
+    write_store(tmp_path / "store", cfg, modules, dtype="fp32")
+    model = DeepSpeedModel(tmp_path / "store", cfg, offload="cpu", dtype="fp32")
+    try:
+        logits = model.forward(torch.arange(5, 13).view(2, 4))
+        with pytest.raises(NonFiniteError) as info:
+            check_logits(logits, model)
+    finally:
+        model.close()
+    assert info.value.where == "layer 1"

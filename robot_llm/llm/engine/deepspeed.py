@@ -39,8 +39,9 @@ from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 
 from robot_llm.errors import BackendError
-from robot_llm.llm.engine.kv_cache import KVCache
-from robot_llm.llm.families.family import Params, StepInfo, prepare_step, resolve_dtype
+from robot_llm.llm.engine.finite import FiniteWatch
+from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
+from robot_llm.llm.families.family import Params, StepInfo, forward_pass, prepare_step, resolve_dtype
 from robot_llm.llm.families.yalm import YalmConfig, embed, output_head, rope, transformer_layer
 from robot_llm.llm.store.checkpoint import ModuleKind, iter_release_modules, module_plan
 from robot_llm.llm.store.reader import MANIFEST, QUANTIZED, Store
@@ -133,8 +134,7 @@ class _Layer(_Module):
         super().__init__(shapes, dtype)
         self.cfg, self.index = cfg, index
 
-    def forward(self, x: Tensor, step: StepInfo, cache: KVCache | None) -> Tensor:
-        kv = cache.layer(self.index) if cache is not None else None
+    def forward(self, x: Tensor, step: StepInfo, kv: LayerKV | None) -> Tensor:
         return transformer_layer(x, self.params(), self.cfg, self.index, step, kv)
 
 
@@ -151,7 +151,11 @@ class _Head(_Module):
 
 
 class YalmZero(nn.Module):
-    """The whole model as modules for ZeRO-3; ``forward`` is one step (see ``ForwardModel.forward``)."""
+    """The whole model as modules for ZeRO-3; ``forward`` is one step (see ``ForwardModel.forward``).
+
+    The step calls each module (ZeRO's hooks gather its parameters before it runs, release them after)
+    from :func:`~robot_llm.llm.families.family.forward_pass`, the loop every engine runs.
+    """
 
     def __init__(self, cfg: YalmConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -164,13 +168,13 @@ class YalmZero(nn.Module):
             cfg, shapes["output"], dtype, self.embedding.get_parameter(_attr("embedding.word_embeddings.weight"))
         )
 
-    def forward(self, ids: Tensor, step: StepInfo, cache: KVCache | None, last_only: bool) -> Tensor:
-        x = self.embedding(ids)
-        for layer in self.layers:
-            x = layer(x, step, cache)
-        if last_only:
-            x = x[:, -1:]
-        return self.head(x)
+    def forward(
+        self, ids: Tensor, step: StepInfo, cache: KVCache | None, last_only: bool, watch: FiniteWatch
+    ) -> Tensor:
+        layers = ((f"layer {i}", layer) for i, layer in enumerate(self.layers))
+        return forward_pass(
+            ids, step, cache, embed=self.embedding, layers=layers, head=self.head, watch=watch, last_only=last_only
+        )[0]
 
     def target(self, kind: ModuleKind, index: int) -> tuple[_Module, str]:
         """The module holding release module ``(kind, index)`` and the key prefix used there."""
@@ -277,6 +281,7 @@ class DeepSpeedModel:
             cfg, offload=offload, dtype=self.dtype, nvme_path=nvme_path, pin_memory=self.device.type == "cuda"
         )
         self.rope = rope(cfg)
+        self.watch = FiniteWatch()
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
             module = YalmZero(cfg, self.dtype)
         self._load(module, Path(checkpoint), trust_pickle)
@@ -319,12 +324,13 @@ class DeepSpeedModel:
         """See :meth:`robot_llm.llm.families.yalm.ForwardModel.forward`."""
         B, T = ids.shape
         step = prepare_step(self.config, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        logits = self.engine.module(ids.to(self.device), step, cache, last_only)
-        if cache is not None:
-            cache.advance(T)
-        return logits.float().cpu()
+        return self.engine.module(ids.to(self.device), step, cache, last_only, self.watch)
 
     __call__ = forward
+
+    def first_nonfinite(self) -> str:
+        """Where the last pass first went non-finite (:func:`robot_llm.llm.engine.finite.check_logits` asks)."""
+        return self.watch.first_bad() or "the output head"
 
     def close(self) -> None:
         """Release DeepSpeed's state and any swap folder this model created."""

@@ -8,7 +8,7 @@ from torch import Tensor
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.families.config import ModelConfig
-from robot_llm.llm.families.family import Weights, prepare_step, resolve_dtype
+from robot_llm.llm.families.family import Weights, bind_layer, forward_pass, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
 from robot_llm.llm.families.yalm import YalmConfig
 
@@ -50,20 +50,18 @@ class InMemoryModel:
     ) -> Tensor:
         """See :meth:`ForwardModel.forward`."""
         cfg, w, fam = self.config, self.weights, self.family
-        B, T = ids.shape
-        step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        x = fam.embed(ids.to(self.device), w.resident, cfg)
-        self.watch.reset()
-        self.watch.note("the embedding", x)
-        for i, layer in enumerate(w.layers):
-            x = fam.layer(x, layer, cfg, i, step, cache.layer(i) if cache is not None else None)
-            self.watch.note(f"layer {i}", x)
-        if cache is not None:
-            cache.advance(T)
-        if last_only:
-            x = x[:, -1:]
-        self.last_hidden = x
-        return fam.head(x, w.resident, cfg).float().cpu()
+        step = prepare_step(cfg, self.rope, cache, ids.shape[1], pad, self.device, self.dtype, batch=ids.shape[0])
+        logits, self.last_hidden = forward_pass(
+            ids,
+            step,
+            cache,
+            embed=lambda ids: fam.embed(ids.to(self.device), w.resident, cfg),
+            layers=((f"layer {i}", bind_layer(fam, p, cfg, i)) for i, p in enumerate(w.layers)),
+            head=lambda x: fam.head(x, w.resident, cfg),
+            watch=self.watch,
+            last_only=last_only,
+        )
+        return logits
 
     __call__ = forward
 

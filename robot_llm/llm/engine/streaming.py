@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -40,7 +40,7 @@ from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.policy import AttentionHome, KVHome, Task
 from robot_llm.llm.engine.stream_slots import LayerReadError, Slot, StreamStats, resolve_device
 from robot_llm.llm.families.config import embedding_is_head
-from robot_llm.llm.families.family import DTYPES, Params, Resident, prepare_step, resolve_dtype
+from robot_llm.llm.families.family import LayerCall, Params, bind_layer, forward_pass, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
 from robot_llm.llm.plan.machine import gpu_has_native_bf16
 from robot_llm.llm.plan.planner import gpu_compute_dtype
@@ -150,7 +150,7 @@ class StreamingModel:
         if quantized_head is None:
             quantized_head = not self.cuda and self.store.manifest.dtype in QUANTIZED
         self.quantized_head = quantized_head
-        self.resident: Resident = {kind: self._load_resident(kind) for kind in cfg.resident_shapes()}
+        self.resident = {kind: self._load_resident(kind) for kind in cfg.resident_shapes()}
         self.layouts = [self.store.layout("layer", i) for i in range(cfg.num_layers)]
         self.paths = self.store.layer_files()
         self._io = io_pool(read_depth) if read_depth > 1 else None
@@ -403,7 +403,7 @@ class StreamingModel:
         home = task.kv_home if task is not None else None
         device = self.kv_device if home is None else self.device if home == "device" else torch.device("cpu")
         kvd = self.kv_dtype
-        dtype = resolve_dtype(kvd) if kvd in DTYPES else self.dtype
+        dtype = resolve_dtype(kvd) if kvd and kvd not in QUANTIZED else self.dtype
         cache = KVCache.allocate(self.config, batch, max_len, dtype=dtype, device=device, pad=pad, kv_dtype=kvd)
         cache.attend_where_stored = ((task and task.attention_home) or self.attention_home) == "kv"
         return cache
@@ -425,38 +425,18 @@ class StreamingModel:
         started = time.perf_counter()
         cfg, fam = self.config, self.family
         B, T = ids.shape
-        step = prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        x = fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device)
-        self.watch.reset()
-        self.watch.note("the embedding", x)
-        rows = B if T == 1 else (task and task.micro_batch) or self.micro_batch or B
-        if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
-            self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
-            self._prefetched = self._request(0)
-        for i in range(cfg.num_layers):
-            self._current = self._prefetched
-            # Read the next layer (layer 0 of the next step after the last one) while this one computes.
-            self._prefetched = self._request((i + 1) % cfg.num_layers) if self._pool is not None else None
-            params = self._acquire(i)
-            for a in range(0, B, rows):
-                b = min(a + rows, B)
-                kv = cache.layer(i).rows(a, b) if cache is not None else None
-                x[a:b] = fam.layer(x[a:b], params, cfg, i, step.rows(a, b), kv)
-                if on_layer is not None:
-                    on_layer()
-            self.watch.note(f"layer {i} ({self.paths[i].name})", x)
-            if self.cuda:
-                assert self._current.free is not None
-                # On the compute device's stream: a bare record() takes the current device's (cuda:0 under cuda:1).
-                self._current.free.record(torch.cuda.current_stream(self.device))
-            if self._pool is None and i + 1 < cfg.num_layers:
-                self._prefetched = self._request(i + 1)
-        if self._pool is None:
-            self._prefetched = None
-        if cache is not None:
-            cache.advance(T)
-        x = self.last_hidden = x[:, -1:] if last_only else x  # kept: a stance head reads the pre-head states
-        logits = fam.head(x, self.resident, cfg).float().cpu()
+        logits, self.last_hidden = forward_pass(  # the pre-head states: a stance head reads them
+            ids,
+            prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B),
+            cache,
+            embed=lambda ids: fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device),
+            layers=self._layers(),
+            head=lambda x: fam.head(x, self.resident, cfg),
+            watch=self.watch,
+            rows=B if T == 1 else (task and task.micro_batch) or self.micro_batch or B,
+            last_only=last_only,
+            on_layer=on_layer,
+        )
         self.stats.forwards += 1
         self.stats.forward_seconds += time.perf_counter() - started
         log.debug(
@@ -469,6 +449,24 @@ class StreamingModel:
             100 * self.stats.io_hidden_fraction,
         )
         return logits
+
+    def _layers(self) -> Iterator[tuple[str, LayerCall]]:
+        """Every layer in order, each read while the one before computes; its slot is freed once it has run."""
+        cfg = self.config
+        if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
+            self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
+            self._prefetched = self._request(0)
+        for i in range(cfg.num_layers):
+            self._current = self._prefetched
+            # Read the next layer (layer 0 of the next step after the last one) while this one computes.
+            self._prefetched = self._request((i + 1) % cfg.num_layers) if self._pool is not None else None
+            yield f"layer {i} ({self.paths[i].name})", bind_layer(self.family, self._acquire(i), cfg, i)
+            if self.cuda:
+                assert self._current.free is not None
+                # On the compute device's stream: a bare record() takes the current device's (cuda:0 under cuda:1).
+                self._current.free.record(torch.cuda.current_stream(self.device))
+            if self._pool is None and i + 1 < cfg.num_layers:
+                self._prefetched = self._request(i + 1)
 
     __call__ = forward
 

@@ -7,16 +7,18 @@ its rotary frequencies, its embedding, one transformer layer and its output
 head, as plain functions over ``dict[str, Tensor]`` weights. The in-memory
 model (:mod:`robot_llm.llm.engine.memory`), the streaming engine, the store, the
 planner and generation only ever call these; :func:`~robot_llm.llm.families.registry.family_of`
-finds a config's family. One forward step over ``ids [B, T]``::
+finds a config's family. One forward step over ``ids [B, T]`` is :func:`forward_pass`, the one
+loop every engine runs (in-memory, streaming, DeepSpeed); only where the weights come from differs::
 
     fam = family_of(cfg)
     step = prepare_step(cfg, fam.rope(cfg), cache, T, pad, device, dtype, batch=B)
-    x = fam.embed(ids, resident, cfg)                  # resident: {"embedding": ..., "output": ...}
-    for i in range(cfg.num_layers):
-        x = fam.layer(x, layers[i], cfg, i, step, cache.layer(i) if cache is not None else None)
-    if cache is not None:
-        cache.advance(T)
-    logits = fam.head(x, resident, cfg).float()
+    logits, hidden = forward_pass(
+        ids, step, cache,                              # resident: {"embedding": ..., "output": ...}
+        embed=lambda ids: fam.embed(ids, resident, cfg),
+        layers=((f"layer {i}", bind_layer(fam, p, cfg, i)) for i, p in enumerate(layers)),
+        head=lambda x: fam.head(x, resident, cfg),
+        watch=FiniteWatch(),
+    )
 
 Batching prompts of different lengths: left-pad every row to the same length
 and pass ``pad[b]`` (the number of pad slots at the front of row ``b``). Row
@@ -28,7 +30,7 @@ what a layer sees of it are :mod:`robot_llm.llm.engine.kv_cache`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
@@ -227,6 +230,67 @@ class Family:
     embed: Callable[[Tensor, Resident, Any], Tensor]
     layer: Callable[[Tensor, Params, Any, int, StepInfo, LayerKV | None], Tensor]
     head: Callable[[Tensor, Resident, Any], Tensor]
+
+
+# --------------------------------------------------------------------------- the forward pass
+
+#: One layer ready to run on some rows of the batch: ``(x, step, kv) -> x``, its weights already at hand.
+LayerCall = Callable[[Tensor, StepInfo, LayerKV | None], Tensor]
+
+
+def bind_layer(fam: Family, params: Params, cfg: Any, index: int) -> LayerCall:
+    """Layer ``index`` of ``fam`` with its weights ``params``, as :func:`forward_pass` calls it."""
+    return lambda x, step, kv: fam.layer(x, params, cfg, index, step, kv)
+
+
+def forward_pass(
+    ids: Tensor,
+    step: StepInfo,
+    cache: KVCache | None,
+    *,
+    embed: Callable[[Tensor], Tensor],
+    layers: Iterable[tuple[str, LayerCall]],
+    head: Callable[[Tensor], Tensor],
+    watch: FiniteWatch,
+    rows: int | None = None,
+    last_only: bool = False,
+    on_layer: Callable[[], None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One step of any engine over ``ids [B, T]``: embed, every layer, the head. Returns the fp32 CPU
+    logits and the hidden states the head read (``[B, T, H]``, ``[B, 1, H]`` with ``last_only``: a
+    stance head reads them).
+
+    The engines differ only in where weights come from, so they pass them in: ``layers`` yields
+    each layer's name (for ``watch``) and its call, in order; a generator may fetch the next
+    layer before it yields and release the last one after (the streaming engine's slots), or
+    yield modules whose hooks gather their weights (DeepSpeed ZeRO-3). ``rows`` splits the batch
+    into micro-batches of that many rows (bounded activations; each layer still fetched once);
+    ``on_layer`` runs after every layer of every micro-batch (the watchdog's liveness). ``cache``
+    (``step`` from :func:`prepare_step` over it) is advanced by ``T``; ``last_only`` keeps the
+    last position only.
+    """
+    B, T = ids.shape
+    rows = rows or B
+    x = embed(ids)
+    watch.reset()
+    watch.note("the embedding", x)
+    for i, (name, layer) in enumerate(layers):
+        for a in range(0, B, rows):
+            b = min(a + rows, B)
+            kv = cache.layer(i).rows(a, b) if cache is not None else None
+            out = layer(x[a:b], step.rows(a, b), kv)
+            if b - a == B:
+                x = out  # the whole batch in one call: keep its output, no copy back
+            else:
+                x[a:b] = out
+            if on_layer is not None:
+                on_layer()
+        watch.note(name, x)
+    if cache is not None:
+        cache.advance(T)
+    if last_only:
+        x = x[:, -1:]
+    return head(x).float().cpu(), x
 
 
 # --------------------------------------------------------------------------- models
