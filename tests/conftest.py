@@ -145,7 +145,8 @@ def shared_folder(factory: pytest.TempPathFactory, name: str, build: Callable[[P
 
 def link_tree(source: Path, dest: Path, *, link: str = "model") -> None:
     """Copy ``source`` to ``dest``, hard-linking the files under its ``link`` folder (read-only weights);
-    a SQLite database is copied through SQLite's backup, consistent while another test reads or writes it."""
+    a SQLite database is copied through SQLite's backup, consistent while another test reads or writes it
+    (its write-ahead log and shared-memory files are not copied: the backup holds their content)."""
 
     def copy(src: str, dst: str) -> object:
         if Path(src).is_relative_to(source / link):
@@ -157,7 +158,10 @@ def link_tree(source: Path, dest: Path, *, link: str = "model") -> None:
             shutil.copy2(src, dst)
         return dst
 
-    shutil.copytree(source, dest, copy_function=copy)
+    # SQLite's write-ahead log and shared memory come and go while another test reads the database;
+    # the backup above reads through them.
+    side_files = shutil.ignore_patterns("*.sqlite-wal", "*.sqlite-shm", "*.sqlite-journal")
+    shutil.copytree(source, dest, copy_function=copy, ignore=side_files)
 
 
 @pytest.fixture(scope="session")
