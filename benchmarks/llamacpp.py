@@ -24,8 +24,10 @@ llama.cpp, each process's peak RSS, and the 1-minute load average when it starte
 the CPU's features head the table. The last line is one JSON object.
 
 On an AVX512-BF16 machine the AVX2 kind's paths of ours are run with
-``ATEN_CPU_CAPABILITY=avx2 ROBOT_LLM_HIDE_CPU_FLAGS=avx512_bf16,amx_bf16`` (torch's kernels
-and our feature detection, both inherited by the children); llama.cpp stays the native build.
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ROBOT_LLM_HIDE_CPU_FLAGS=avx512_bf16,amx_bf16``
+(torch's own kernels, oneDNN's, which do its plain bf16 matmuls and which ``ATEN_CPU_CAPABILITY``
+does not limit, and our feature detection; the children inherit all three); llama.cpp stays the
+native build.
 
     python benchmarks/llamacpp.py [--threads 1,2] [--batches 1,32] [--prompt 512] [--new 128]
         [--rounds 1] [--cache DIR] [--llama-bin DIR] [--quick]
@@ -59,7 +61,7 @@ def log(msg: str) -> None:
 
 def cpu_features() -> dict[str, Any]:
     """The CPU's model name and the flags that decide the fast paths (AVX2, AVX512, AVX512-BF16, AMX), as
-    our engine sees them (``ROBOT_LLM_HIDE_CPU_FLAGS`` hides some), and torch's kernel dispatch level."""
+    our engine sees them (``ROBOT_LLM_HIDE_CPU_FLAGS`` hides some), and torch's and oneDNN's kernel levels."""
     from robot_llm.llm.plan.machine import cpu_flags
 
     name = "unknown CPU"
@@ -72,8 +74,9 @@ def cpu_features() -> dict[str, Any]:
         pass
     flags = cpu_flags()
     wanted = {"avx2": "avx2", "avx512f": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_bf16"}
-    torch_level = os.environ.get("ATEN_CPU_CAPABILITY", "default")
-    return {"cpu": name, "cores": os.cpu_count(), **{k: f in flags for k, f in wanted.items()}, "aten": torch_level}
+    levels = {"aten": os.environ.get("ATEN_CPU_CAPABILITY", "default")}
+    levels["onednn"] = os.environ.get("ONEDNN_MAX_CPU_ISA", "default")
+    return {"cpu": name, "cores": os.cpu_count(), **{k: f in flags for k, f in wanted.items()}, **levels}
 
 
 # --------------------------------------------------------------------------- the peer
@@ -303,7 +306,8 @@ def main() -> None:
                     results.setdefault((t, b), {}).setdefault(engine, []).append(row)
     print(
         f"CPU: {features['cpu']}, {features['cores']} cores; AVX2 {features['avx2']}, AVX512 {features['avx512f']}, "
-        f"AVX512-BF16 {features['avx512_bf16']}, AMX {features['amx']}; torch kernels: {features['aten']}; "
+        f"AVX512-BF16 {features['avx512_bf16']}, AMX {features['amx']}; "
+        f"torch kernels: {features['aten']}, oneDNN: {features['onednn']}; "
         f"int4 kernel layout: {features['int4_kernel_layout']}"
     )
     print(f"Gemma 3 270M Q4_K_M, prompt {args.prompt} + {args.new} new tokens, greedy; best of {args.rounds} round(s)")
