@@ -63,6 +63,7 @@ from robot_llm.forecast_records import (
     to_dataframe,
 )
 from robot_llm.store.db import DatabaseError, Signal, Thesis, check_connection, error_line, make_engine
+from robot_llm.store.migrate import SchemaOutOfDateError, ensure_current
 from robot_llm.track.figures import LedgerSettings
 
 if TYPE_CHECKING:
@@ -173,7 +174,19 @@ class Forecasts:
             with self._engine.connect() as conn:
                 return list(conn.execute(stmt))
         except DBAPIError as exc:
-            raise ForecastsError(f"reading {self._engine.url.render_as_string()} failed: {error_line(exc)}") from None
+            raise self._read_failed(exc) from None
+
+    def _read_failed(self, exc: DBAPIError) -> ForecastsError:
+        """The error for a failed read; one against a schema older than this robot-llm (a column that a later
+        revision adds is missing) says to upgrade it, as the daemon does (:func:`store.migrate.ensure_current`)."""
+        message = f"reading {self._engine.url.render_as_string()} failed: {error_line(exc)}"
+        try:
+            ensure_current(self._engine)
+        except SchemaOutOfDateError as stale:
+            message += f" ({stale})"
+        except DBAPIError:
+            pass  # the database itself is the problem: the read's own error says so
+        return ForecastsError(message)
 
     # ----------------------------------------------------------------------- theses
 
@@ -323,7 +336,7 @@ class Forecasts:
                 model=model,
             )
         except DBAPIError as exc:
-            raise ForecastsError(f"reading {self._engine.url.render_as_string()} failed: {error_line(exc)}") from None
+            raise self._read_failed(exc) from None
 
     # ----------------------------------------------------------------------- signals
 

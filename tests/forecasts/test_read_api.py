@@ -410,3 +410,13 @@ def test_strategies_read_while_the_batch_writes(db_url: str) -> None:
     writer_engine.dispose()
     assert not errors, errors
     assert last_seen == n - 1 and reads >= 1
+
+
+def test_a_read_of_a_database_a_revision_behind_says_to_upgrade(db_url: str) -> None:
+    # A robot-llm upgraded before its database: the read names the revision and the command that fixes it.
+    from robot_llm.store.migrate import downgrade, head
+
+    downgrade(db_url, "-1")
+    with Forecasts.open(db_url) as fc, pytest.raises(ForecastsError) as caught:
+        fc.latest("SBER", datetime.now(timezone.utc))
+    assert f"head is {head()}: run `robot-llm db upgrade" in str(caught.value)
