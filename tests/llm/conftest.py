@@ -35,6 +35,30 @@ def tiny_model(tiny_dir: Path, tiny_config: YalmConfig) -> Yalm:
 
 
 @pytest.fixture(scope="session")
+def sliding_gemma(tokenizer: Any) -> Any:
+    """A random two-layer Gemma 3 on the fixture's vocabulary whose sliding windows (5 positions) are shorter
+    than the prompts: masks must measure in positions, across masked slots."""
+    from robot_llm.llm.engine.memory import InMemoryModel
+    from robot_llm.llm.families.family import random_weights
+    from robot_llm.llm.families.gemma3 import Gemma3Config
+
+    cfg = Gemma3Config(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=tokenizer.vocab_size,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window_size=5,
+        query_pre_attn_scalar=16.0,
+    )
+    return InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+
+
+@pytest.fixture(scope="session")
 def door() -> Callable[..., Any]:
     """Opens a store through the door (``Model.open``) with the policy these tests compute under: the CPU,
     one thread, layers streamed from disk, ``dtype`` (fp32 by default)."""

@@ -20,8 +20,7 @@ import torch
 from robot_llm.llm.engine.memory import InMemoryModel, Yalm
 from robot_llm.llm.engine.slots import SlotState
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families.family import ForwardModel, random_weights
-from robot_llm.llm.families.gemma3 import Gemma3Config
+from robot_llm.llm.families.family import ForwardModel
 from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer
@@ -140,22 +139,11 @@ def test_followups_from_the_cache_on_the_demo_store(demo: tuple[StreamingModel, 
     _check(model, tokenizer, prompts, [RU, replace(EN, after_prompt=True, hidden=True), RU, EN])
 
 
-def test_followups_from_the_cache_on_gemma3_with_sliding_windows(tokenizer: YalmTokenizer, prompts: list[str]) -> None:
+def test_followups_from_the_cache_on_gemma3_with_sliding_windows(
+    tokenizer: YalmTokenizer, prompts: list[str], sliding_gemma: InMemoryModel
+) -> None:
     # Windows of 5 positions, shorter than every prompt: the masks measure in positions, across masked slots.
-    cfg = Gemma3Config(
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        vocab_size=tokenizer.vocab_size,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window_size=5,
-        query_pre_attn_scalar=16.0,
-    )
-    model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+    model = sliding_gemma
     _check(model, tokenizer, [*prompts, prompts[2][:9]], [RU, EN, RU, EN, RU])
 
 

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from robot_llm.llm.engine.memory import InMemoryModel, Yalm
-from robot_llm.llm.families.family import ForwardModel, random_weights
-from robot_llm.llm.families.gemma3 import Gemma3Config
+from robot_llm.llm.families.family import ForwardModel
 from robot_llm.llm.generate import Completion, SamplingParams, generate
 from robot_llm.llm.scoring import Followup, score_pieces
 from robot_llm.llm.tokenizer import YalmTokenizer
@@ -116,25 +115,14 @@ def test_item_branches_take_no_weight_pass_of_their_own(tiny_model: Yalm, tokeni
     assert with_items == len(calls)
 
 
-def test_item_scores_on_gemma3_with_sliding_windows(tokenizer: YalmTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_item_scores_on_gemma3_with_sliding_windows(
+    tokenizer: YalmTokenizer, monkeypatch: pytest.MonkeyPatch, sliding_gemma: InMemoryModel
+) -> None:
     # Windows of 5 positions, shorter than the news block: an item branch's keys are limited by its
     # item's span and by the sliding window, both measured in positions, across masked slots.
     import robot_llm.llm.generate as generation
 
-    cfg = Gemma3Config(
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        vocab_size=tokenizer.vocab_size,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window_size=5,
-        query_pre_attn_scalar=16.0,
-    )
-    model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+    model = sliding_gemma
     cached = _run(model, tokenizer, NEWS)
     monkeypatch.setattr(generation, "followup_slots", lambda tokenizer, followup: 0)
     for c, r in zip(cached, _run(model, tokenizer, NEWS), strict=True):
