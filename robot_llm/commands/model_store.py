@@ -26,6 +26,7 @@ RATE_FLAGS = {
     "ram_bps": "--ram-gbps",
     "cpu_flops": "--cpu-tflops",
     "cpu_bf16_flops": "--cpu-bf16-tflops",
+    "cpu_int8_ops": "--cpu-int8-tops",
     "ram_bf16_bps": "--ram-gbps",  # unmeasured, bf16 reads at the one RAM rate
     "h2d_bps": "--h2d-gbps",
     "gpu_flops": "--gpu-tflops",
@@ -169,6 +170,7 @@ def _plan(args: argparse.Namespace) -> int:
             ("gpu_flops", args.gpu_tflops, 1e12),
             ("cpu_flops", args.cpu_tflops, 1e12),
             ("cpu_bf16_flops", args.cpu_bf16_tflops, 1e12),
+            ("cpu_int8_ops", args.cpu_int8_tops, 1e12),
         )
         if value
     }
@@ -333,6 +335,12 @@ def add_engine_commands(model_sub: Any) -> None:
         "--cpu-bf16-tflops",
         type=float,
         help="sustained CPU bf16 TFLOP/s on all cores (default: measured where this CPU has native bf16, else 1.0)",
+    )
+    pl.add_argument(
+        "--cpu-int8-tops",
+        type=float,
+        help="sustained CPU int8 x int8 TOP/s on all cores, which many-row calls of a quantized store meet "
+        "(default: measured where int8 activations run here, else none: those calls widen the codes)",
     )
     pl.add_argument(
         "--cpu-bf16", choices=["yes", "no"], help="the CPU has native bf16 (default: as this machine's CPU)"

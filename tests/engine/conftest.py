@@ -29,3 +29,15 @@ def stores(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         dtype: convert(tiny_dir, root / dtype, dtype=dtype) and root / dtype
         for dtype in ("fp16", "bf16", "int8", "int4")
     }
+
+
+@pytest.fixture
+def weight_only(monkeypatch: pytest.MonkeyPatch):
+    """int8 activations off for this test (``ROBOT_LLM_INT8_ACTIVATIONS=0``): the weight-only kernels' paths."""
+    from robot_llm.llm.store.int8act import int8_activations_on_cpu
+
+    monkeypatch.setenv("ROBOT_LLM_INT8_ACTIVATIONS", "0")
+    int8_activations_on_cpu.cache_clear()
+    yield
+    monkeypatch.undo()
+    int8_activations_on_cpu.cache_clear()

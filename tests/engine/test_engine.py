@@ -51,7 +51,7 @@ def test_fixture_passes_through_the_engine(tiny_dir: Path, home: str) -> None:
     assert result["greedy_match"] == result["greedy_total"] == 4 and result["tokens_match"]
 
 
-def test_int8_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
+def test_int8_store_logit_error_on_the_fixture(tiny_dir: Path, weight_only: None) -> None:
     # Random fixture weights are the worst case for int8 (no outliers to spare, 64-wide rows):
     # measured max |logit diff| 0.11 over all positions of all prompts, greedy tokens still equal
     # (one scale per output channel since store format 2; 0.11 with groups of 64 before, too).
@@ -60,6 +60,17 @@ def test_int8_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
     # activations at decode sizes (measured 0.21 on a CPU without native bf16).
     assert 1e-4 < result["max_abs_diff"] <= 0.3
     assert result["greedy_match"] == result["greedy_total"]
+
+
+@pytest.mark.parametrize("home", ["disk", "ram"])
+def test_int8_activations_keep_the_int8_store_s_logit_error_on_the_fixture(tiny_dir: Path, home: str) -> None:
+    # With int8 activations (where this CPU multiplies int8 by int8) the head, and in RAM every int8 matrix, is
+    # requantized with its columns rotated and many-row calls round their activations to int8: the logits
+    # stay within the weight-only path's bound (measured 0.229 disk, 0.231 RAM, against 0.224). The 12-token
+    # greedy continuations of random weights pass near-ties: 3 of 4 (disk) and 2 of 4 (RAM) stay equal
+    # (measured), which is why the real model's perplexity is the quality measure of this path.
+    result = check_fixture(tiny_dir, "stream", dtype="int8", device="cpu", home=home)
+    assert 1e-4 < result["max_abs_diff"] <= 0.3
 
 
 def test_int4_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
@@ -77,8 +88,9 @@ def test_int4_store_logit_error_on_the_fixture(tiny_dir: Path) -> None:
 
 @pytest.mark.parametrize("home", ["disk", "ram"])
 def test_int4_engine_equals_the_model_with_the_dequantized_weights(
-    stores: dict[str, Path], tiny_config: YalmConfig, home: str
+    stores: dict[str, Path], tiny_config: YalmConfig, home: str, weight_only: None
 ) -> None:
+    # The weight-only path (int8 activations have their own tests): exact in fp32.
     store = Store(stores["int4"])
     layers = []
     for i in range(tiny_config.num_layers):

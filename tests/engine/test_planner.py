@@ -289,6 +289,24 @@ def test_cpu_int8_past_the_kernels_row_limit_widens_then_multiplies_densely() ->
     assert int4_fused < steps["int4"].decode_seconds < 1.05 * int4_fused
 
 
+def test_cpu_int8_activations_past_the_kernels_row_limit_cost_one_int8_gemm_on_ram_homed_layers() -> None:
+    # Where calls of many rows quantize their activations, a RAM-homed layer's matrices (rotated once) cost one
+    # int8 GEMM at the measured int8 rate; a streamed layer keeps the widened path.
+    machine = Machine(ram_bytes=int(512 * GB), cpu_bf16=True, cores=8, ram_bps=400 * GB, cpu_int8_ops=4e12)
+    rows = FUSED_MAX_ROWS["int8"] + 1
+    work = Work(rows, 64, 16)
+    params = YALM.num_layers * layer_params(YALM)
+    for dtype in ("int8", "int4"):
+        ram = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype="bf16", weight_home="ram")
+        if dtype == "int8":
+            gemm = 2 * rows * params / machine.cpu_int8_ops
+            assert gemm < ram.decode_seconds < 1.05 * gemm
+        widened = plan(
+            YALM, work, replace(machine, cpu_int8_ops=0), weight_dtype=dtype, compute_dtype="bf16", weight_home="ram"
+        )
+        assert (ram.decode_seconds < widened.decode_seconds) == (dtype == "int8")  # int4 stays fused to 48 rows
+
+
 def test_decode_attention_runs_in_ram_only_where_that_beats_copying_the_cache_up() -> None:
     # FlexGen's CPU attention: worth it when RAM is read much faster than the host link copies.
     work = Work(300, 512, 128)

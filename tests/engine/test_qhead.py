@@ -41,6 +41,25 @@ def _dequantized(table: QuantizedTable) -> torch.Tensor:
     return table.q[:, : table.shape[1]].float() * table.scale.float()[:, None]
 
 
+def test_a_rotated_table_looks_up_the_same_rows_and_computes_the_same_logits() -> None:
+    w = _table(k=72)
+    plain = QuantizedTable.quantize(w, torch.float32)
+    rotated = QuantizedTable.quantize(w, torch.float32, rotate=True)
+    assert rotated.rotation == 128 and rotated.shape == (1000, 128) and rotated.width == 72
+    ids = torch.tensor([[0, 999, 5]])
+    looked_up = embedding(ids, rotated)
+    assert looked_up.shape == (1, 3, 72)
+    # Rounded in the rotated basis, rotated back: within int8's error of the rows (the plain table's: 0.6 %).
+    assert float((looked_up - w[ids]).norm() / w[ids].norm()) < 0.01
+    for rows in (1, HEAD_FUSED_ROWS, HEAD_FUSED_ROWS + 1, 40):
+        x = torch.randn(rows, 72)
+        x[:, 5] *= 30
+        exact = x @ w.T
+        for table in (plain, rotated):
+            y = linear(x, table)
+            assert y.shape == (rows, 1000) and float((y - exact).norm() / exact.norm()) < 0.02, rows
+
+
 def test_the_table_is_int8_per_row_within_half_a_step_and_aligned() -> None:
     w = _table()
     table = QuantizedTable.quantize(w.half(), torch.float32)  # as the store keeps it: fp16
@@ -152,9 +171,10 @@ def test_grouped_attention_equals_eager_attention_and_never_copies_the_keys_per_
 def test_doctor_says_which_matrix_path_a_cpu_night_runs(tmp_path: Path) -> None:
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 f16c\n")
-    fused = cpu_compute_path("int4", "bf16", str(info))
+    fused = cpu_compute_path("int4", "bf16", str(info), int8_activations=False)
     assert fused.startswith("CPU (AVX2 yes, AVX512 no, AVX512-BF16 no, AMX no)")
-    assert "fused kernels" in fused and "LM head int8" in fused
+    assert "fused kernels" in fused and "LM head int8" in fused and "dense bf16 past that" in fused
+    assert "int8 activations from 8 rows" in cpu_compute_path("int4", "bf16", str(info), int8_activations=True)
     widened = cpu_compute_path("int8", "fp32", str(info))
     assert "fused kernels" in widened and "activations cast to bf16" in widened
     assert "dequantized into float buffers every pass" in cpu_compute_path("int8", "fp16", str(info))

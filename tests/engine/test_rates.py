@@ -18,6 +18,7 @@ from robot_llm.llm.plan import rates
 from robot_llm.llm.plan.machine import GPUError, Machine, cpu_has_native_bf16, usable_gpu_bytes
 from robot_llm.llm.plan.planner import Work, plan
 from robot_llm.llm.plan.sizes import layer_bytes, layer_params
+from robot_llm.llm.store.int8act import int8_activations_on_cpu
 
 CACHED = (rates.cpu_gemm_flops, rates.ram_read_bps, rates.gpu_rates)
 
@@ -97,6 +98,13 @@ def test_measured_rates_given_rates_and_their_labels() -> None:
         assert got.cpu_bf16_flops == default.cpu_bf16_flops and sources["cpu_bf16_flops"] == "assumed"
         assert got.ram_bf16_bps == 0 and got.ram_rate("bf16") == got.ram_bps and "in bf16" not in line
     assert got.ram_rate("fp32") == got.ram_bps
+    # The int8 x int8 GEMM that calls of many rows meet, where they quantize their activations.
+    int8 = rates.cpu_int8_gemm_ops(1)
+    if int8_activations_on_cpu():
+        assert _positive(int8) and got.cpu_int8_ops == pytest.approx(int8 * 2, rel=1e-12)
+        assert f"int8 activations {got.cpu_int8_ops / 1e12:.3g} TOP/s (measured at 1 thread" in line
+    else:
+        assert int8 is None and got.cpu_int8_ops == 0 and "int8 activations" not in line
     # No GPU on this machine: its rates stay the defaults, and the disk is the caller's.
     assert (got.h2d_bps, got.gpu_flops, got.disk_read_bps) == (
         default.h2d_bps,

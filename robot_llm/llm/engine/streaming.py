@@ -6,11 +6,11 @@ live in their *home* (the store on disk, or RAM) and pass through two preallocat
 for every row of the batch, a background thread reads layer ``l+1`` into the other slot (pinned host memory, then a
 copy stream into a device slot when computing on CUDA). There are two such threads, so a layer's reads join the
 disk's queue while the layer before still has requests in flight; what follows a read runs one layer at a time.
-Quantized (int8, int4) matrices computed in bf16 or fp32 on the CPU are handed to the family as they were read
-(:class:`~robot_llm.llm.store.quant.PackedInt4`, :class:`~robot_llm.llm.store.quant.PackedInt8`):
-:func:`robot_llm.llm.families.family.linear` runs torch's fused kernels on them at decode batch sizes, so nothing is
-dequantized; a call with more rows than the kernel is worth (a prefill; int8 from 11 rows) makes the matrix dense
-once in a compute buffer. The LM head of a quantized store is held in int8 on the CPU
+Quantized (int8, int4) matrices computed in bf16 or fp32 on the CPU are handed to the family as read (packed,
+:mod:`robot_llm.llm.store.quant`): :func:`robot_llm.llm.families.family.linear` runs torch's fused kernels on them at
+decode batch sizes; a call of more rows quantizes its activations to int8 where the CPU multiplies int8 by int8
+(RAM-homed int8 matrices rotated in place for it once, :func:`~robot_llm.llm.engine.stream_slots.prepare_ram_layer`),
+else makes the matrix dense once in a compute buffer. The LM head of a quantized store is held in int8 on the CPU
 (:mod:`robot_llm.llm.store.qhead`). Otherwise (fp16 compute on the CPU, or CUDA) quantized and mixed-dtype
 layers are converted into compute-dtype buffers: on the CPU by a reader thread, one set per slot, so dequantization
 overlaps compute like the read does; on CUDA on the GPU right before use, from the bytes copied up. Slots and
@@ -38,7 +38,15 @@ from torch import Tensor
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.policy import AttentionHome, KVHome, Task
-from robot_llm.llm.engine.stream_slots import LayerReadError, Slot, StreamStats, resolve_device
+from robot_llm.llm.engine.stream_slots import (
+    UNPREPARED,
+    LayerReadError,
+    Prepared,
+    Slot,
+    StreamStats,
+    prepare_ram_layer,
+    resolve_device,
+)
 from robot_llm.llm.families.config import embedding_is_head
 from robot_llm.llm.families.family import LayerCall, Params, bind_layer, forward_pass, prepare_step, resolve_dtype
 from robot_llm.llm.families.registry import family_of
@@ -46,6 +54,7 @@ from robot_llm.llm.plan.machine import gpu_has_native_bf16
 from robot_llm.llm.plan.planner import gpu_compute_dtype
 from robot_llm.llm.store.checksum import DamagedStoreError
 from robot_llm.llm.store.diskio import DEFAULT_DEPTH, io_pool
+from robot_llm.llm.store.int8act import int8_activations_on_cpu
 from robot_llm.llm.store.layout import (
     SCALE_SUFFIX,
     FileLayout,
@@ -56,13 +65,7 @@ from robot_llm.llm.store.layout import (
     read_pieces,
 )
 from robot_llm.llm.store.qhead import QuantizedTable, RowSource
-from robot_llm.llm.store.quant import (
-    PackedInt4,
-    PackedInt8,
-    fused_on_cpu,
-    int4_kernel_codes,
-    int4_kernel_reads_stored_layout,
-)
+from robot_llm.llm.store.quant import PackedInt4, PackedInt8, fused_on_cpu, int4_kernel_reads_stored_layout
 from robot_llm.llm.store.reader import QUANTIZED, Store
 
 log = logging.getLogger(__name__)
@@ -164,17 +167,15 @@ class StreamingModel:
             held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
             offset = read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
             self.store.check_read(self.paths[i].name, read_pieces(self.layouts[i], held, offset))
-        # Where this CPU's int4 kernel reads another layout than the stored one (AVX2), RAM-homed layers are
-        # repacked once here; streamed int4 matrices are dequantized by the reader as before, since repacking
-        # them every pass costs about three times a dequantization (measured 65 ms against 20 ms for a
-        # 2730 x 1024 matrix on one thread) and the disk rows would slow down.
-        self.repack = (
-            self.fused
-            and any(t.dtype == torch.uint8 for layout in self.layouts for t in layout.tensors.values())
-            and not int4_kernel_reads_stored_layout()
-        )
-        self.ram_kernel_codes: list[Params] = [
-            self._repacked(self.layouts[i], held) if held is not None else {} for i, held in enumerate(self.ram)
+        # Where this CPU's int4 kernel reads another layout than the stored one (AVX2), RAM-homed layers are repacked
+        # once here; streamed ones are dequantized by the reader: repacking every pass costs ~3x that (65 vs 20 ms).
+        int4 = any(t.dtype == torch.uint8 for layout in self.layouts for t in layout.tensors.values())
+        self.repack = self.fused and int4 and not int4_kernel_reads_stored_layout()
+        # int8 activations (where the CPU has them) need RAM-homed int8 matrices rotated; streamed ones keep their path.
+        rotates = self.fused and int8_activations_on_cpu()
+        self.ram_prepared = [
+            prepare_ram_layer(layout, held, repack=self.repack, rotate=rotates) if held is not None else UNPREPARED
+            for layout, held in zip(self.layouts, self.ram, strict=True)
         ]
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
         # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
@@ -212,7 +213,8 @@ class StreamingModel:
             if key in tables:  # read and quantized a block of rows at a time: the float table is never held
                 shape = (slot.shape[0], slot.shape[1])
                 rows = RowSource(layout.path, layout.data_offset + slot.start, shape, slot.dtype)
-                table = QuantizedTable.quantize(rows, self.dtype, exact_lookups=kind == "embedding")
+                rotate = not self.cuda and int8_activations_on_cpu()
+                table = QuantizedTable.quantize(rows, self.dtype, exact_lookups=kind == "embedding", rotate=rotate)
                 params[key] = table  # type: ignore[assignment]
         if len(tables) < len(layout.tensors):
             params.update({k: t.to(device, self.dtype) for k, t in self.store.load(kind).items() if k not in tables})
@@ -266,7 +268,7 @@ class StreamingModel:
         if ram is not None and not self.cuda:
             # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
             with self._after_read:
-                slot.params = self._to_compute(layout, ram, slot.buffers, self.ram_kernel_codes[layer])
+                slot.params = self._to_compute(layout, ram, slot.buffers, self.ram_prepared[layer])
             return 0
         started = time.perf_counter()
         size = layout.data_size
@@ -291,7 +293,7 @@ class StreamingModel:
             self.stats.layers_read += 1
             if not self.cuda:
                 data = source[slot.offset : slot.offset + size]
-                slot.params = self._to_compute(layout, data, slot.buffers, self.ram_kernel_codes[layer])
+                slot.params = self._to_compute(layout, data, slot.buffers)
         return size
 
     def _read_layer(self, layer: int, slot: Slot) -> int:
@@ -357,19 +359,12 @@ class StreamingModel:
         layout = self.layouts[layer]
         return self._to_compute(layout, slot.device[slot.offset : slot.offset + layout.data_size], slot.buffers)
 
-    def _repacked(self, layout: FileLayout, data: Tensor) -> Params:
-        """A RAM-homed layer's int4 codes in this CPU's kernel layout; empty unless the engine repacks."""
-        if not self.repack:
-            return {}
-        return {key: int4_kernel_codes(t) for key, t in layout.views(data).items() if t.dtype == torch.uint8}
-
-    def _to_compute(
-        self, layout: FileLayout, data: Tensor, buffers: Params, kernel_codes: Params | None = None
-    ) -> Params:
+    def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params, prepared: Prepared = UNPREPARED) -> Params:
         """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path; int4 ones
-        with ``kernel_codes``, their codes repacked for this CPU, where given; where the engine repacks and
-        none are given, a streamed int4 matrix is dequantized here) or conversions into ``buffers``."""
-        raw = layout.views(data)
+        with ``prepared`` kernel codes, repacked for this CPU, where given; where the engine repacks and
+        none are given, a streamed int4 matrix is dequantized here; int8 ones rotated in place by their
+        ``prepared`` block) or conversions into ``buffers``."""
+        (kernel_codes, rotation, copies), raw = prepared, layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
             if key.endswith(SCALE_SUFFIX):
@@ -377,13 +372,12 @@ class StreamingModel:
             shape = layout.shape(key)
             packed: PackedInt4 | PackedInt8 | None = None
             if tensor.dtype == torch.uint8:
+                scales, codes, copy = raw[key + SCALE_SUFFIX], kernel_codes.get(key), copies.get(key)
                 packed = PackedInt4(
-                    tensor,
-                    raw[key + SCALE_SUFFIX],
-                    (shape[0], shape[1]),
-                    buffers[key],
-                    kernel_codes=(kernel_codes or {}).get(key),
+                    tensor, scales, (shape[0], shape[1]), buffers[key], kernel_codes=codes, int8_copy=copy
                 )
+            elif tensor.dtype == torch.int8 and rotation.get(key):
+                packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], tuple(tensor.shape), rotation=rotation[key])
             elif tensor.dtype == torch.int8:
                 packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
             if packed is not None:

@@ -42,6 +42,7 @@ from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
+from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input, rotated_int8_copy
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
@@ -86,8 +87,12 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     A packed matrix runs torch's fused kernel when ``x`` is a bf16 or fp32 CPU tensor
     (fp32 rows are cast to bf16 for the kernel, :data:`~robot_llm.llm.store.quant.FUSED_COMPUTE_DTYPES`)
     of at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode
-    steps); otherwise it is made dense once, into its buffer, and multiplied densely
-    (int4: dequantized; int8: its codes widened, the scale applied to the output).
+    steps). A CPU call of more rows quantizes its activations to int8 and multiplies int8 by int8
+    (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`) where the CPU can and the matrix's input
+    columns are rotated (an int8 matrix the engine rotated in place, an int4 one requantized to a rotated
+    int8 copy once per pass); otherwise the matrix is made dense once, into its buffer, and multiplied
+    densely (int4: dequantized; int8: its codes widened, the scale applied to the output). A rotated
+    matrix is always given rotated activations.
     An int8 output head (:class:`~robot_llm.llm.store.qhead.QuantizedTable`) computes its own way.
     """
     if isinstance(weight, Tensor):
@@ -97,11 +102,22 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     rows = x.numel() // x.shape[-1]
     kernel = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
     if isinstance(weight, PackedInt4):
-        if not (kernel and rows <= FUSED_MAX_ROWS["int4"]):
+        if kernel and rows <= FUSED_MAX_ROWS["int4"]:
+            y = int4_linear(x, weight)
+        elif kernel and int8_activations_for(rows, x.dtype):
+            rotated = rotated_int8_copy(weight)
+            y = int8_dynamic_linear(rotate_input(x, rotated), rotated)
+        else:
             return F.linear(x, weight.dense(x.dtype), bias)
-        y = int4_linear(x, weight)
     else:
-        y = int8_linear(x, weight) if kernel and rows <= FUSED_MAX_ROWS["int8"] else int8_linear_widened(x, weight)
+        if weight.rotation:
+            x = rotate_input(x, weight)
+        if kernel and weight.rotation and int8_activations_for(rows, x.dtype):  # rotated: rotate_int8_in_place
+            y = int8_dynamic_linear(x, weight)
+        elif kernel and rows <= FUSED_MAX_ROWS["int8"]:
+            y = int8_linear(x, weight)
+        else:
+            y = int8_linear_widened(x, weight)
     return y if bias is None else y + bias
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from robot_llm.errors import RobotLLMError
+from robot_llm.llm.store.int8act import INT8_ACTIVATION_MIN_ROWS, int8_activations_on_cpu
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, fused_on_cpu, int4_kernel_reads_stored_layout
 
 GB = 1e9
@@ -36,7 +37,9 @@ class Machine:
     is how fast the compute threads read weights out of RAM through a one-row fp32 GEMM,
     ``ram_bf16_bps`` through a bf16 one (torch's bf16 one-row GEMM reads slower; 0 = as
     ``ram_bps``, e.g. for a machine described by its RAM rate alone). ``threads`` is how
-    many intra-op threads compute gets (0 = all ``cores``). ``gpu_bf16``: the GPU computes bf16
+    many intra-op threads compute gets (0 = all ``cores``). ``cpu_int8_ops`` is the int8 x int8 GEMM rate on
+    all ``cores`` where calls of many rows quantize their activations
+    (:func:`~robot_llm.llm.store.int8act.int8_activations_on_cpu`; 0 = they do not). ``gpu_bf16``: the GPU computes bf16
     natively (compute capability 8.0 or newer; :func:`gpu_has_native_bf16`).
     """
 
@@ -51,6 +54,7 @@ class Machine:
     gpu_bf16: bool = False
     ram_bps: float = 10.0 * GB
     ram_bf16_bps: float = 0.0
+    cpu_int8_ops: float = 0.0
     cores: int = 1
     threads: int = 0
     label: str = ""
@@ -202,9 +206,12 @@ def detect_machine(disk_read_bps: float | None = None, *, gpu: bool = True) -> M
     )
 
 
-def cpu_compute_path(weight_dtype: str, compute_dtype: str, cpuinfo: str | None = None) -> str:
+def cpu_compute_path(
+    weight_dtype: str, compute_dtype: str, cpuinfo: str | None = None, int8_activations: bool | None = None
+) -> str:
     """Which matrix path a CPU night runs, in words (``doctor`` prints it): the CPU's features, whether the
-    stored matrices reach the fused kernels or are widened every pass, the int4 layout, the head's dtype."""
+    stored matrices reach the fused kernels or are widened every pass, whether calls of many rows quantize
+    their activations (``int8_activations``; None: as on this machine), the int4 layout, the head's dtype."""
     flags = cpu_flags(cpuinfo)
     features = ", ".join(f"{name} {'yes' if flag in flags else 'no'}" for name, flag in _FEATURES)
     if not fused_on_cpu(weight_dtype, compute_dtype):
@@ -214,7 +221,12 @@ def cpu_compute_path(weight_dtype: str, compute_dtype: str, cpuinfo: str | None 
         return f"CPU ({features}): {how}"
     cast = ", activations cast to bf16 for them" if compute_dtype == "fp32" else ""
     rows = "/".join(f"{FUSED_MAX_ROWS[d]}" for d in ("int4", "int8"))
-    how = f"int4/int8 matrices through torch's fused kernels up to {rows} rows{cast}, dense {compute_dtype} past that"
+    if int8_activations is None:
+        int8_activations = int8_activations_on_cpu()
+    past = f"dense {compute_dtype} past that"
+    if int8_activations:
+        past += f", int8 activations from {INT8_ACTIVATION_MIN_ROWS} rows (Hadamard-rotated, one int8 x int8 GEMM)"
+    how = f"int4/int8 matrices through torch's fused kernels up to {rows} rows{cast}, {past}"
     if weight_dtype == "int4":
         layout = "the stored layout" if int4_kernel_reads_stored_layout() else "codes repacked for this CPU once"
         how += f"; int4 kernel reads {layout}"

@@ -118,6 +118,20 @@ def gemm_flops(
     return 2 * rows * inner * outer * per_s
 
 
+def int8_gemm_ops(
+    rows: int, inner: int, outer: int, *, threads: int | None = None, seconds: float = PROBE_SECONDS
+) -> float:
+    """Sustained ops/s of the CPU's int8 x int8 -> int32 GEMM (``torch._int_mm``, what int8 activations meet)
+    of ``rows x inner`` codes with an ``outer x inner`` matrix of codes."""
+    import torch
+
+    q = torch.ones(rows, inner, dtype=torch.int8)
+    w = torch.ones(outer, inner, dtype=torch.int8)
+    with intra_op_threads(threads):
+        per_s = _calls_per_second(lambda: torch._int_mm(q, w.t()), lambda: None, seconds)
+    return 2 * rows * inner * outer * per_s
+
+
 def read_bps(
     nbytes: int = PROBE_BYTES, dtype: str = "fp32", *, threads: int | None = None, seconds: float = PROBE_SECONDS
 ) -> float:
@@ -164,6 +178,17 @@ def cpu_gemm_flops(dtype: str, threads: int) -> float | None:
 
 
 @functools.cache
+def cpu_int8_gemm_ops(threads: int) -> float | None:
+    """The CPU's int8 GEMM rate at ``threads`` intra-op threads (:data:`CPU_GEMM_SHAPE`); None without torch or
+    where calls do not quantize their activations. Measured once per process per thread count."""
+    from robot_llm.llm.store.int8act import int8_activations_on_cpu
+
+    if not (_torch_present() and int8_activations_on_cpu()):
+        return None
+    return int8_gemm_ops(*CPU_GEMM_SHAPE, threads=threads)
+
+
+@functools.cache
 def ram_read_bps(dtype: str, threads: int) -> float | None:
     """The RAM read rate of a one-row GEMM in ``dtype`` at ``threads`` intra-op threads (:func:`read_bps`); None
     without torch. Measured once per process per (dtype, threads)."""
@@ -192,7 +217,16 @@ def gpu_rates(
 # --------------------------------------------------------------------------- the machine with its rates
 
 #: Machine fields that are rates, in the order they are printed.
-RATE_FIELDS = ("disk_read_bps", "ram_bps", "cpu_flops", "cpu_bf16_flops", "ram_bf16_bps", "h2d_bps", "gpu_flops")
+RATE_FIELDS = (
+    "disk_read_bps",
+    "ram_bps",
+    "cpu_flops",
+    "cpu_bf16_flops",
+    "cpu_int8_ops",
+    "ram_bf16_bps",
+    "h2d_bps",
+    "gpu_flops",
+)
 
 
 def _threads_label(threads: int) -> str:
@@ -230,6 +264,9 @@ def measure_rates(
             rate = cpu_gemm_flops(dtype, threads) if wanted and field not in given else None
             if rate is not None:
                 measured[field], sources[field] = rate * scale, scaled
+        int8 = cpu_int8_gemm_ops(threads) if "cpu_int8_ops" not in given else None
+        if int8 is not None:
+            measured["cpu_int8_ops"], sources["cpu_int8_ops"] = int8 * scale, scaled
         for field, dtype, wanted in (("ram_bps", "fp32", True), ("ram_bf16_bps", "bf16", machine.cpu_bf16)):
             ram = ram_read_bps(dtype, threads) if wanted and not {"ram_bps", field} & given.keys() else None
             if ram is not None:
@@ -263,6 +300,8 @@ def describe_rates(machine: Machine, sources: Mapping[str, str]) -> str:
         if machine.cpu_bf16
         else "no native bf16",
     ]
+    if machine.cpu_int8_ops:
+        parts.append(f"int8 activations {machine.cpu_int8_ops / 1e12:.3g} TOP/s{src('cpu_int8_ops')}")
     if machine.ram_bf16_bps:  # else bf16 reads at the RAM read rate above
         parts.append(f"RAM read in bf16 {machine.ram_bf16_bps / 1e9:.1f} GB/s{src('ram_bf16_bps')}")
     if machine.has_gpu:

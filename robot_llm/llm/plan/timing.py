@@ -16,6 +16,7 @@ from typing import Literal
 
 from robot_llm.llm.families.config import ModelConfig
 from robot_llm.llm.plan.machine import Machine
+from robot_llm.llm.store.int8act import INT8_ACTIVATION_MAX_ROWS, INT8_ACTIVATION_MIN_ROWS
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, KV_QUANTIZED, fused_on_cpu
 
 #: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
@@ -65,34 +66,49 @@ class PassTiming:
         rate = m.gpu_flops if m.has_gpu else m.cpu_rate(self.dtype) * m.compute_threads / max(m.cores, 1)
         rows = batch * tokens
         fused = not m.has_gpu and fused_on_cpu(self.weight_dtype, self.dtype)
+        streamed_matmuls = None
         if fused:  # each stored dtype's share of the parameters takes that dtype's own path
             shares = matrix_shares(self.weight_dtype, self.int8_share)
-            matmuls = sum(
-                self._fused_path_seconds(dtype, share * params, rows, rate) for dtype, share in shares.items()
-            )
+
+            def paths(int8: bool) -> float:
+                return sum(self._fused_path_seconds(d, s * params, rows, rate, int8) for d, s in shares.items())
+
+            matmuls = paths(m.cpu_int8_ops > 0)
+            if m.cpu_int8_ops and self.ram_layers < len(self.layer_sizes):
+                streamed_matmuls = paths(False)  # only RAM-homed layers are rotated for int8 activations
         else:
             matmuls = 2 * rows * params / rate
             if self.converts and not m.has_gpu:  # dequantized by the reader
                 matmuls += params / (DEQUANT_ELEMS_PER_S * m.compute_threads)
-        compute = matmuls + 4 * rows * slots * q_width / rate
+        other = 4 * rows * slots * q_width / rate
         kv_values = 2 * batch * slots * kv_width
         if tokens == 1:
-            compute += decode_attention(cfg, m, self.kv, self.kv_elem_bytes, batch, slots)[1]
+            other += decode_attention(cfg, m, self.kv, self.kv_elem_bytes, batch, slots)[1]
         if self.kv[1] in KV_QUANTIZED and not m.has_gpu:
-            compute += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+            other += kv_values / (DEQUANT_ELEMS_PER_S * m.compute_threads)
+        compute = matmuls + other
+        streamed = compute if streamed_matmuls is None else streamed_matmuls + other
         # A RAM-homed layer crosses the host link to a GPU; on the CPU the cores still read it from RAM,
         # which bounds a small batch's step (counting it as free made batch 1 look as fast as any): through
         # a GEMM in the compute dtype (torch's one-row bf16 GEMM reads slower than fp32's), unless the fused
         # kernels or a widening copy read the int4/int8 codes (their rates are in ``compute``).
         ram_bps = m.h2d_bps if m.has_gpu else m.ram_bps if fused else m.ram_rate(self.dtype)
         return sum(
-            max(size / ram_bps, size / m.disk_read_bps if i >= self.ram_layers else 0.0, compute)
+            max(size / ram_bps, size / m.disk_read_bps, streamed)
+            if i >= self.ram_layers
+            else max(size / ram_bps, compute)
             for i, size in enumerate(self.layer_sizes)
         )
 
-    def _fused_path_seconds(self, dtype: str, params: float, rows: int, rate: float) -> float:
-        """Matrix seconds of ``params`` stored as ``dtype`` (int4/int8) with bf16 activations on the CPU."""
-        threads = self.machine.compute_threads
+    def _fused_path_seconds(self, dtype: str, params: float, rows: int, rate: float, int8: bool) -> float:
+        """Matrix seconds of ``params`` stored as ``dtype`` (int4/int8) with bf16 activations on the CPU, or past
+        the fused kernels' rows with ``int8`` activations (one int8 GEMM over matrices rotated once; quantizing
+        and rotating the activations is a few % of it, not charged)."""
+        m = self.machine
+        threads = m.compute_threads
+        quantized = int8 and INT8_ACTIVATION_MIN_ROWS <= rows <= INT8_ACTIVATION_MAX_ROWS.get(self.dtype, rows)
+        if quantized and (dtype == "int8" or rows > FUSED_MAX_ROWS[dtype]):
+            return 2 * rows * params / (m.cpu_int8_ops * threads / max(m.cores, 1))
         if rows <= FUSED_MAX_ROWS[dtype]:  # torch's fused kernels read the stored bytes
             values_per_s, flops = FUSED_RATES[dtype]
             return params * (1 / values_per_s + 2 * rows / flops) / threads

@@ -7,7 +7,9 @@ layers in int4/int8. Held as int8 codes with one bf16 scale per vocabulary row i
 the logits of decode-sized calls come from torch's fused int8 kernel (bf16 activations, the
 codes read as stored), and a token's embedding is read exactly from the store (:class:`RowSource`),
 so the float table never exists in memory. A call with more rows (a batched decode step, a whole-sequence
-scoring pass) widens the codes, a block of the vocabulary at a time into one reused buffer.
+scoring pass) quantizes its rows to int8 and multiplies int8 by int8 where the CPU can
+(:func:`~robot_llm.llm.store.int8act.int8_activations_on_cpu`), else widens the codes, a block of the
+vocabulary at a time into one reused buffer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block
+from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 
 #: Rows of a head call up to which the fused int8 kernel computes the logits. At decode sizes it reads
@@ -28,6 +32,10 @@ from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 #: the widened blocks' barely does. Gemma 3 270M's 262,144 x 640 head, 1 thread, ms at 1 / 8 / 16 / 32
 #: rows, fused against widened in blocks of 2,048: AVX512-BF16 (bf16) 12 / 26 / 65 / 128 against
 #: 46 / 32 / 61 / 78; the AVX2 kernels (fp32) 16 / 87 / 167 / 407 against 17 / 52 / 112 / 214.
+#: From :data:`~robot_llm.llm.store.int8act.INT8_ACTIVATION_MIN_ROWS` rows, where the CPU multiplies int8 by
+#: int8, the rows are quantized instead and the logits come from one int8 GEMM over the rotated codes
+#: (:func:`~robot_llm.llm.store.int8act.int8_gemm`; same head, 1 thread, ms at 8 / 16 / 32 rows: AVX512-VNNI
+#: 22 / 36 / 56, AVX2 45 / 69 / 111).
 HEAD_FUSED_ROWS = 8
 #: Vocabulary rows widened per block for a call with more rows: 2.6 MB in bf16, 5.2 in fp32, so the
 #: block stays near the cache while a batch's rows multiply it (8,192-row blocks measured slower).
@@ -96,21 +104,38 @@ class QuantizedTable:
     dtype: torch.dtype
     #: Where exact rows are read for lookups (an embedding); None: lookups dequantize the codes.
     source: RowSource | None = field(default=None, repr=False)
+    #: The Hadamard block the rows' columns were rotated by before quantizing (0: none); then ``shape[1]`` is
+    #: the padded width and ``width`` the embedding's.
+    rotation: int = 0
+    width: int = 0
     _block: Tensor | None = field(default=None, repr=False)
+    _scale32: Tensor | None = field(default=None, repr=False)
+    #: The int32 products of the last int8-activation call, reused: a batch's are tens of MB (32 x 262,144: 32 MiB),
+    #: which the allocator maps and page-faults in afresh each step (56.9 against 44.4 ms a step, 1 thread).
+    _acc: Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def quantize(cls, weight: Tensor | RowSource, dtype: torch.dtype, *, exact_lookups: bool = False) -> QuantizedTable:
+    def quantize(
+        cls, weight: Tensor | RowSource, dtype: torch.dtype, *, exact_lookups: bool = False, rotate: bool = False
+    ) -> QuantizedTable:
         """Symmetric int8 per row of ``weight [V, K]`` (any float dtype, or rows read from the store),
-        :data:`QUANTIZE_ROWS` rows at a time; ``exact_lookups`` (a :class:`RowSource` only) keeps it for lookups."""
+        :data:`QUANTIZE_ROWS` rows at a time; ``exact_lookups`` (a :class:`RowSource` only) keeps it for lookups;
+        ``rotate`` quantizes the rows with their columns rotated (:func:`~robot_llm.llm.store.int8act.rotate_weights`),
+        for int8 activations."""
         v, k = weight.shape
-        q = _aligned_int8(v, int8_padded_width(k))
+        width = int8_padded_width(k)
+        block = rotation_block(width) if rotate else 0
+        q = _aligned_int8(v, width)
         scale = torch.empty(v, dtype=torch.bfloat16)
         for a in range(0, v, QUANTIZE_ROWS):
             count = min(QUANTIZE_ROWS, v - a)
             rows = weight.read(a, count) if isinstance(weight, RowSource) else weight[a : a + count]
+            if block:
+                rows = rotate_weights(F.pad(rows.float(), (0, width - k)), block)
             q[a : a + count], scale[a : a + count] = quantize_int8(rows)
         source = weight if exact_lookups and isinstance(weight, RowSource) else None
-        return cls(q=q, scale=scale, shape=(v, k), dtype=dtype, source=source)
+        shape = (v, width) if block else (v, k)
+        return cls(q=q, scale=scale, shape=shape, dtype=dtype, source=source, rotation=block, width=k)
 
     @property
     def nbytes(self) -> int:
@@ -124,13 +149,25 @@ class QuantizedTable:
             return self.source.rows(ids.cpu()).to(ids.device, self.dtype)
         k = self.shape[1]
         rows = F.embedding(ids, self.q[:, :k]).float() * self.scale[ids].float()[..., None]
+        if self.rotation:  # (W H / n) H == W
+            rows = rotate_rows(rows, self.rotation)[..., : self.width]
         return rows.to(self.dtype)
 
     def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """``x @ table.T + bias``: logits ``[..., V]`` in ``x``'s dtype."""
         v, k = self.shape
+        lead = x.shape[:-1]
+        if self.rotation:
+            x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
         flat = x.reshape(-1, k)
-        if flat.shape[0] <= HEAD_FUSED_ROWS:
+        m = flat.shape[0]
+        if flat.device.type == "cpu" and self.rotation and int8_activations_for(m, flat.dtype):
+            if self._scale32 is None:
+                self._scale32 = self.scale.float()
+            if self._acc is None or self._acc.shape[0] < m:
+                self._acc = torch.empty(m, v, dtype=torch.int32)
+            y = int8_gemm(flat, self.q, self._scale32, self._acc[:m]).to(x.dtype)
+        elif m <= HEAD_FUSED_ROWS:
             rows = flat.to(torch.bfloat16)
             if self.q.shape[1] != k:
                 rows = F.pad(rows, (0, self.q.shape[1] - k))
@@ -146,4 +183,4 @@ class QuantizedTable:
                 y[:, a:b] = F.linear(flat, block) * scale[a:b]
         if bias is not None:
             y += bias
-        return y.reshape(*x.shape[:-1], v)
+        return y.reshape(*lead, v)

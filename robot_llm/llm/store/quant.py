@@ -339,6 +339,8 @@ class PackedInt4:
     _dense: Tensor | None = None
     #: The codes in the layout this CPU's kernel reads, where it is not the stored one (:func:`int4_kernel_codes`).
     kernel_codes: Tensor | None = None
+    #: Its rotated int8 copy (:func:`~robot_llm.llm.store.int8act.rotated_int8_copy`), made once per matrix.
+    int8_copy: PackedInt8 | None = None
 
     @property
     def group_size(self) -> int:
@@ -446,6 +448,16 @@ class PackedInt8:
     buffer: Tensor | None = None
     _dense: Tensor | None = None
     _widened: Tensor | None = None
+    _scale32: Tensor | None = None
+    #: The Hadamard block its input columns were rotated by (0: not rotated; :mod:`~robot_llm.llm.store.int8act`):
+    #: the matrix multiplies rotated activations, and ``shape[1]`` is the padded width.
+    rotation: int = 0
+
+    def scale32(self) -> Tensor:
+        """The per-row scales as fp32 ``[N]`` (cast once): what int8 activations' products are scaled by."""
+        if self._scale32 is None:
+            self._scale32 = self.scale.float()
+        return self._scale32
 
     def widened(self, dtype: torch.dtype) -> Tensor:
         """The codes as a float ``[N, K]`` tensor of ``dtype``, unscaled (one copy, on the first call).

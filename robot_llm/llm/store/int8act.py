@@ -1,0 +1,207 @@
+"""int8 activations on the CPU: calls of many rows quantize their activations to int8 and multiply int8 by
+int8 (``torch._int_mm``), as llama.cpp multiplies its blocks, over int8 matrices whose input columns were
+rotated by Hadamard blocks (so that a row's few heavy channels do not take its int8 scale).
+
+:func:`int8_activations_for` says when a call takes this path, :func:`rotate_int8_in_place` and
+:func:`rotated_int8_copy` prepare the weights (once, for the matrices the engine holds in RAM, and the LM
+head, :mod:`robot_llm.llm.store.qhead`), :func:`rotate_input` rotates a call's activations and
+:func:`int8_dynamic_linear` / :func:`int8_gemm` multiply. The weight formats are :mod:`robot_llm.llm.store.quant`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+#: Rows of a call from which an int8 matrix (rotated, on the CPU) meets int8 activations instead of the fused
+#: kernel, where the CPU multiplies int8 by int8 (:func:`int8_activations_on_cpu`). Against the int8 kernel,
+#: 1 thread, ms at 1 / 4 / 8 / 32 rows, AVX512-VNNI (262144x640: 10.0 / 10.1 / 20.6 / 84 fused, 8.5 / 21 / 22 /
+#: 56 quantized; 2048x640: 0.03 / 0.08 / 0.13 / 0.52 against 0.03 / 0.07 / 0.08 / 0.16) and AVX2 (262144x640:
+#: 14.7 / 29 / 57 / 232 against 30 / 38 / 45 / 111; 2048x640: 0.06 / 0.14 / 0.27 / 1.26 against 0.16 / 0.19 /
+#: 0.24 / 0.49): both cross at 6-8 rows. int4 keeps its fused kernel up to its
+#: :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS`.
+INT8_ACTIVATION_MIN_ROWS = 8
+#: Rows of a call up to which int8 activations are used, by compute dtype (no entry: every row count). With native
+#: bf16 (AVX512-BF16) the dense bf16 GEMM over widened codes overtakes them between 128 and 256 rows (1 thread,
+#: ms at 32 / 256 / 2,048 rows: 2048x640 0.45 / 3.5 / 33 against 1.4 / 3.1 / 16; 640x2048 0.29 / 1.5 / 36
+#: against 0.40 / 1.6 / 13), so a prefill stays bf16; on AVX2 (fp32 compute) they win at every size
+#: (2048x640: 0.59 / 3.9 / 32 against 0.98 / 7.6 / 60; 640x2048: 0.74 / 4.5 / 54 against 0.98 / 6.3 / 53).
+INT8_ACTIVATION_MAX_ROWS = {"bf16": 128}
+
+
+@functools.cache
+def int8_activations_on_cpu() -> bool:
+    """True when calls of many rows on the CPU quantize their activations to int8 and multiply int8 by int8
+    (``torch._int_mm``, oneDNN's s8s8s32 GEMM: VNNI where the CPU has it, ``vpmaddubsw`` on AVX2), as
+    llama.cpp multiplies its blocks. Set ``ROBOT_LLM_INT8_ACTIVATIONS=0`` to keep weight-only kernels
+    (bf16/fp32 activations), e.g. to measure one path against the other in separate processes.
+
+    The GEMM runs at 2.3x (AVX2) to 6-8x (AVX512-VNNI) the fp32 one on these shapes; the cost is an int8
+    rounding of each row of activations (one scale per row, :func:`quantize_activations`).
+    """
+    import os
+
+    import torch
+
+    if os.environ.get("ROBOT_LLM_INT8_ACTIVATIONS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        a = torch.ones(17, 64, dtype=torch.int8)
+        return int(torch._int_mm(a, a.t())[0, 0]) == 64
+    except (RuntimeError, AttributeError):  # a torch without the CPU kernel
+        return False
+
+
+#: Input columns per block of the Hadamard rotation that int8 activations need: a row of activations has a
+#: few channels far above the rest (Gemma 3 270M: the largest value is 20-45x the row's RMS), so one int8 scale
+#: per row leaves the others a handful of levels (the whole model's perplexity +10 % ru, +5 % en measured with
+#: every matrix's activations rounded so). Rotating both the activations and the weights' input columns by the
+#: same orthogonal Hadamard blocks (QuaRot's idea; ``x @ W.T == (x H) @ (W H).T``) spreads those channels over
+#: the block: measured the same way, 128: -0.1 % ru, +0.3 % en; 64: +0.3 %, -0.7 %; with the rotated weights
+#: int8 per row as well: +0.4 %, 0.0 %. A matrix whose padded width is not a multiple of 128 takes 64 (every
+#: stored int8 width is a multiple of :data:`~robot_llm.llm.store.quant.INT8_K_MULTIPLE`).
+ROTATION_BLOCKS = (128, 64)
+
+
+def rotation_block(width: int) -> int:
+    """The Hadamard block of a matrix ``width`` input columns wide (0: none fits)."""
+    return next((b for b in ROTATION_BLOCKS if width % b == 0), 0)
+
+
+@functools.cache
+def _hadamard(n: int, dtype: torch.dtype) -> Tensor:
+    """The Sylvester Hadamard matrix of order ``n`` (a power of two) in ``dtype``: entries +-1 (exact in every
+    float dtype), symmetric, and ``H @ H == n * I``."""
+    import torch
+
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.to(dtype)
+
+
+#: Values up to which a bf16 input is rotated through fp32: torch's small bf16 matmuls cost more than the casts
+#: (one decode row, 640 columns: 15 us against 9 us, 1 thread).
+_SMALL_ROTATION = 1 << 14
+
+
+def rotate(x: Tensor, block: int) -> Tensor:
+    """``x [..., K]`` (``K`` a multiple of ``block``) times the block-diagonal Hadamard matrix of +-1 entries, in
+    ``x``'s dtype: every run of ``block`` columns mixed by one product. Weights are stored rotated and divided
+    by ``block`` (:func:`rotate_weights`), so ``rotate(x) @ rotate_weights(W).T == x @ W.T``; the +-1 entries
+    keep a bf16 ``x``'s rotation exact up to the product's own rounding, in one matmul (a decode step rotates
+    about 70 inputs)."""
+    import torch
+
+    shape = x.shape
+    if x.dtype == torch.float32 or x.numel() > _SMALL_ROTATION:
+        return (x.reshape(-1, block) @ _hadamard(block, x.dtype)).reshape(shape)
+    return (x.reshape(-1, block).float() @ _hadamard(block, torch.float32)).to(x.dtype).reshape(shape)
+
+
+def rotate_weights(w: Tensor, block: int) -> Tensor:
+    """Float weights ``w [N, K]`` with their input columns rotated for :func:`rotate`'d inputs (fp32)."""
+    return rotate(w.float(), block).div_(block)
+
+
+def rotate_int8_in_place(q: Tensor, scale: Tensor, rows: int = 4096) -> int:
+    """Requantize an int8 matrix (``q [N, Kp]``, bf16 ``scale [N]``) so that its input columns are rotated
+    (:func:`rotate_weights`): the codes and scales are overwritten, ``rows`` at a time; returns the block (0 when no
+    block fits ``Kp``, and nothing is changed)."""
+    block = rotation_block(q.shape[1])
+    for a in range(0, q.shape[0] if block else 0, rows):
+        b = min(q.shape[0], a + rows)
+        dense = q[a:b].float().mul_(scale[a:b].float()[:, None])
+        q[a:b], scale[a:b] = quantize_int8(rotate_weights(dense, block))
+    return block
+
+
+def quantize_activations(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Rows of ``x [..., K]`` as symmetric int8, one fp32 scale per row: ``(q int8 [M, width], scale [M, 1])``,
+    the columns past ``K`` zero (a stored matrix's padding). The row maxima are taken in ``x``'s own dtype
+    (exact) and the codes divided out in fp32."""
+    import torch
+
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    scale = rows.abs().amax(dim=1, keepdim=True).float().clamp_min_(1e-30).div_(127.0)
+    codes = torch.mul(rows, scale.reciprocal()).round_()
+    if width == k:
+        return codes.to(torch.int8), scale
+    q = torch.zeros(rows.shape[0], width, dtype=torch.int8)
+    q[:, :k] = codes
+    return q, scale
+
+
+def int8_activations_for(rows: int, dtype: torch.dtype) -> bool:
+    """True when a CPU call of ``rows`` rows in ``dtype`` quantizes its activations: from
+    :data:`INT8_ACTIVATION_MIN_ROWS` rows, always under fp32 compute and up to :data:`INT8_ACTIVATION_MAX_ROWS`
+    rows under bf16, where the CPU's own bf16 GEMM wins at prefill sizes."""
+    import torch
+
+    if rows < INT8_ACTIVATION_MIN_ROWS or not int8_activations_on_cpu():
+        return False
+    return dtype != torch.bfloat16 or rows <= INT8_ACTIVATION_MAX_ROWS["bf16"]
+
+
+#: The last :func:`rotate_input`: ``(x, width, block, rotated)``. A layer multiplies one input by several
+#: matrices in a row (q, k and v; gate and up): they share its rotation. Holding ``x`` keeps its identity.
+_last_rotation: list[tuple[Tensor, int, int, Tensor]] = []
+
+
+def rotate_input(x: Tensor, w: PackedInt8) -> Tensor:
+    """``x [..., K]`` as a rotated matrix ``w`` multiplies it: zero-padded to ``w``'s width and rotated."""
+    import torch.nn.functional as F
+
+    k, width = x.shape[-1], w.shape[1]
+    if _last_rotation:
+        last, last_width, last_block, rotated = _last_rotation[0]
+        if last is x and last_width == width and last_block == w.rotation and not x.requires_grad:
+            return rotated
+    rotated = rotate(F.pad(x, (0, width - k)) if width != k else x, w.rotation)
+    _last_rotation[:] = [(x, width, w.rotation, rotated)]
+    return rotated
+
+
+def int8_dynamic_linear(x: Tensor, w: PackedInt8) -> Tensor:
+    """``x @ w.T`` with int8 activations: each row of ``x`` quantized (:func:`quantize_activations`), one int8
+    x int8 -> int32 GEMM over the stored codes, then both scales (the output in ``x``'s dtype)."""
+
+    n, _ = w.shape
+    y = int8_gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale32())
+    return y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+
+def int8_gemm(rows: Tensor, codes: Tensor, scale: Tensor, acc: Tensor | None = None) -> Tensor:
+    """``rows [M, K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32, the rows quantized to int8 first
+    (:func:`quantize_activations`): one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to
+    fp32, then both scales in place (a mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for
+    32 x 262,144 logits, 1 thread)."""
+    import torch
+
+    q, row_scale = quantize_activations(rows, codes.shape[1])
+    product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
+    return product.float().mul_(scale).mul_(row_scale)
+
+
+def rotated_int8_copy(w: PackedInt4) -> PackedInt8:
+    """An int4 matrix requantized to int8 per output channel with its input columns rotated (from its fp32
+    values, once: kept on the matrix), for :func:`int8_dynamic_linear`."""
+    import torch
+    import torch.nn.functional as F
+
+    if w.int8_copy is None:
+        dense = w.dense(torch.float32)
+        width = int8_padded_width(w.shape[1])
+        block = rotation_block(width)
+        q, scale = quantize_int8(rotate_weights(F.pad(dense, (0, width - w.shape[1])), block))
+        w.int8_copy = PackedInt8(q=q, scale=scale, shape=(w.shape[0], width), rotation=block)
+        if dense is not w.buffer:
+            w._dense = None  # the int8 copy replaces the fp32 one (the buffer is the layer slot's)
+    return w.int8_copy
