@@ -110,7 +110,7 @@ def rotate_weights(w: Tensor, block: int) -> Tensor:
     return rotate(w.float(), block).div_(block)
 
 
-def rotate_int8_in_place(q: Tensor, scale: Tensor, rows: int = 4096) -> int:
+def rotate_int8_in_place(q: Tensor, scale: Tensor, rows: int = 1024) -> int:
     """Requantize an int8 matrix (``q [N, Kp]``, bf16 ``scale [N]``) so that its input columns are rotated
     (:func:`rotate_weights`): the codes and scales are overwritten, ``rows`` at a time; returns the block (0 when no
     block fits ``Kp``, and nothing is changed)."""

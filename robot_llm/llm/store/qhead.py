@@ -127,8 +127,9 @@ class QuantizedTable:
         block = rotation_block(width) if rotate else 0
         q = _aligned_int8(v, width)
         scale = torch.empty(v, dtype=torch.bfloat16)
-        for a in range(0, v, QUANTIZE_ROWS):
-            count = min(QUANTIZE_ROWS, v - a)
+        step = QUANTIZE_ROWS // 4 if block else QUANTIZE_ROWS  # a rotation's temporaries are a few more
+        for a in range(0, v, step):
+            count = min(step, v - a)
             rows = weight.read(a, count) if isinstance(weight, RowSource) else weight[a : a + count]
             if block:
                 rows = rotate_weights(F.pad(rows.float(), (0, width - k)), block)
