@@ -22,6 +22,7 @@ from robot_llm.llm.store.int8act import (
     rotate,
     rotate_int8_in_place,
     rotate_weights,
+    rotated_int8_copy,
     rotation_block,
 )
 from robot_llm.llm.store.layout import SCALE_SUFFIX, StoreError
@@ -179,11 +180,14 @@ def test_many_rows_of_an_int4_matrix_meet_its_rotated_int8_copy_with_int8_activa
     # One heavy channel per row, as real activations have: without the rotation one int8 scale per row
     # would leave the rest of the row a few levels.
     many[:, 7] *= 40
+    # A streamed matrix (no copy prepared) is made dense, as without int8 activations: a copy per pass costs more.
+    assert torch.equal(linear(many, packed), torch.nn.functional.linear(many, exact_w))
+    assert packed.int8_copy is None and packed._dense is packed.buffer
+    copy = rotated_int8_copy(packed)  # what the engine prepares once for a RAM-homed matrix
+    assert copy.rotation == 64 and copy.shape == (172, 320)  # 300 padded to 320 = 5 x 64
+    assert rotated_int8_copy(packed) is copy and packed.int8_copy is copy
     y = linear(many, packed)
-    copy = packed.int8_copy
-    assert copy is not None and copy.rotation == 64 and copy.shape == (172, 320)  # 300 padded to 320 = 5 x 64
     assert _relative_error(y, many @ exact_w.T) < 0.02
-    assert linear(many, packed) is not None and packed.int8_copy is copy  # requantized once
 
 
 @pytest.mark.parametrize("shape", [(172, 256), (96, 192), (64, 640)])

@@ -42,7 +42,7 @@ from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
-from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input, rotated_int8_copy
+from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
@@ -89,8 +89,8 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     of at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode
     steps). A CPU call of more rows quantizes its activations to int8 and multiplies int8 by int8
     (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`) where the CPU can and the matrix's input
-    columns are rotated (an int8 matrix the engine rotated in place, an int4 one requantized to a rotated
-    int8 copy once per pass); otherwise the matrix is made dense once, into its buffer, and multiplied
+    columns are rotated (RAM-homed matrices: an int8 one rotated in place, an int4 one given a rotated
+    int8 copy, once when the engine opens); otherwise the matrix is made dense once, into its buffer, and multiplied
     densely (int4: dequantized; int8: its codes widened, the scale applied to the output). A rotated
     matrix is always given rotated activations.
     An int8 output head (:class:`~robot_llm.llm.store.qhead.QuantizedTable`) computes its own way.
@@ -104,8 +104,8 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     if isinstance(weight, PackedInt4):
         if kernel and rows <= FUSED_MAX_ROWS["int4"]:
             y = int4_linear(x, weight)
-        elif kernel and int8_activations_for(rows, x.dtype):
-            rotated = rotated_int8_copy(weight)
+        elif kernel and weight.int8_copy is not None and int8_activations_for(rows, x.dtype):
+            rotated = weight.int8_copy  # RAM-homed: made once (a streamed matrix's would cost a pass each time)
             y = int8_dynamic_linear(rotate_input(x, rotated), rotated)
         else:
             return F.linear(x, weight.dense(x.dtype), bias)
