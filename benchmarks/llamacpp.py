@@ -260,11 +260,14 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
 def ours_row(
     store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int, *, int8_activations: bool = True
 ) -> dict[str, Any]:
-    """One run of our engine in a fresh process (this script as its own child); ``int8_activations=False``
-    keeps the weight-only kernels (``ROBOT_LLM_INT8_ACTIVATIONS=0``) for the side-by-side."""
+    """One run of our engine in a fresh process (this script as its own child), as this machine runs it by
+    default (``ROBOT_LLM_INT8_ACTIVATIONS`` as this run's environment has it); ``int8_activations=False`` keeps
+    the weight-only kernels (``ROBOT_LLM_INT8_ACTIVATIONS=0``) for the side-by-side."""
     cmd = [sys.executable, __file__, "--child", str(store), "--threads", str(threads), "--batches", str(batch)]
     cmd += ["--prompt", str(prompt), "--new", str(new), "--micro-batch", str(micro_batch)]
-    env = {**os.environ, "ROBOT_LLM_INT8_ACTIVATIONS": "1" if int8_activations else "0"}
+    env = {k: v for k, v in os.environ.items() if k != "ROBOT_LLM_INT8_ACTIVATIONS"}
+    if not int8_activations:
+        env["ROBOT_LLM_INT8_ACTIVATIONS"] = "0"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"our engine's run failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")

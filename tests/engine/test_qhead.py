@@ -14,6 +14,7 @@ from robot_llm.llm.families.config import module_plan
 from robot_llm.llm.families.family import embedding, grouped_attention, linear, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.plan.machine import cpu_compute_path
+from robot_llm.llm.store.int8act import weight_levels
 from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
 from robot_llm.llm.store.quant import ALIGN
 from robot_llm.llm.store.writer import write_store
@@ -49,8 +50,9 @@ def test_a_rotated_table_looks_up_the_same_rows_and_computes_the_same_logits() -
     ids = torch.tensor([[0, 999, 5]])
     looked_up = embedding(ids, rotated)
     assert looked_up.shape == (1, 3, 72)
-    # Rounded in the rotated basis, rotated back: within int8's error of the rows (the plain table's: 0.6 %).
-    assert float((looked_up - w[ids]).norm() / w[ids].norm()) < 0.01
+    # Rounded in the rotated basis, rotated back: within int8's error of the rows (the plain table's: 0.6 %),
+    # twice that where the CPU's int8 GEMM needs 7-bit weights (weight_levels).
+    assert float((looked_up - w[ids]).norm() / w[ids].norm()) < 0.01 * 127 / weight_levels()
     for rows in (1, HEAD_FUSED_ROWS, HEAD_FUSED_ROWS + 1, 40):
         x = torch.randn(rows, 72)
         x[:, 5] *= 30

@@ -168,7 +168,7 @@ def _relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
     return float((y.float() - exact).norm() / exact.norm())
 
 
-@pytest.mark.skipif(not int8_activations_on_cpu(), reason="this torch has no int8 x int8 CPU GEMM")
+@pytest.mark.skipif(not int8_activations_on_cpu(), reason="int8 activations are off on this CPU (no exact int8 GEMM)")
 def test_many_rows_of_an_int4_matrix_meet_its_rotated_int8_copy_with_int8_activations() -> None:
     w = _weight((172, 300), 5)
     codes, scales_and_zeros = quantize_int4(w, 32)
@@ -403,7 +403,7 @@ def test_fused_engine_equals_the_dequantized_model_within_bf16(
     engine.close()
 
 
-@pytest.mark.skipif(not int8_activations_on_cpu(), reason="this torch has no int8 x int8 CPU GEMM")
+@pytest.mark.skipif(not int8_activations_on_cpu(), reason="int8 activations are off on this CPU (no exact int8 GEMM)")
 @pytest.mark.parametrize("model", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
 def test_int8_activations_in_ram_stay_as_close_to_the_exact_logits_as_the_weight_only_path(

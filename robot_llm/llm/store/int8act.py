@@ -38,9 +38,11 @@ INT8_ACTIVATION_MAX_ROWS = {"bf16": 128}
 @functools.cache
 def int8_activations_on_cpu() -> bool:
     """True when calls of many rows on the CPU quantize their activations to int8 and multiply int8 by int8
-    (``torch._int_mm``, oneDNN's s8s8s32 GEMM: VNNI where the CPU has it, ``vpmaddubsw`` on AVX2), as
-    llama.cpp multiplies its blocks. Set ``ROBOT_LLM_INT8_ACTIVATIONS=0`` to keep weight-only kernels
-    (bf16/fp32 activations), e.g. to measure one path against the other in separate processes.
+    (``torch._int_mm``, oneDNN's s8s8s32 GEMM), as llama.cpp multiplies its blocks: by default where that
+    GEMM is exact (VNNI: AVX512-VNNI, AVX-VNNI, AMX; :func:`weight_levels`). ``ROBOT_LLM_INT8_ACTIVATIONS=1``
+    turns them on on any CPU with the kernel (without VNNI the rotated weights then keep 7 bits, which costs
+    accuracy: Gemma 3 270M +1.2 % ru perplexity on the AVX2 kernels), ``0`` off (the weight-only kernels),
+    e.g. to measure one path against the other in separate processes.
 
     The GEMM runs at 2.3x (AVX2) to 6-8x (AVX512-VNNI) the fp32 one on these shapes; the cost is an int8
     rounding of each row of activations (one scale per row, :func:`quantize_activations`).
@@ -49,13 +51,32 @@ def int8_activations_on_cpu() -> bool:
 
     import torch
 
-    if os.environ.get("ROBOT_LLM_INT8_ACTIVATIONS", "1").strip().lower() in ("0", "false", "no", "off"):
+    asked = os.environ.get("ROBOT_LLM_INT8_ACTIVATIONS", "auto").strip().lower()
+    if asked in ("0", "false", "no", "off"):
         return False
     try:
         a = torch.ones(17, 64, dtype=torch.int8)
-        return int(torch._int_mm(a, a.t())[0, 0]) == 64
+        if int(torch._int_mm(a, a.t())[0, 0]) != 64:
+            return False
     except (RuntimeError, AttributeError):  # a torch without the CPU kernel
         return False
+    return asked in ("1", "true", "yes", "on") or weight_levels() == 127
+
+
+@functools.cache
+def weight_levels() -> int:
+    """The largest int8 code a rotated matrix may hold: 127 where the CPU's int8 GEMM is exact (VNNI), 63
+    where it is not. Without VNNI oneDNN adds 128 to every activation code (``vpmaddubsw`` multiplies unsigned
+    by signed bytes) and sums pairs of products into a saturating int16: 255 x 127 x 2 overflows it (measured
+    on the AVX2 kernels: products off by up to 24 % of their range on random codes, and Gemma 3 270M's
+    perplexity +2.0 % ru), 255 x 63 x 2 does not. Probed once: full-range codes against an exact product."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (17, 256), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=g)
+    exact = bool(torch.equal(torch._int_mm(a, w.t()).long(), a.long() @ w.long().t()))
+    return 127 if exact else 63
 
 
 #: Input columns per block of the Hadamard rotation that int8 activations need: a row of activations has a
@@ -118,7 +139,7 @@ def rotate_int8_in_place(q: Tensor, scale: Tensor, rows: int = 1024) -> int:
     for a in range(0, q.shape[0] if block else 0, rows):
         b = min(q.shape[0], a + rows)
         dense = q[a:b].float().mul_(scale[a:b].float()[:, None])
-        q[a:b], scale[a:b] = quantize_int8(rotate_weights(dense, block))
+        q[a:b], scale[a:b] = quantize_int8(rotate_weights(dense, block), weight_levels())
     return block
 
 
@@ -200,7 +221,7 @@ def rotated_int8_copy(w: PackedInt4) -> PackedInt8:
         dense = w.dense(torch.float32)
         width = int8_padded_width(w.shape[1])
         block = rotation_block(width)
-        q, scale = quantize_int8(rotate_weights(F.pad(dense, (0, width - w.shape[1])), block))
+        q, scale = quantize_int8(rotate_weights(F.pad(dense, (0, width - w.shape[1])), block), weight_levels())
         w.int8_copy = PackedInt8(q=q, scale=scale, shape=(w.shape[0], width), rotation=block)
         if dense is not w.buffer:
             w._dense = None  # the int8 copy replaces the fp32 one (the buffer is the layer slot's)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block
+from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block, weight_levels
 from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 
@@ -133,7 +133,7 @@ class QuantizedTable:
             rows = weight.read(a, count) if isinstance(weight, RowSource) else weight[a : a + count]
             if block:
                 rows = rotate_weights(F.pad(rows.float(), (0, width - k)), block)
-            q[a : a + count], scale[a : a + count] = quantize_int8(rows)
+            q[a : a + count], scale[a : a + count] = quantize_int8(rows, weight_levels() if block else 127)
         source = weight if exact_lookups and isinstance(weight, RowSource) else None
         shape = (v, width) if block else (v, k)
         return cls(q=q, scale=scale, shape=shape, dtype=dtype, source=source, rotation=block, width=k)

@@ -412,8 +412,8 @@ def int4_linear(x: Tensor, w: PackedInt4) -> Tensor:
 # --------------------------------------------------------------------------- int8
 
 
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel int8 of ``weight [N, K]``: ``(q int8 [N, Kp], scale bf16 [N])``.
+def quantize_int8(weight: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8 of ``weight [N, K]``: ``(q int8 [N, Kp], scale bf16 [N])``, in ``±levels``.
 
     The scale is rounded to bf16 first and the codes chosen for it; the padded columns are zero.
     """
@@ -421,8 +421,8 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     import torch.nn.functional as F
 
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(_MIN_STEP).bfloat16()
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale = (w.abs().amax(dim=1) / levels).clamp_min(_MIN_STEP).bfloat16()
+    q = torch.round(w / scale.float()[:, None]).clamp_(-levels, levels).to(torch.int8)
     return F.pad(q, (0, int8_padded_width(w.shape[1]) - w.shape[1])).contiguous(), scale
 
 
