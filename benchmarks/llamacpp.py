@@ -265,7 +265,7 @@ def ours_row(
     the weight-only kernels (``ROBOT_LLM_INT8_ACTIVATIONS=0``) for the side-by-side."""
     cmd = [sys.executable, __file__, "--child", str(store), "--threads", str(threads), "--batches", str(batch)]
     cmd += ["--prompt", str(prompt), "--new", str(new), "--micro-batch", str(micro_batch)]
-    env = {k: v for k, v in os.environ.items() if k != "ROBOT_LLM_INT8_ACTIVATIONS"}
+    env = dict(os.environ)
     if not int8_activations:
         env["ROBOT_LLM_INT8_ACTIVATIONS"] = "0"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
