@@ -20,6 +20,7 @@ from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.store.int8act import (
     int8_activations_on_cpu,
     rotate,
+    rotate_input,
     rotate_int8_in_place,
     rotate_weights,
     rotated_int8_copy,
@@ -217,6 +218,16 @@ def test_the_rotation_is_orthogonal_and_the_weights_take_its_inverse() -> None:
     small = x.bfloat16()
     assert rotate(small, 128).dtype == torch.bfloat16
     assert torch.allclose(rotate(small, 128).float(), rotate(small.float(), 128), rtol=2**-7, atol=1e-2)
+
+
+def test_one_input_is_rotated_once_for_the_matrices_that_share_it() -> None:
+    q, scale = quantize_int8(_weight((64, 256), 2))
+    w = PackedInt8(q, scale, (64, 256), rotation=rotate_int8_in_place(q, scale))
+    x, other = torch.randn(3, 256), torch.randn(3, 256)
+    first = rotate_input(x, w)
+    assert rotate_input(x, w) is first  # q, k and v of one layer: rotated once
+    assert torch.equal(rotate_input(other, w), rotate(other, w.rotation))  # another input: its own
+    assert rotate_input(x, w) is not first and torch.equal(rotate_input(x, w), first)
 
 
 def test_int8_activations_can_be_switched_off(weight_only: None) -> None:

@@ -49,34 +49,36 @@ def int8_activations_on_cpu() -> bool:
     """
     import os
 
-    import torch
-
     asked = os.environ.get("ROBOT_LLM_INT8_ACTIVATIONS", "auto").strip().lower()
     if asked in ("0", "false", "no", "off"):
         return False
-    try:
-        a = torch.ones(17, 64, dtype=torch.int8)
-        if int(torch._int_mm(a, a.t())[0, 0]) != 64:
-            return False
-    except (RuntimeError, AttributeError):  # a torch without the CPU kernel
-        return False
-    return asked in ("1", "true", "yes", "on") or weight_levels() == 127
+    exact = _int8_gemm_exact()
+    return exact is not None and (exact or asked in ("1", "true", "yes", "on"))
 
 
-@functools.cache
 def weight_levels() -> int:
     """The largest int8 code a rotated matrix may hold: 127 where the CPU's int8 GEMM is exact (VNNI), 63
     where it is not. Without VNNI oneDNN adds 128 to every activation code (``vpmaddubsw`` multiplies unsigned
     by signed bytes) and sums pairs of products into a saturating int16: 255 x 127 x 2 overflows it (measured
     on the AVX2 kernels: products off by up to 24 % of their range on random codes, and Gemma 3 270M's
-    perplexity +2.0 % ru), 255 x 63 x 2 does not. Probed once: full-range codes against an exact product."""
+    perplexity +2.0 % ru), 255 x 63 x 2 does not."""
+    return 127 if _int8_gemm_exact() else 63
+
+
+@functools.cache
+def _int8_gemm_exact() -> bool | None:
+    """Whether this CPU's ``torch._int_mm`` gives exact products of full-range codes (None: no such kernel).
+    Probed once per process against an int64 product."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     a = torch.randint(-127, 128, (17, 256), dtype=torch.int8, generator=g)
     w = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=g)
-    exact = bool(torch.equal(torch._int_mm(a, w.t()).long(), a.long() @ w.long().t()))
-    return 127 if exact else 63
+    try:
+        product = torch._int_mm(a, w.t())
+    except (RuntimeError, AttributeError):  # a torch without the CPU kernel
+        return None
+    return bool(torch.equal(product.long(), a.long() @ w.long().t()))
 
 
 #: Input columns per block of the Hadamard rotation that int8 activations need: a row of activations has a
@@ -172,7 +174,9 @@ def int8_activations_for(rows: int, dtype: torch.dtype) -> bool:
 
 
 #: The last :func:`rotate_input`: ``(x, width, block, rotated)``. A layer multiplies one input by several
-#: matrices in a row (q, k and v; gate and up): they share its rotation. Holding ``x`` keeps its identity.
+#: matrices in a row (q, k and v; gate and up): they share its rotation. Holding ``x`` keeps its identity;
+#: the families never change a matrix's input in place (and inference tensors keep no version counter to
+#: tell), so the identity is enough.
 _last_rotation: list[tuple[Tensor, int, int, Tensor]] = []
 
 
@@ -183,7 +187,7 @@ def rotate_input(x: Tensor, w: PackedInt8) -> Tensor:
     k, width = x.shape[-1], w.shape[1]
     if _last_rotation:
         last, last_width, last_block, rotated = _last_rotation[0]
-        if last is x and last_width == width and last_block == w.rotation and not x.requires_grad:
+        if last is x and (last_width, last_block) == (width, w.rotation):
             return rotated
     rotated = rotate(F.pad(x, (0, width - k)) if width != k else x, w.rotation)
     _last_rotation[:] = [(x, width, w.rotation, rotated)]
