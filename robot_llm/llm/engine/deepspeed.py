@@ -22,6 +22,7 @@ ZeRO does not replace ``F.linear`` for the rest of the process; only tensors of
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -230,6 +231,14 @@ def init_distributed() -> None:
         }.items():
             os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    # A process that exits with the group alive aborts (SIGABRT, "terminate called without an
+    # active exception") when gloo's worker threads free tensors after the interpreter is gone.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _modules(checkpoint: Path, cfg: YalmConfig, trust_pickle: bool) -> Iterator[tuple[ModuleKind, int, Params]]:
