@@ -1,0 +1,87 @@
+/* Few-row products over int8 codes on the CPU: y[i, r] = scale[r] * sum_j x[i, j] * q[r, j].
+ *
+ * Compiled once per machine by gemv.py (cc -O3 -march=native -fopenmp); the AVX512 or the AVX2 body is
+ * chosen by what the compiler was allowed. The codes are widened to fp32 in registers and multiplied by fp32
+ * activations, so the product is exact up to fp32 rounding (no activation quantization), and the weights are
+ * read once per call whatever the number of rows: at one to a few rows a call is a pass over the codes, and a
+ * pass must run at the memory's speed. Weight rows are taken RT at a time and activation rows MT at a time,
+ * so each loaded activation vector meets RT rows and each widened weight vector MT activation rows.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vfloat;
+static inline vfloat widen(const int8_t *w) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+}
+#define FMA _mm512_fmadd_ps
+#define ZERO _mm512_setzero_ps
+#define LOAD _mm512_loadu_ps
+static inline float hsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vfloat;
+static inline vfloat widen(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+#define FMA _mm256_fmadd_ps
+#define ZERO _mm256_setzero_ps
+#define LOAD _mm256_loadu_ps
+static inline float hsum(vfloat v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#error "gemv.c needs AVX2 and FMA (gemv.py compiles it only where the CPU has them)"
+#endif
+
+#define RT 4
+#define MT 4
+
+/* The widths this build needs: k (and every row stride) a multiple of it. */
+int64_t rl_gemv_lanes(void) { return LANES; }
+
+/* x: fp32 [m, k] (row stride k); q: int8 [n, ldq] (the first k columns used); scale: bf16 [n];
+ * y: fp32 [m, n]; k a multiple of LANES; threads: OpenMP threads to split the rows over. */
+void rl_int8_gemv(const float *x, int64_t m, int64_t k, const int8_t *q, int64_t ldq, const uint16_t *scale,
+                  float *y, int64_t n, int threads) {
+    int64_t tiles = (n + RT - 1) / RT;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t r0 = t * RT;
+        int64_t nr = n - r0 < RT ? n - r0 : RT;
+        const int8_t *w[RT];
+        for (int r = 0; r < RT; r++) w[r] = q + (r0 + (r < nr ? r : 0)) * ldq;  /* a short tile repeats a row */
+        for (int64_t i0 = 0; i0 < m; i0 += MT) {
+            int64_t mi = m - i0 < MT ? m - i0 : MT;
+            const float *xs = x + i0 * k;
+            vfloat acc[MT][RT];
+            for (int i = 0; i < MT; i++)
+                for (int r = 0; r < RT; r++) acc[i][r] = ZERO();
+            for (int64_t j = 0; j < k; j += LANES) {
+                vfloat wv[RT];
+                for (int r = 0; r < RT; r++) wv[r] = widen(w[r] + j);
+                for (int i = 0; i < MT; i++) {
+                    if (i < mi) {
+                        vfloat xv = LOAD(xs + i * k + j);
+                        for (int r = 0; r < RT; r++) acc[i][r] = FMA(xv, wv[r], acc[i][r]);
+                    }
+                }
+            }
+            for (int64_t i = 0; i < mi; i++)
+                for (int64_t r = 0; r < nr; r++) y[(i0 + i) * n + r0 + r] = hsum(acc[i][r]) * bf16_to_float(scale[r0 + r]);
+        }
+    }
+}

@@ -1,0 +1,145 @@
+"""Our own kernel for the few-row products of a CPU decode step over int8 codes (``gemv.c``), compiled once per
+machine with the C compiler and loaded with :mod:`ctypes`.
+
+A decode step at batch 1 is a pass over every matrix, so it runs at the speed one core reads its codes.
+torch's fused int8 kernel (``_weight_int8pack_mm``, bf16 activations) does not read them at that speed:
+Gemma 3 270M's 262,144 x 640 head, 1 thread, one row, 28.6 ms on a Sapphire Rapids core (AMX; 5.9 GB/s,
+where an fp32 matrix-vector product reads 18 GB/s) and 10-12 ms on an AVX512-VNNI EPYC. ``gemv.c`` widens the
+codes to fp32 in registers (AVX512 or AVX2), multiplies fp32 activations (no activation rounding) and reads
+the codes once for all of a call's rows; :data:`GEMV_MAX_ROWS` says up to how many.
+
+Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available` is
+False and the callers keep torch's kernels. The shared object is cached under ``~/.cache/robot-llm/kernels``
+(``XDG_CACHE_HOME``), named by a hash of the source, the flags, the compiler and the CPU's features.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from robot_llm.llm.plan.machine import cpu_flags
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+#: Rows of a call up to which int8 matrices go through ``gemv.c``: its cost is a pass over the codes plus
+#: the multiplies, which grow with the rows.
+GEMV_MAX_ROWS = 4
+SOURCE = Path(__file__).with_name("gemv.c")
+ENV = "ROBOT_LLM_GEMV"
+_INT64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def compile_flags() -> list[str]:
+    """The compiler flags: this CPU's own instruction set, or AVX2's where torch was told to stay on the AVX2
+    kind (``ATEN_CPU_CAPABILITY=avx2``, which the benchmarks use to measure that kind on a newer CPU)."""
+    isa = ["-mavx2", "-mfma", "-mf16c"] if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2" else ["-march=native"]
+    return ["-O3", *isa, "-fopenmp", "-shared", "-fPIC"]
+
+
+def kernel_dir() -> Path:
+    """Where compiled kernels are cached."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "robot-llm" / "kernels"
+
+
+def build(flags: list[str] | None = None) -> Path:
+    """Compile ``gemv.c`` with ``flags`` (default :func:`compile_flags`) into :func:`kernel_dir`, unless that
+    build is there already; the shared object's path. Raises ``RuntimeError`` (with the compiler's message)."""
+    flags = compile_flags() if flags is None else flags
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc) on PATH")
+    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(), *sorted(f.encode() for f in cpu_flags())]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = kernel_dir() / f"gemv-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place, so that two processes starting at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} {' '.join(flags)} {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+class Kernels:
+    """``gemv.c`` loaded from ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        import torch  # noqa: F401  (torch's libgomp is loaded first: the kernel shares torch's OpenMP runtime)
+
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.rl_gemv_lanes.restype = _INT64
+        self.lib.rl_int8_gemv.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _PTR, _PTR, _INT64, ctypes.c_int]
+        self.lib.rl_int8_gemv.restype = None
+        #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
+        self.lanes = int(self.lib.rl_gemv_lanes())
+
+    def int8_gemv(self, x: Tensor, q: Tensor, scale: Tensor, n: int) -> Tensor:
+        """``x @ (q * scale[:, None]).T`` for a few rows: ``x [..., K]`` (any float dtype; zero-padded to ``q``'s
+        width), ``q int8 [N', Kp]`` (rows contiguous; the first ``n`` used), ``scale bf16 [N']``; fp32 ``[..., n]``."""
+        import torch
+        import torch.nn.functional as F
+
+        kp = q.shape[1]
+        if q.stride(1) != 1 or kp % self.lanes or scale.dtype != torch.bfloat16 or not scale.is_contiguous():
+            raise ValueError(
+                f"int8_gemv needs row-contiguous int8 codes {self.lanes}-column aligned and contiguous bf16 "
+                f"scales, got codes {tuple(q.shape)} strides {q.stride()} and {scale.dtype} scales"
+            )
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if rows.shape[1] != kp:
+            rows = F.pad(rows, (0, kp - rows.shape[1]))
+        rows = rows.contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        self.lib.rl_int8_gemv(
+            rows.data_ptr(), m, kp, q.data_ptr(), q.stride(0), scale.data_ptr(), y.data_ptr(), n, threads
+        )
+        return y.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """This process's ``gemv.c`` (built on first use), or None: turned off (``ROBOT_LLM_GEMV=0``), a CPU
+    without AVX2 and FMA, or no compiler (then a warning says so once)."""
+    if os.environ.get(ENV, "auto").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None
+    try:
+        return Kernels(build())
+    except (OSError, RuntimeError) as exc:
+        log.warning("%s not built (%s): int8 decode products use torch's kernels", SOURCE.name, exc)
+        return None
+
+
+def gemv_available() -> bool:
+    """True when ``gemv.c`` is built and loaded for this process."""
+    return kernels() is not None
+
+
+def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int) -> Tensor:
+    """:meth:`Kernels.int8_gemv` of this process's kernels; only call where :func:`gemv_available`."""
+    lib = kernels()
+    assert lib is not None, "int8_gemv called without the kernel (check gemv_available)"
+    return lib.int8_gemv(x, q, scale, n)
