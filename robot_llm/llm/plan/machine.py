@@ -227,10 +227,25 @@ def cpu_compute_path(
     if int8_activations:
         past += f", int8 activations from {INT8_ACTIVATION_MIN_ROWS} rows (Hadamard-rotated, one int8 x int8 GEMM)"
     how = f"int4/int8 matrices through torch's fused kernels up to {rows} rows{cast}, {past}"
+    how += f"; {_gemv_path(cpuinfo)}"
     if weight_dtype == "int4":
         layout = "the stored layout" if int4_kernel_reads_stored_layout() else "codes repacked for this CPU once"
         how += f"; int4 kernel reads {layout}"
     return f"CPU ({features}): {how}; LM head int8 per row, embedding rows read exactly from the store"
+
+
+def _gemv_path(cpuinfo: str | None) -> str:
+    from robot_llm.llm.store.gemv import GEMV_MAX_ROWS, gemv_available
+
+    rows = f"int8 matrices and the head up to {GEMV_MAX_ROWS} rows"
+    if cpuinfo is not None:  # another machine's features: whether it builds the kernel is not known here
+        return f"{rows} through our kernel (gemv.c) where it is built"
+    if not gemv_available():
+        return f"{rows} through torch's kernels (gemv.c not built: no C compiler, no AVX2/FMA, or ROBOT_LLM_GEMV=0)"
+    from robot_llm.llm.store.gemv import kernels
+
+    body = "AVX512" if kernels().lanes == 16 else "AVX2"
+    return f"{rows} through our kernel (gemv.c, its {body} body)"
 
 
 #: CPU flags :func:`cpu_compute_path` names.

@@ -1,0 +1,124 @@
+"""Our decode kernel (gemv.c): built with the machine's compiler, exact against an fp32 product, on both bodies
+(AVX512 and AVX2, whichever CPU runs the test), and used by the engine's few-row int8 products."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from robot_llm.llm.families.family import linear
+from robot_llm.llm.plan.machine import cpu_compute_path, cpu_flags
+from robot_llm.llm.store import gemv
+from robot_llm.llm.store.qhead import QuantizedTable
+from robot_llm.llm.store.quant import PackedInt8, quantize_int8
+
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="gemv.c needs AVX2 and FMA")
+
+AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+
+
+@pytest.fixture
+def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh kernel cache (and a fresh :func:`gemv.kernels`) for this test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    gemv.kernels.cache_clear()
+    yield tmp_path / "robot-llm" / "kernels"
+    gemv.kernels.cache_clear()
+
+
+def _exact(x: Tensor, q: Tensor, scale: Tensor, n: int) -> Tensor:
+    weights = q[:n].double() * scale[:n].double()[:, None]
+    return (F.pad(x.double(), (0, q.shape[1] - x.shape[-1])) @ weights.t()).float()
+
+
+@pytest.mark.parametrize("flags", [None, AVX2], ids=["this-cpu", "avx2"])
+def test_products_match_fp64_for_any_row_count_and_ragged_shapes(kernel_cache: Path, flags: list[str] | None) -> None:
+    kernels = gemv.Kernels(gemv.build(flags))
+    g = torch.Generator().manual_seed(0)
+    # 1003 rows (not a multiple of the 4-row tile), 600 live columns of 640 stored (the store pads to 64).
+    q = torch.randint(-127, 128, (1003, 640), dtype=torch.int8, generator=g)
+    scale = (torch.rand(1003, generator=g) / 100).bfloat16()
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, 600, generator=g)
+        for n in (1003, 1001):
+            y = kernels.int8_gemv(x, q, scale, n)
+            ref = _exact(x, q, scale, n)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # Leading dimensions are kept, a bf16 input is read as its exact fp32 values.
+    x = torch.randn(2, 3, 640, generator=g).bfloat16()
+    y, ref = kernels.int8_gemv(x, q, scale, 1003), _exact(x.view(6, 640), q, scale, 1003).view(2, 3, -1)
+    assert y.shape == ref.shape and (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_each_build_is_cached_by_its_flags(kernel_cache: Path) -> None:
+    native, avx2 = gemv.build(), gemv.build(AVX2)
+    assert native != avx2 and {p.name for p in kernel_cache.iterdir()} == {native.name, avx2.name}
+    stamp = native.stat().st_mtime_ns
+    assert gemv.build() == native and native.stat().st_mtime_ns == stamp  # not rebuilt
+    assert gemv.Kernels(avx2).lanes == 8
+
+
+def test_the_avx2_kind_builds_the_avx2_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert "-mavx2" in gemv.compile_flags() and "-march=native" not in gemv.compile_flags()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert "-march=native" in gemv.compile_flags()
+
+
+def test_bad_operands_are_refused_with_what_was_given(kernel_cache: Path) -> None:
+    kernels = gemv.Kernels(gemv.build())
+    q = torch.zeros(8, 100, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"codes \(8, 100\)"):
+        kernels.int8_gemv(torch.zeros(1, 100), q, torch.ones(8).bfloat16(), 8)
+    with pytest.raises(ValueError, match="float32 scales"):
+        kernels.int8_gemv(torch.zeros(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), 8)
+
+
+def test_off_or_without_a_compiler_the_torch_kernels_stay(
+    kernel_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
+    assert not gemv.gemv_available()
+    monkeypatch.delenv("ROBOT_LLM_GEMV")
+    gemv.kernels.cache_clear()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger=gemv.log.name):
+        assert not gemv.gemv_available()
+    assert "no C compiler" in caplog.text and "torch's kernels" in caplog.text
+    assert not kernel_cache.exists() or not any(kernel_cache.iterdir())
+    # The engine's products still run (torch's fused kernel) and agree with the kernel's to bf16 rounding.
+    w = torch.randn(96, 64)
+    packed = PackedInt8(*quantize_int8(w), shape=(96, 64))
+    x = torch.randn(1, 64)
+    assert torch.allclose(linear(x, packed), x @ packed.dense(torch.float32).t(), rtol=0.02, atol=0.05)
+
+
+def test_few_row_products_of_int8_matrices_and_the_head_run_the_kernel(kernel_cache: Path) -> None:
+    assert gemv.gemv_available()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 200, generator=g)
+    packed = PackedInt8(*quantize_int8(w), shape=(300, 200))
+    table = QuantizedTable.quantize(torch.randn(5000, 200, generator=g), torch.float32)
+    for m in range(1, gemv.GEMV_MAX_ROWS + 1):
+        x = torch.randn(m, 200, generator=g)
+        # Exact to fp32 rounding: torch's fused kernel would round the activations to bf16 first.
+        exact = _exact(x, packed.q, packed.scale, 300)
+        assert (linear(x, packed) - exact).abs().max() <= 1e-5 * exact.abs().max()
+        head = _exact(x, table.q, table.scale, 5000)
+        assert (table.linear(x) - head).abs().max() <= 1e-5 * head.abs().max()
+
+
+def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = "AVX512" if gemv.Kernels(gemv.build()).lanes == 16 else "AVX2"
+    assert f"up to {gemv.GEMV_MAX_ROWS} rows through our kernel (gemv.c, its {body} body)" in cpu_compute_path(
+        "int4", "bf16"
+    )
+    monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
+    gemv.kernels.cache_clear()
+    assert "through torch's kernels (gemv.c not built" in cpu_compute_path("int8", "fp32")
