@@ -14,7 +14,7 @@ from torch import Tensor
 from robot_llm.llm.families.family import linear
 from robot_llm.llm.plan.machine import cpu_compute_path, cpu_flags
 from robot_llm.llm.store import gemv
-from robot_llm.llm.store.qhead import QuantizedTable
+from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="gemv.c needs AVX2 and FMA")
@@ -105,7 +105,7 @@ def test_few_row_products_of_int8_matrices_and_the_head_run_the_kernel(kernel_ca
     w = torch.randn(300, 200, generator=g)
     packed = PackedInt8(*quantize_int8(w), shape=(300, 200))
     table = QuantizedTable.quantize(torch.randn(5000, 200, generator=g), torch.float32)
-    for m in range(1, gemv.GEMV_MAX_ROWS + 1):
+    for m in range(1, HEAD_FUSED_ROWS + 1):
         x = torch.randn(m, 200, generator=g)
         # Exact to fp32 rounding: torch's fused kernel would round the activations to bf16 first.
         exact = _exact(x, packed.q, packed.scale, 300)
@@ -116,9 +116,7 @@ def test_few_row_products_of_int8_matrices_and_the_head_run_the_kernel(kernel_ca
 
 def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     body = "AVX512" if gemv.Kernels(gemv.build()).lanes == 16 else "AVX2"
-    assert f"up to {gemv.GEMV_MAX_ROWS} rows through our kernel (gemv.c, its {body} body)" in cpu_compute_path(
-        "int4", "bf16"
-    )
+    assert f"head at those rows through our kernel (gemv.c, its {body} body)" in cpu_compute_path("int4", "bf16")
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()
-    assert "through torch's kernels (gemv.c not built" in cpu_compute_path("int8", "fp32")
+    assert "through torch's (gemv.c not built" in cpu_compute_path("int8", "fp32")

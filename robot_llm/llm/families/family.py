@@ -42,7 +42,7 @@ from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
-from robot_llm.llm.store.gemv import GEMV_MAX_ROWS, gemv_available, int8_gemv
+from robot_llm.llm.store.gemv import gemv_available, int8_gemv
 from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
@@ -88,12 +88,13 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     A packed matrix runs torch's fused kernel when ``x`` is a bf16 or fp32 CPU tensor
     (fp32 rows are cast to bf16 for the kernel, :data:`~robot_llm.llm.store.quant.FUSED_COMPUTE_DTYPES`)
     of at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode
-    steps); an int8 one of at most :data:`~robot_llm.llm.store.gemv.GEMV_MAX_ROWS` rows goes through our own
-    kernel instead where it is built (:mod:`~robot_llm.llm.store.gemv`). A CPU call of more rows quantizes
-    its activations to int8 and multiplies int8 by int8 (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`) where the CPU can and the matrix's input
-    columns are rotated (RAM-homed matrices: an int8 one rotated in place, an int4 one given a rotated
-    int8 copy, once when the engine opens); otherwise the matrix is made dense once, into its buffer, and multiplied
-    densely (int4: dequantized; int8: its codes widened, the scale applied to the output). A rotated
+    steps); an int8 one goes through our own kernel instead where it is built (:mod:`~robot_llm.llm.store.gemv`,
+    exact fp32 activations, faster at every such row count). A CPU call of more rows quantizes
+    its activations to int8 and multiplies int8 by int8 (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`)
+    where the CPU can and the matrix's input columns are rotated (RAM-homed matrices: an int8 one rotated in
+    place, an int4 one given a rotated int8 copy, once when the engine opens); otherwise the matrix is made
+    dense once, into its buffer, and multiplied densely (int4: dequantized; int8: its codes widened, the scale
+    applied to the output). A rotated
     matrix is always given rotated activations.
     An int8 output head (:class:`~robot_llm.llm.store.qhead.QuantizedTable`) computes its own way.
     """
@@ -116,10 +117,12 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             x = rotate_input(x, weight)
         if kernel and weight.rotation and int8_activations_for(rows, x.dtype):  # rotated: rotate_int8_in_place
             y = int8_dynamic_linear(x, weight)
-        elif kernel and rows <= GEMV_MAX_ROWS and gemv_available():
-            y = int8_gemv(x, weight.q, weight.scale, weight.shape[0]).to(x.dtype)
         elif kernel and rows <= FUSED_MAX_ROWS["int8"]:
-            y = int8_linear(x, weight)
+            y = (
+                int8_gemv(x, weight.q, weight.scale, weight.shape[0]).to(x.dtype)
+                if gemv_available()
+                else int8_linear(x, weight)
+            )
         else:
             y = int8_linear_widened(x, weight)
     return y if bias is None else y + bias

@@ -235,17 +235,15 @@ def cpu_compute_path(
 
 
 def _gemv_path(cpuinfo: str | None) -> str:
-    from robot_llm.llm.store.gemv import GEMV_MAX_ROWS, gemv_available
-
-    rows = f"int8 matrices and the head up to {GEMV_MAX_ROWS} rows"
-    if cpuinfo is not None:  # another machine's features: whether it builds the kernel is not known here
-        return f"{rows} through our kernel (gemv.c) where it is built"
-    if not gemv_available():
-        return f"{rows} through torch's kernels (gemv.c not built: no C compiler, no AVX2/FMA, or ROBOT_LLM_GEMV=0)"
     from robot_llm.llm.store.gemv import kernels
 
-    body = "AVX512" if kernels().lanes == 16 else "AVX2"
-    return f"{rows} through our kernel (gemv.c, its {body} body)"
+    what = "int8 matrices and the head at those rows"
+    if cpuinfo is not None:  # another machine's features: whether it builds the kernel is not known here
+        return f"{what} through our kernel (gemv.c) where it is built"
+    built = kernels()
+    if built is None:
+        return f"{what} through torch's (gemv.c not built: no C compiler, no AVX2/FMA, or ROBOT_LLM_GEMV=0)"
+    return f"{what} through our kernel (gemv.c, its {'AVX512' if built.lanes == 16 else 'AVX2'} body)"
 
 
 #: CPU flags :func:`cpu_compute_path` names.

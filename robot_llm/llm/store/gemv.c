@@ -49,6 +49,7 @@ static inline float hsum(vfloat v) {
 
 #define RT 4
 #define MT 4
+#define PREFETCH 4096
 
 /* The widths this build needs: k (and every row stride) a multiple of it. */
 int64_t rl_gemv_lanes(void) { return LANES; }
@@ -72,6 +73,9 @@ void rl_int8_gemv(const float *x, int64_t m, int64_t k, const int8_t *q, int64_t
                 for (int r = 0; r < RT; r++) acc[i][r] = ZERO();
             for (int64_t j = 0; j < k; j += LANES) {
                 vfloat wv[RT];
+                /* The tile's rows are contiguous: one line a step, PREFETCH bytes ahead, keeps the memory busy
+                 * (without it a single core read a 168 MB head at 6 GB/s, with it at 10; a sum reads 12.5). */
+                _mm_prefetch((const char *)w[0] + PREFETCH + j * RT, _MM_HINT_T0);
                 for (int r = 0; r < RT; r++) wv[r] = widen(w[r] + j);
                 for (int i = 0; i < MT; i++) {
                     if (i < mi) {

@@ -6,7 +6,10 @@ torch's fused int8 kernel (``_weight_int8pack_mm``, bf16 activations) does not r
 Gemma 3 270M's 262,144 x 640 head, 1 thread, one row, 28.6 ms on a Sapphire Rapids core (AMX; 5.9 GB/s,
 where an fp32 matrix-vector product reads 18 GB/s) and 10-12 ms on an AVX512-VNNI EPYC. ``gemv.c`` widens the
 codes to fp32 in registers (AVX512 or AVX2), multiplies fp32 activations (no activation rounding) and reads
-the codes once for all of a call's rows; :data:`GEMV_MAX_ROWS` says up to how many.
+the codes once for all of a call's rows. It serves every call torch's fused int8 kernel would (up to
+:data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows of a layer's int8 matrix, up to
+:data:`~robot_llm.llm.store.qhead.HEAD_FUSED_ROWS` of the head), faster at every row count measured
+(1 / 4 / 8 / 10 rows, both bodies, 1 and 2 threads; the head at one row, 1 thread: 16-20 ms against 29-44).
 
 Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available` is
 False and the callers keep torch's kernels. The shared object is cached under ``~/.cache/robot-llm/kernels``
@@ -33,9 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Rows of a call up to which int8 matrices go through ``gemv.c``: its cost is a pass over the codes plus
-#: the multiplies, which grow with the rows.
-GEMV_MAX_ROWS = 4
 SOURCE = Path(__file__).with_name("gemv.c")
 ENV = "ROBOT_LLM_GEMV"
 _INT64, _PTR = ctypes.c_int64, ctypes.c_void_p

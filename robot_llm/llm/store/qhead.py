@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robot_llm.llm.store.gemv import GEMV_MAX_ROWS, gemv_available, int8_gemv
+from robot_llm.llm.store.gemv import gemv_available, int8_gemv
 from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block, weight_levels
 from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
@@ -169,7 +169,7 @@ class QuantizedTable:
             if self._acc is None or self._acc.shape[0] < m:
                 self._acc = torch.empty(m, v, dtype=torch.int32)
             y = int8_gemm(flat, self.q, self._scale32, self._acc[:m]).to(x.dtype)
-        elif m <= GEMV_MAX_ROWS and flat.device.type == "cpu" and gemv_available():
+        elif m <= HEAD_FUSED_ROWS and flat.device.type == "cpu" and gemv_available():
             y = int8_gemv(flat, self.q, self.scale, v).to(x.dtype)
         elif m <= HEAD_FUSED_ROWS:
             rows = flat.to(torch.bfloat16)
