@@ -288,6 +288,10 @@ def _memory(config: AppConfig, facts: NightFacts) -> Check:
 
         weight_dtype = weights if isinstance(weights, str) else weights.dtype
         lines.append(cpu_compute_path(weight_dtype, chosen.compute_dtype))
+        if weight_dtype in ("int4", "int8"):
+            from robot_llm.llm.store.gemv import describe
+
+            lines.append(describe())
     return Check("memory", True, summary + "".join(f"\n       {line}" for line in lines))
 
 

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.families.family import linear
-from robot_llm.llm.plan.machine import cpu_compute_path, cpu_flags
+from robot_llm.llm.plan.machine import cpu_flags
 from robot_llm.llm.store import gemv
+from robot_llm.llm.store.int8act import rotate
 from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
@@ -50,10 +51,31 @@ def test_products_match_fp64_for_any_row_count_and_ragged_shapes(kernel_cache: P
             ref = _exact(x, q, scale, n)
             assert y.shape == (m, n) and y.dtype == torch.float32
             assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
-    # Leading dimensions are kept, a bf16 input is read as its exact fp32 values.
+    # Leading dimensions are kept; a bf16 input is read as its exact values and the output is bf16, rounded once.
     x = torch.randn(2, 3, 640, generator=g).bfloat16()
     y, ref = kernels.int8_gemv(x, q, scale, 1003), _exact(x.view(6, 640), q, scale, 1003).view(2, 3, -1)
-    assert y.shape == ref.shape and (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-6).all()  # each value within half a bf16 step
+    # fp16 (no CPU fast path) is computed in fp32 and given back as fp16.
+    assert kernels.int8_gemv(x.half(), q, scale, 10).dtype == torch.float16
+
+
+@pytest.mark.parametrize("flags", [None, AVX2], ids=["this-cpu", "avx2"])
+@pytest.mark.parametrize("block", [64, 128])
+def test_a_rotated_matrix_meets_its_rotation_inside_the_kernel(
+    kernel_cache: Path, flags: list[str] | None, block: int
+) -> None:
+    kernels = gemv.Kernels(gemv.build(flags))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (77, 256), dtype=torch.int8, generator=g)
+    scale = (torch.rand(77, generator=g) / 50).bfloat16()
+    for m in (1, 3, 6):
+        x = torch.randn(m, 200, generator=g)  # padded to 256 first, then rotated block by block
+        y = kernels.int8_gemv(x, q, scale, 77, rotation=block)
+        ref = _exact(rotate(F.pad(x, (0, 56)), block), q, scale, 77)
+        assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with pytest.raises(ValueError, match="rotation block of 96"):
+        kernels.int8_gemv(x, q, scale, 77, rotation=96)
 
 
 def test_each_build_is_cached_by_its_flags(kernel_cache: Path) -> None:
@@ -116,7 +138,7 @@ def test_few_row_products_of_int8_matrices_and_the_head_run_the_kernel(kernel_ca
 
 def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     body = "AVX512" if gemv.Kernels(gemv.build()).lanes == 16 else "AVX2"
-    assert f"head at those rows through our kernel (gemv.c, its {body} body)" in cpu_compute_path("int4", "bf16")
+    assert gemv.describe().endswith(f"through our kernel (gemv.c, its {body} body)")
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()
-    assert "through torch's (gemv.c not built" in cpu_compute_path("int8", "fp32")
+    assert "through torch's fused kernel (gemv.c not built" in gemv.describe()

@@ -45,6 +45,26 @@ def prepare_ram_layer(layout: FileLayout, data: Tensor, *, repack: bool, rotate:
     return codes, blocks, copies
 
 
+def reusable(params: Params, ram: Tensor) -> bool:
+    """Whether a RAM-homed layer's compute weights, once built, serve every pass: views of its RAM bytes and
+    packed matrices only, nothing converted into a slot's buffer (which the next layer overwrites)."""
+    home = ram.untyped_storage().data_ptr()
+    return all(
+        isinstance(p, (PackedInt4, PackedInt8)) or p.untyped_storage().data_ptr() == home for p in params.values()
+    )
+
+
+def for_this_pass(params: Params) -> Params:
+    """A reused layer's weights with what its packed matrices made dense in an earlier pass dropped: that was made
+    into buffers every layer shares (or, a rotated int8 matrix's, into its own, which would then stay resident)."""
+    for p in params.values():
+        if isinstance(p, (PackedInt4, PackedInt8)):
+            p._dense = None
+        if isinstance(p, PackedInt8):
+            p._widened = None
+    return params
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """``"auto"`` means CUDA when available, else the CPU."""
     if str(device) == "auto":

@@ -50,9 +50,7 @@ from robot_llm.llm.families.family import (
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Llama's RMSNorm: statistics in float32, weight applied in the input dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return weight * torch.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 def rope(cfg: LlamaConfig) -> dict[str, Tensor]:

@@ -227,23 +227,10 @@ def cpu_compute_path(
     if int8_activations:
         past += f", int8 activations from {INT8_ACTIVATION_MIN_ROWS} rows (Hadamard-rotated, one int8 x int8 GEMM)"
     how = f"int4/int8 matrices through torch's fused kernels up to {rows} rows{cast}, {past}"
-    how += f"; {_gemv_path(cpuinfo)}"
     if weight_dtype == "int4":
         layout = "the stored layout" if int4_kernel_reads_stored_layout() else "codes repacked for this CPU once"
         how += f"; int4 kernel reads {layout}"
     return f"CPU ({features}): {how}; LM head int8 per row, embedding rows read exactly from the store"
-
-
-def _gemv_path(cpuinfo: str | None) -> str:
-    from robot_llm.llm.store.gemv import kernels
-
-    what = "int8 matrices and the head at those rows"
-    if cpuinfo is not None:  # another machine's features: whether it builds the kernel is not known here
-        return f"{what} through our kernel (gemv.c) where it is built"
-    built = kernels()
-    if built is None:
-        return f"{what} through torch's (gemv.c not built: no C compiler, no AVX2/FMA, or ROBOT_LLM_GEMV=0)"
-    return f"{what} through our kernel (gemv.c, its {'AVX512' if built.lanes == 16 else 'AVX2'} body)"
 
 
 #: CPU flags :func:`cpu_compute_path` names.

@@ -6,8 +6,12 @@
  * read once per call whatever the number of rows: at one to a few rows a call is a pass over the codes, and a
  * pass must run at the memory's speed. Weight rows are taken RT at a time and activation rows MT at a time,
  * so each loaded activation vector meets RT rows and each widened weight vector MT activation rows.
+ * The activations come in as the engine holds them (bf16 or fp32, the unpadded width) and the call pads,
+ * Hadamard-rotates (for a matrix whose columns were rotated, int8act.py) and writes the output dtype itself:
+ * at a decode step's sizes each of those would otherwise be a torch op of 5-7 us, a hundred times a step.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
@@ -54,10 +58,40 @@ static inline float hsum(vfloat v) {
 /* The widths this build needs: k (and every row stride) a multiple of it. */
 int64_t rl_gemv_lanes(void) { return LANES; }
 
-/* x: fp32 [m, k] (row stride k); q: int8 [n, ldq] (the first k columns used); scale: bf16 [n];
- * y: fp32 [m, n]; k a multiple of LANES; threads: OpenMP threads to split the rows over. */
-void rl_int8_gemv(const float *x, int64_t m, int64_t k, const int8_t *q, int64_t ldq, const uint16_t *scale,
-                  float *y, int64_t n, int threads) {
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  /* round to nearest even, as torch does */
+}
+
+/* x [m, kx] (fp32, or bf16 where x_bf16) into fp32 [m, k], zero-padded, each run of `rotation` columns
+ * (0: none) times the Sylvester Hadamard matrix of +-1 entries (the fast transform; int8act.rotate's matrix). */
+static void stage_rows(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, int64_t rotation, float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        float *row = out + i * k;
+        for (int64_t j = 0; j < kx; j++)
+            row[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i * kx + j]) : ((const float *)x)[i * kx + j];
+        for (int64_t j = kx; j < k; j++) row[j] = 0.f;
+        for (int64_t b = 0; rotation && b < k; b += rotation)
+            for (int64_t h = 1; h < rotation; h *= 2)
+                for (int64_t a = b; a < b + rotation; a += 2 * h)
+                    for (int64_t j = a; j < a + h; j++) {
+                        float u = row[j], v = row[j + h];
+                        row[j] = u + v;
+                        row[j + h] = u - v;
+                    }
+    }
+}
+
+/* y [m, n] (fp32, or bf16 where y_bf16) = stage_rows(x) @ (q * scale)^T over q int8 [n, ldq] (k columns used),
+ * scale bf16 [n]; k a multiple of LANES and of rotation; threads: OpenMP threads to split the rows over.
+ * Returns 0, or -1 when the staging buffer could not be allocated. */
+int rl_int8_gemv(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, int64_t rotation, const int8_t *q,
+                 int64_t ldq, const uint16_t *scale, void *y, int y_bf16, int64_t n, int threads) {
+    float *xs = aligned_alloc(64, (size_t)((m * k * sizeof(float) + 63) / 64 * 64));
+    if (xs == NULL) return -1;
+    stage_rows(x, x_bf16, m, kx, k, rotation, xs);
     int64_t tiles = (n + RT - 1) / RT;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
@@ -67,7 +101,7 @@ void rl_int8_gemv(const float *x, int64_t m, int64_t k, const int8_t *q, int64_t
         for (int r = 0; r < RT; r++) w[r] = q + (r0 + (r < nr ? r : 0)) * ldq;  /* a short tile repeats a row */
         for (int64_t i0 = 0; i0 < m; i0 += MT) {
             int64_t mi = m - i0 < MT ? m - i0 : MT;
-            const float *xs = x + i0 * k;
+            const float *xi = xs + i0 * k;
             vfloat acc[MT][RT];
             for (int i = 0; i < MT; i++)
                 for (int r = 0; r < RT; r++) acc[i][r] = ZERO();
@@ -79,13 +113,22 @@ void rl_int8_gemv(const float *x, int64_t m, int64_t k, const int8_t *q, int64_t
                 for (int r = 0; r < RT; r++) wv[r] = widen(w[r] + j);
                 for (int i = 0; i < MT; i++) {
                     if (i < mi) {
-                        vfloat xv = LOAD(xs + i * k + j);
+                        vfloat xv = LOAD(xi + i * k + j);
                         for (int r = 0; r < RT; r++) acc[i][r] = FMA(xv, wv[r], acc[i][r]);
                     }
                 }
             }
             for (int64_t i = 0; i < mi; i++)
-                for (int64_t r = 0; r < nr; r++) y[(i0 + i) * n + r0 + r] = hsum(acc[i][r]) * bf16_to_float(scale[r0 + r]);
+                for (int64_t r = 0; r < nr; r++) {
+                    float v = hsum(acc[i][r]) * bf16_to_float(scale[r0 + r]);
+                    int64_t at = (i0 + i) * n + r0 + r;
+                    if (y_bf16)
+                        ((uint16_t *)y)[at] = float_to_bf16(v);
+                    else
+                        ((float *)y)[at] = v;
+                }
         }
     }
+    free(xs);
+    return 0;
 }

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 ENV = "ROBOT_LLM_GEMV"
-_INT64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_INT, _INT64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
 
 def compile_flags() -> list[str]:
@@ -88,16 +88,17 @@ class Kernels:
 
         self.lib = ctypes.CDLL(str(path))
         self.lib.rl_gemv_lanes.restype = _INT64
-        self.lib.rl_int8_gemv.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _PTR, _PTR, _INT64, ctypes.c_int]
-        self.lib.rl_int8_gemv.restype = None
+        self.lib.rl_int8_gemv.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, _INT64, _PTR, _PTR, _INT, _INT64, _INT]
+        self.lib.rl_int8_gemv.restype = _INT
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
 
-    def int8_gemv(self, x: Tensor, q: Tensor, scale: Tensor, n: int) -> Tensor:
-        """``x @ (q * scale[:, None]).T`` for a few rows: ``x [..., K]`` (any float dtype; zero-padded to ``q``'s
-        width), ``q int8 [N', Kp]`` (rows contiguous; the first ``n`` used), ``scale bf16 [N']``; fp32 ``[..., n]``."""
+    def int8_gemv(self, x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
+        """``x @ (q * scale[:, None]).T`` for a few rows: ``x [..., K]`` (zero-padded to ``q``'s width ``Kp``;
+        with ``rotation``, each run of that many columns Hadamard-rotated first, as
+        :func:`~robot_llm.llm.store.int8act.rotate` does), ``q int8 [N', Kp]`` (rows contiguous; the first ``n``
+        used), ``scale bf16 [N']``; ``[..., n]`` in ``x``'s dtype (computed in fp32 for any float dtype)."""
         import torch
-        import torch.nn.functional as F
 
         kp = q.shape[1]
         if q.stride(1) != 1 or kp % self.lanes or scale.dtype != torch.bfloat16 or not scale.is_contiguous():
@@ -105,17 +106,21 @@ class Kernels:
                 f"int8_gemv needs row-contiguous int8 codes {self.lanes}-column aligned and contiguous bf16 "
                 f"scales, got codes {tuple(q.shape)} strides {q.stride()} and {scale.dtype} scales"
             )
-        rows = x.reshape(-1, x.shape[-1]).float()
-        if rows.shape[1] != kp:
-            rows = F.pad(rows, (0, kp - rows.shape[1]))
+        if rotation and kp % rotation:
+            raise ValueError(f"int8_gemv: a rotation block of {rotation} does not divide the width {kp}")
+        kx = x.shape[-1]
+        rows = x.reshape(-1, kx)
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.float()
         rows = rows.contiguous()
+        bf16 = rows.dtype == torch.bfloat16
         m = rows.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
+        y = torch.empty(m, n, dtype=rows.dtype)
         threads = torch.get_num_threads()
-        self.lib.rl_int8_gemv(
-            rows.data_ptr(), m, kp, q.data_ptr(), q.stride(0), scale.data_ptr(), y.data_ptr(), n, threads
-        )
-        return y.view(*x.shape[:-1], n)
+        args = (rows.data_ptr(), bf16, m, kx, kp, rotation, q.data_ptr(), q.stride(0), scale.data_ptr())
+        if self.lib.rl_int8_gemv(*args, y.data_ptr(), bf16, n, threads) != 0:
+            raise MemoryError(f"int8_gemv: no memory to stage {m} x {kp} activations")
+        return y.view(*x.shape[:-1], n).to(x.dtype)
 
 
 @functools.cache
@@ -138,8 +143,17 @@ def gemv_available() -> bool:
     return kernels() is not None
 
 
-def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int) -> Tensor:
+def describe() -> str:
+    """Which kernel serves the few-row int8 products here, in words (``doctor`` prints it)."""
+    built = kernels()
+    what = "few-row int8 products (the int8 matrices and the head at decode sizes)"
+    if built is None:
+        return f"{what} through torch's fused kernel (gemv.c not built: no C compiler, no AVX2/FMA, or {ENV}=0)"
+    return f"{what} through our kernel (gemv.c, its {'AVX512' if built.lanes == 16 else 'AVX2'} body)"
+
+
+def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
     """:meth:`Kernels.int8_gemv` of this process's kernels; only call where :func:`gemv_available`."""
     lib = kernels()
     assert lib is not None, "int8_gemv called without the kernel (check gemv_available)"
-    return lib.int8_gemv(x, q, scale, n)
+    return lib.int8_gemv(x, q, scale, n, rotation)

@@ -159,18 +159,20 @@ class QuantizedTable:
         """``x @ table.T + bias``: logits ``[..., V]`` in ``x``'s dtype."""
         v, k = self.shape
         lead = x.shape[:-1]
+        m, cpu = x.numel() // x.shape[-1], x.device.type == "cpu"
+        quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype)
+        if cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available():
+            y = int8_gemv(x, self.q, self.scale, v, self.rotation)  # it pads and rotates x itself
+            return (y if bias is None else y + bias).reshape(*lead, v)
         if self.rotation:
             x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
         flat = x.reshape(-1, k)
-        m = flat.shape[0]
-        if flat.device.type == "cpu" and self.rotation and int8_activations_for(m, flat.dtype):
+        if quantized_rows:
             if self._scale32 is None:
                 self._scale32 = self.scale.float()
             if self._acc is None or self._acc.shape[0] < m:
                 self._acc = torch.empty(m, v, dtype=torch.int32)
             y = int8_gemm(flat, self.q, self._scale32, self._acc[:m]).to(x.dtype)
-        elif m <= HEAD_FUSED_ROWS and flat.device.type == "cpu" and gemv_available():
-            y = int8_gemv(flat, self.q, self.scale, v).to(x.dtype)
         elif m <= HEAD_FUSED_ROWS:
             rows = flat.to(torch.bfloat16)
             if self.q.shape[1] != k:
