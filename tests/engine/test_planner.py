@@ -297,14 +297,14 @@ def test_cpu_int8_activations_past_the_kernels_row_limit_cost_one_int8_gemm_on_r
     work = Work(rows, 64, 16)
     params = YALM.num_layers * layer_params(YALM)
     for dtype in ("int8", "int4"):
+        # int4 through its rotated int8 copy: the same GEMM, from the same row count.
         ram = plan(YALM, work, machine, weight_dtype=dtype, compute_dtype="bf16", weight_home="ram")
-        if dtype == "int8":
-            gemm = 2 * rows * params / machine.cpu_int8_ops
-            assert gemm < ram.decode_seconds < 1.05 * gemm
-        widened = plan(
+        gemm = 2 * rows * params / machine.cpu_int8_ops
+        assert gemm < ram.decode_seconds < 1.05 * gemm
+        without = plan(
             YALM, work, replace(machine, cpu_int8_ops=0), weight_dtype=dtype, compute_dtype="bf16", weight_home="ram"
         )
-        assert (ram.decode_seconds < widened.decode_seconds) == (dtype == "int8")  # int4 stays fused to 48 rows
+        assert ram.decode_seconds < without.decode_seconds  # int8 widened, int4 fused: both slower
 
 
 def test_decode_attention_runs_in_ram_only_where_that_beats_copying_the_cache_up() -> None:

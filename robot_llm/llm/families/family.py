@@ -106,11 +106,13 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     rows = x.numel() // x.shape[-1]
     kernel = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
     if isinstance(weight, PackedInt4):
-        if kernel and rows <= FUSED_MAX_ROWS["int4"]:
-            y = int4_linear(x, weight)
-        elif kernel and weight.int8_copy is not None and int8_activations_for(rows, x.dtype):
-            rotated = weight.int8_copy  # RAM-homed: made once (a streamed matrix's would cost a pass each time)
+        if kernel and weight.int8_copy is not None and int8_activations_for(rows, x.dtype):
+            # RAM-homed: its rotated int8 copy was made once (a streamed matrix's would cost a pass each time);
+            # from 8 rows it beats the fused int4 kernel (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows).
+            rotated = weight.int8_copy
             y = int8_dynamic_linear(rotate_input(x, rotated), rotated)
+        elif kernel and rows <= FUSED_MAX_ROWS["int4"]:
+            y = int4_linear(x, weight)
         else:
             return F.linear(x, weight.dense(x.dtype), bias)
     else:

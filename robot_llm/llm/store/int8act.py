@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 #: 1 thread, ms at 1 / 4 / 8 / 32 rows, AVX512-VNNI (262144x640: 10.0 / 10.1 / 20.6 / 84 fused, 8.5 / 21 / 22 /
 #: 56 quantized; 2048x640: 0.03 / 0.08 / 0.13 / 0.52 against 0.03 / 0.07 / 0.08 / 0.16) and AVX2 (262144x640:
 #: 14.7 / 29 / 57 / 232 against 30 / 38 / 45 / 111; 2048x640: 0.06 / 0.14 / 0.27 / 1.26 against 0.16 / 0.19 /
-#: 0.24 / 0.49): both cross at 6-8 rows. int4 keeps its fused kernel up to its
-#: :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS`.
+#: 0.24 / 0.49): both cross at 6-8 rows. An int4 matrix with a rotated int8 copy (RAM-homed) takes it from the
+#: same row count: against the fused int4 kernel, AMX, 1 thread, ms at 8 / 16 / 32 / 48 rows, 2048x640 0.39 / 0.70
+#: / 1.40 / 2.11 fused, 0.22 / 0.31 / 0.34 / 0.45 quantized; 4096x1024 1.24 / 2.35 / 4.51 / 7.68 against 0.71 /
+#: 0.60 / 1.20 / 1.56.
 INT8_ACTIVATION_MIN_ROWS = 8
 #: Rows of a call up to which int8 activations are used, by compute dtype (no entry: every row count). With native
 #: bf16 (AVX512-BF16) the dense bf16 GEMM over widened codes overtakes them between 128 and 256 rows (1 thread,
