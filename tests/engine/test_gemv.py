@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 
 @pytest.fixture
-def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fresh kernel cache (and a fresh :func:`gemv.kernels`) for this test."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     gemv.kernels.cache_clear()

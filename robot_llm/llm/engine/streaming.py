@@ -271,11 +271,11 @@ class StreamingModel:
         if ram is not None and not self.cuda:
             # RAM-homed layers are used in place by the CPU: only a conversion, if any, is left to do.
             with self._after_read:  # built once (views of 14 tensors and packed objects: 0.1-0.3 ms a layer)
-                params = self.ram_params.get(layer) or self._to_compute(
-                    layout, ram, slot.buffers, self.ram_prepared[layer]
-                )
-                if self._pool is None and reusable(params, ram):  # filled inline: never while a pass uses it
-                    self.ram_params[layer] = params
+                params = self.ram_params.get(layer)
+                if params is None:
+                    params = self._to_compute(layout, ram, slot.buffers, self.ram_prepared[layer])
+                    if self._pool is None and reusable(params, ram):  # filled inline: never while a pass uses it
+                        self.ram_params[layer] = params
                 slot.params = for_this_pass(params)
             return 0
         started = time.perf_counter()

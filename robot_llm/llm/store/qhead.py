@@ -4,10 +4,10 @@ it (Q8_0), for a quantized store computed on the CPU.
 A large vocabulary makes the head most of a small model's decode step: Gemma 3 270M's tied
 262,144 x 640 table is 671 MB in fp32, read on every step, against about 100 MB for all 18
 layers in int4/int8. Held as int8 codes with one bf16 scale per vocabulary row it is 168 MB;
-the logits of decode-sized calls come from torch's fused int8 kernel (bf16 activations, the
-codes read as stored), and a token's embedding is read exactly from the store (:class:`RowSource`),
-so the float table never exists in memory. A call with more rows (a batched decode step, a whole-sequence
-scoring pass) quantizes its rows to int8 and multiplies int8 by int8 where the CPU can
+the logits of decode-sized calls come from our int8 kernel (:mod:`~robot_llm.llm.store.gemv`; torch's fused
+one where it is not built), the codes read as stored, and a token's embedding is read exactly from the store
+(:class:`RowSource`), so the float table never exists in memory. A call with more rows (a batched decode
+step, a whole-sequence scoring pass) quantizes its rows to int8 and multiplies int8 by int8 where the CPU can
 (:func:`~robot_llm.llm.store.int8act.int8_activations_on_cpu`), else widens the codes, a block of the
 vocabulary at a time into one reused buffer.
 """
@@ -27,7 +27,8 @@ from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_
 from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 
-#: Rows of a head call up to which the fused int8 kernel computes the logits. At decode sizes it reads
+#: Rows of a head call up to which a fused int8 kernel computes the logits (ours where built, which is faster at
+#: every such row count; the figures here are torch's). At decode sizes it reads
 #: the 8-bit codes once and is as fast as the fp32 GEMM on a quarter of the bytes (torch 2.13, AVX2, 2
 #: threads, 65,536 x 640: 3.7 ms at 1 row against fp32's 12 ms); its cost then grows row by row while
 #: the widened blocks' barely does. Gemma 3 270M's 262,144 x 640 head, 1 thread, ms at 1 / 8 / 16 / 32
