@@ -21,7 +21,7 @@ from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="gemv.c needs AVX2 and FMA")
 
-AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 @pytest.fixture

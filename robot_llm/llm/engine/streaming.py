@@ -45,9 +45,9 @@ from robot_llm.llm.engine.stream_slots import (
     Slot,
     StreamStats,
     for_this_pass,
+    kept_for_reuse,
     prepare_ram_layer,
     resolve_device,
-    reusable,
 )
 from robot_llm.llm.families.config import embedding_is_head
 from robot_llm.llm.families.family import LayerCall, Params, bind_layer, forward_pass, prepare_step, resolve_dtype
@@ -274,8 +274,8 @@ class StreamingModel:
                 params = self.ram_params.get(layer)
                 if params is None:
                     params = self._to_compute(layout, ram, slot.buffers, self.ram_prepared[layer])
-                    if self._pool is None and reusable(params, ram):  # filled inline: never while a pass uses it
-                        self.ram_params[layer] = params
+                    if self._pool is None and (kept := kept_for_reuse(params, slot.buffers)) is not None:  # inline
+                        params = self.ram_params[layer] = kept
                 slot.params = for_this_pass(params)
             return 0
         started = time.perf_counter()

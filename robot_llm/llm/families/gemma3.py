@@ -42,18 +42,20 @@ from robot_llm.llm.families.family import (
     Params,
     Resident,
     StepInfo,
-    apply_rotary,
     embedding,
     grouped_attention,
     linear,
     rope_inv_freq,
 )
+from robot_llm.llm.families.norm import rms_norm
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Gemma's RMSNorm: float32 throughout, gain ``1 + weight``, then back to the input dtype (torch's own
-    ``rms_norm``: a decode step runs 109 of them, and five ops fewer each is 1 ms of a 55 ms step)."""
-    return torch.rms_norm(x.float(), x.shape[-1:], 1.0 + weight.float(), eps).type_as(x)
+def norm(
+    x: Tensor, weight: Tensor, eps: float, rotary: tuple[Tensor, Tensor] | None = None, residual: Tensor | None = None
+) -> Tensor:
+    """Gemma's RMSNorm: float32 throughout, gain ``1 + weight``, then back to the input dtype; then the rotary
+    (a normed query or key) or the residual add (a post-norm) where given (:func:`rms_norm`: one call)."""
+    return rms_norm(x, weight, eps, offset=1.0, rotary=rotary, residual=residual)
 
 
 def rope(cfg: Gemma3Config) -> dict[str, Tensor]:
@@ -74,11 +76,10 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
     """Grouped-query attention with per-head q/k RMSNorm and the rotary of this layer's type."""
     B, T, _ = a_in.shape
     d, eps = cfg.head_dim, cfg.rms_norm_eps
-    q = rms_norm(linear(a_in, p["self_attn.q_proj.weight"]).view(B, T, -1, d), p["self_attn.q_norm.weight"], eps)
-    k = rms_norm(linear(a_in, p["self_attn.k_proj.weight"]).view(B, T, -1, d), p["self_attn.k_norm.weight"], eps)
+    rotary = step.rotary[cfg.layer_types[index]]
+    q = norm(linear(a_in, p["self_attn.q_proj.weight"]).view(B, T, -1, d), p["self_attn.q_norm.weight"], eps, rotary)
+    k = norm(linear(a_in, p["self_attn.k_proj.weight"]).view(B, T, -1, d), p["self_attn.k_norm.weight"], eps, rotary)
     v = linear(a_in, p["self_attn.v_proj.weight"]).view(B, T, -1, d)
-    cos, sin = step.rotary[cfg.layer_types[index]]
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     mask = step.mask_for(cfg.sliding_window(index))
     if kv is not None:
         k, v = kv.update(k, v, fused=True)
@@ -93,16 +94,16 @@ def transformer_layer(
 ) -> Tensor:
     """One Gemma 3 decoder layer: four norms, attention, GeGLU MLP with the tanh GELU."""
     eps = cfg.rms_norm_eps
-    a = attention(rms_norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
-    h = x + rms_norm(a, p["post_attention_layernorm.weight"], eps)
-    m = rms_norm(h, p["pre_feedforward_layernorm.weight"], eps)
+    a = attention(norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
+    h = norm(a, p["post_attention_layernorm.weight"], eps, residual=x)
+    m = norm(h, p["pre_feedforward_layernorm.weight"], eps)
     gated = F.gelu(linear(m, p["mlp.gate_proj.weight"]), approximate="tanh") * linear(m, p["mlp.up_proj.weight"])
-    return h + rms_norm(linear(gated, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps)
+    return norm(linear(gated, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)
 
 
 def output_head(x: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:
     """Final norm, the tied LM head, and the optional final soft-capping."""
-    y = rms_norm(x, resident["output"]["norm.weight"], cfg.rms_norm_eps)
+    y = norm(x, resident["output"]["norm.weight"], cfg.rms_norm_eps)
     logits = linear(y, resident["embedding"]["embed_tokens.weight"])
     if cfg.final_logit_softcapping is not None:
         logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping

@@ -40,17 +40,18 @@ from robot_llm.llm.families.family import (
     Params,
     Resident,
     StepInfo,
-    apply_rotary,
     embedding,
     grouped_attention,
     linear,
     rope_inv_freq,
 )
+from robot_llm.llm.families.norm import rms_norm
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Llama's RMSNorm: statistics in float32, weight applied in the input dtype."""
-    return weight * torch.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+def norm(x: Tensor, weight: Tensor | None, eps: float, rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Llama's RMSNorm: statistics in float32, weight applied in the input dtype; then the rotary where given
+    (``weight`` None: the rotary alone; :func:`rms_norm`: one call)."""
+    return rms_norm(x, weight, eps, gain_rounded=True, rotary=rotary)
 
 
 def rope(cfg: LlamaConfig) -> dict[str, Tensor]:
@@ -86,11 +87,9 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
     q = linear(a_in, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(B, T, -1, d)
     k = linear(a_in, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(B, T, -1, d)
     v = linear(a_in, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(B, T, -1, d)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-    cos, sin = step.rotary["rope"]
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    qk_norm = cfg.qk_norm
+    q = norm(q, p["self_attn.q_norm.weight"] if qk_norm else None, cfg.rms_norm_eps, step.rotary["rope"])
+    k = norm(k, p["self_attn.k_norm.weight"] if qk_norm else None, cfg.rms_norm_eps, step.rotary["rope"])
     mask = step.mask_for(cfg.sliding_window_size)
     if kv is not None:
         k, v = kv.update(k, v, fused=True)
@@ -104,8 +103,8 @@ def transformer_layer(
 ) -> Tensor:
     """One pre-RMSNorm decoder layer with a SwiGLU MLP."""
     del layer_index
-    h = x + attention(rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
-    m = rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    h = x + attention(norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
+    m = norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     gated = F.silu(linear(m, p["mlp.gate_proj.weight"])) * linear(m, p["mlp.up_proj.weight"])
     return h + linear(gated, p["mlp.down_proj.weight"])
 
@@ -114,7 +113,7 @@ def output_head(x: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:
     """Final RMSNorm and the LM head (the token embedding when tied)."""
     out = resident["output"]
     head = out["lm_head.weight"] if "lm_head.weight" in out else resident["embedding"]["embed_tokens.weight"]
-    return linear(rms_norm(x, out["norm.weight"], cfg.rms_norm_eps), head)
+    return linear(norm(x, out["norm.weight"], cfg.rms_norm_eps), head)
 
 
 # --------------------------------------------------------------------------- config

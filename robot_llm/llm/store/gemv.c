@@ -10,17 +10,9 @@
  * Hadamard-rotates (for a matrix whose columns were rotated, int8act.py) and writes the output dtype itself:
  * at a decode step's sizes each of those would otherwise be a torch op of 5-7 us, a hundred times a step.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <immintrin.h>
 
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "floats.h"
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -57,13 +49,6 @@ static inline float hsum(vfloat v) {
 
 /* The widths this build needs: k (and every row stride) a multiple of it. */
 int64_t rl_gemv_lanes(void) { return LANES; }
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  /* round to nearest even, as torch does */
-}
 
 /* x [m, kx] (fp32, or bf16 where x_bf16) into fp32 [m, k], zero-padded, each run of `rotation` columns
  * (0: none) times the Sylvester Hadamard matrix of +-1 entries (the fast transform; int8act.rotate's matrix). */

@@ -37,15 +37,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
+#: Every file of the shared object: the products, the norms (``norm.c``) and their float conversions.
+SOURCES = (SOURCE, SOURCE.with_name("norm.c"))
+HEADERS = (SOURCE.with_name("floats.h"),)
+#: The dtype codes of ``floats.h``.
+DTYPE_CODES = {"torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}
 ENV = "ROBOT_LLM_GEMV"
-_INT, _INT64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def compile_flags() -> list[str]:
     """The compiler flags: this CPU's own instruction set, or AVX2's where torch was told to stay on the AVX2
     kind (``ATEN_CPU_CAPABILITY=avx2``, which the benchmarks use to measure that kind on a newer CPU)."""
     isa = ["-mavx2", "-mfma", "-mf16c"] if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2" else ["-march=native"]
-    return ["-O3", *isa, "-fopenmp", "-shared", "-fPIC"]
+    return ["-O3", *isa, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def kernel_dir() -> Path:
@@ -55,13 +60,15 @@ def kernel_dir() -> Path:
 
 
 def build(flags: list[str] | None = None) -> Path:
-    """Compile ``gemv.c`` with ``flags`` (default :func:`compile_flags`) into :func:`kernel_dir`, unless that
-    build is there already; the shared object's path. Raises ``RuntimeError`` (with the compiler's message)."""
+    """Compile ``gemv.c`` and ``norm.c`` with ``flags`` (default :func:`compile_flags`) into :func:`kernel_dir`,
+    unless that build is there already; the shared object's path. Raises ``RuntimeError`` (with the compiler's
+    message)."""
     flags = compile_flags() if flags is None else flags
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise RuntimeError("no C compiler (cc) on PATH")
-    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(), *sorted(f.encode() for f in cpu_flags())]
+    parts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    parts += [" ".join(flags).encode(), compiler.encode(), *sorted(f.encode() for f in cpu_flags())]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = kernel_dir() / f"gemv-{key}.so"
     if target.is_file():
@@ -71,9 +78,10 @@ def build(flags: list[str] | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} {' '.join(flags)} {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+            names = " ".join(f.name for f in SOURCES)
+            raise RuntimeError(f"{compiler} {' '.join(flags)} {names} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -90,6 +98,9 @@ class Kernels:
         self.lib.rl_gemv_lanes.restype = _INT64
         self.lib.rl_int8_gemv.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, _INT64, _PTR, _PTR, _INT, _INT64, _INT]
         self.lib.rl_int8_gemv.restype = _INT
+        norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT, _PTR, _PTR, _INT64, _PTR, _PTR, _INT]
+        self.lib.rl_rms_norm.argtypes = norm
+        self.lib.rl_rms_norm.restype = _INT
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
 
@@ -121,6 +132,38 @@ class Kernels:
         if self.lib.rl_int8_gemv(*args, y.data_ptr(), bf16, n, threads) != 0:
             raise MemoryError(f"int8_gemv: no memory to stage {m} x {kp} activations")
         return y.view(*x.shape[:-1], n).to(x.dtype)
+
+    def rms_norm(
+        self,
+        x: Tensor,
+        weight: Tensor | None,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        gain_rounded: bool = False,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        residual: Tensor | None = None,
+    ) -> Tensor:
+        """``norm.c``'s RMSNorm of ``x [..., n]`` (contiguous fp32 or bf16; see
+        :func:`~robot_llm.llm.families.family.rms_norm` for the arithmetic), then the rotary ``(cos, sin)``
+        (each ``[rows / heads, n]`` as many elements, x's dtype) and the ``residual`` add; ``weight`` None: no
+        norm. A new tensor of x's shape and dtype."""
+        import torch
+
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        cos, sin = rotary if rotary is not None else (None, None)
+        heads = x.numel() // cos.numel() if cos is not None else 1
+        w_dtype = DTYPE_CODES[str(weight.dtype)] if weight is not None else 0
+        failed = self.lib.rl_rms_norm(
+            x.data_ptr(), DTYPE_CODES[str(x.dtype)], x.numel() // n, n,
+            None if weight is None else weight.data_ptr(), w_dtype, offset, gain_rounded, eps,
+            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), heads,
+            None if residual is None else residual.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"rms_norm: no memory for a row of {n}")
+        return out
 
 
 @functools.cache

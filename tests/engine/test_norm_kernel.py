@@ -1,0 +1,176 @@
+"""Our RMSNorm kernel (norm.c): torch's op chain to the bit in bf16 (fp32: but for the sum of squares), torch's
+ops wherever the kernel cannot read the operands, whole models unchanged by it; and RAM-homed layers whose
+weights are built once even where their norm gains are stored in another dtype."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from robot_llm.llm.engine import stream_slots
+from robot_llm.llm.engine.memory import InMemoryModel
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families import norm
+from robot_llm.llm.families.family import apply_rotary, random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
+from robot_llm.llm.families.llama import LlamaConfig
+from robot_llm.llm.plan.machine import cpu_flags
+from robot_llm.llm.store.gemv import kernels
+
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="norm.c is built where gemv.c is")
+
+
+def _torch_chain(
+    x: Tensor, w: Tensor, gain_rounded: bool, rotary: tuple[Tensor, Tensor] | None, residual: Tensor | None
+) -> Tensor:
+    """The families' norms as they were written in torch ops (Gemma: gain 1 + w in fp32; Llama: w after the cast)."""
+    if gain_rounded:
+        y = w * torch.rms_norm(x.float(), x.shape[-1:], None, 1e-6).to(x.dtype)
+    else:
+        y = torch.rms_norm(x.float(), x.shape[-1:], 1.0 + w.float(), 1e-6).type_as(x)
+    if rotary is not None:
+        y = apply_rotary(y, *rotary)
+    return y if residual is None else residual + y
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_kernel_computes_torchs_chain(dtype: torch.dtype) -> None:
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 1, 4, 256), (3, 5, 1, 64), (2, 7, 2, 90)]  # decode, prefill, an odd head size
+    weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    for shape, w_dtype, gain_rounded, rotated, added in itertools.product(
+        shapes, weight_dtypes, (False, True), (False, True), (False, True)
+    ):
+        if gain_rounded and w_dtype != dtype:
+            continue  # Llama's weight is applied in x's dtype: another dtype goes to torch (below)
+        x = (torch.randn(shape, generator=g) * 3).to(dtype)
+        w = (torch.randn(shape[-1], generator=g) * 0.3).to(w_dtype)
+        tables = [torch.randn(*shape[:2], 1, shape[-1], generator=g).to(dtype) for _ in range(2)]
+        rotary = (tables[0], tables[1]) if rotated else None
+        residual = torch.randn(shape, generator=g).to(dtype) if added else None
+        offset = 0.0 if gain_rounded else 1.0
+        got = lib.rms_norm(x, w, 1e-6, offset=offset, gain_rounded=gain_rounded, rotary=rotary, residual=residual)
+        want = _torch_chain(x, w, gain_rounded, rotary, residual)
+        assert got.shape == want.shape and got.dtype == dtype
+        # The sum of squares in double against torch's fp32 moves the scale a unit in fp32's last place at most,
+        # which flips a bf16 rounding now and then: one bf16 unit, rarely.
+        unit = 2**-7 if dtype == torch.bfloat16 else 1e-6
+        assert (got.float() - want.float()).abs().max() <= unit * want.float().abs().max()
+        if dtype == torch.bfloat16:
+            assert (got != want).float().mean() <= 0.02, (shape, w_dtype, gain_rounded, rotated, added)
+    # No norm (weight None): the rotary alone, Llama without a q/k norm.
+    x = torch.randn(2, 3, 2, 8, generator=g).to(dtype)
+    cos, sin = (torch.randn(2, 3, 1, 8, generator=g).to(dtype) for _ in range(2))
+    assert torch.equal(lib.rms_norm(x, None, 1e-6, rotary=(cos, sin)), apply_rotary(x, cos, sin))
+
+
+def test_torch_serves_what_the_kernel_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, 32, generator=g).bfloat16()
+    w = torch.randn(32, generator=g)
+    strided = x.transpose(0, 1)  # not contiguous
+    fp32_weight_llama = (strided.contiguous(), w, True)  # Llama's weight in another dtype: torch's promotion
+    for operand, weight, gain_rounded in ((strided, w.bfloat16(), False), fp32_weight_llama):
+        assert not norm._norm_kernel_serves(operand, weight, gain_rounded, None, None)
+        got = norm.rms_norm(operand, weight, 1e-6, offset=0.0 if gain_rounded else 1.0, gain_rounded=gain_rounded)
+        assert torch.equal(got, _torch_chain(operand, weight, gain_rounded, None, None))
+        assert got.dtype == (torch.float32 if gain_rounded else torch.bfloat16)
+    # A rotary table of another layout than [..., 1, n] per position, and a residual of another dtype.
+    rows = torch.randn(4, 6, 2, 32, generator=g).bfloat16()
+    assert not norm._norm_kernel_serves(rows, w, False, (rows, rows), None)
+    assert not norm._norm_kernel_serves(x, w, False, None, x.float())
+    # Without the kernel (ROBOT_LLM_GEMV=0, or no compiler) every norm is torch's.
+    monkeypatch.setattr(norm, "kernels", lambda: None)
+    assert not norm._norm_kernel_serves(x, w, False, None, None)
+    assert torch.equal(norm.rms_norm(x, w, 1e-6, offset=1.0, residual=x), _torch_chain(x, w, False, None, x))
+
+
+def _gemma() -> Gemma3Config:
+    return Gemma3Config(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=300,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window_size=5,
+        query_pre_attn_scalar=16.0,
+    )
+
+
+def _qwen3() -> LlamaConfig:
+    return LlamaConfig(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=300,
+        qk_norm=True,
+    )
+
+
+@pytest.mark.parametrize("make", [_gemma, _qwen3], ids=["gemma3", "qwen3-qk-norm"])
+def test_a_bf16_model_computes_as_with_torchs_norms(make: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make()
+    weights = random_weights(cfg, seed=3, std=0.2)
+    ids = torch.randint(3, 300, (3, 9), generator=torch.Generator().manual_seed(2))
+    pad = torch.tensor([0, 2, 4])
+
+    def night(dtype: str) -> Tensor:
+        model = InMemoryModel(cfg, weights, dtype=dtype)
+        cache = model.new_cache(3, 14, pad)
+        out = [model.forward(ids, cache)] + [model.forward(torch.full((3, 1), 7 + s), cache) for s in range(4)]
+        return torch.cat([o.reshape(3, -1) for o in out], dim=1)
+
+    calls: list[int] = []
+    real = norm.kernels
+    monkeypatch.setattr(norm, "kernels", lambda: calls.append(1) or real())
+    ours = night("bf16")
+    assert calls  # the kernel served
+    monkeypatch.setattr(norm, "kernels", lambda: None)
+    torchs, exact = night("bf16"), night("fp32")
+    # Bit-identical on the CPUs measured; a flipped bf16 rounding elsewhere stays far inside bf16's own error.
+    assert (ours - torchs).abs().max() <= 0.1 * (torchs - exact).abs().max()
+
+
+def test_ram_homed_layers_are_built_once_with_gains_in_another_dtype(
+    stores: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The int8 store keeps its norm weights in fp16; compute in bf16 converts them, into the slot's buffers.
+    built: list[int] = []
+    real = StreamingModel._to_compute
+    monkeypatch.setattr(StreamingModel, "_to_compute", lambda self, *a: built.append(1) or real(self, *a))
+    ids = torch.randint(5, 600, (2, 6), generator=torch.Generator().manual_seed(4))
+
+    def night() -> list[Tensor]:
+        model = StreamingModel(stores["int8"], home="ram", device="cpu", dtype="bf16")
+        cache = model.new_cache(2, 12)
+        out = [model.forward(ids, cache)] + [model.forward(torch.full((2, 1), 9 + s), cache) for s in range(3)]
+        model.close()
+        assert model.stats.forwards == 4
+        return out
+
+    reused = night()
+    assert len(built) == 2  # each of the fixture's layers once, for four passes
+    # Rebuilt every pass (as before), the passes compute the same.
+    monkeypatch.setattr("robot_llm.llm.engine.streaming.kept_for_reuse", lambda params, buffers: None)
+    built.clear()
+    for got, want in zip(reused, night(), strict=True):
+        assert torch.equal(got, want)
+    assert len(built) == 8
+    # A large tensor converted into a slot's buffer is not copied: that layer is rebuilt each pass.
+    big = torch.empty(stream_slots.OWN_COPY_MAX + 1)
+    assert stream_slots.kept_for_reuse({"w": big}, {"w": big}) is None
+    assert stream_slots.kept_for_reuse({"g": big[:8]}, {"g": big})["g"].data_ptr() != big.data_ptr()
