@@ -40,8 +40,8 @@ SOURCE = Path(__file__).with_name("gemv.c")
 #: Every file of the shared object: the products, the norms (``norm.c``) and their float conversions.
 SOURCES = (SOURCE, SOURCE.with_name("norm.c"))
 HEADERS = (SOURCE.with_name("floats.h"),)
-#: The dtype codes of ``floats.h``.
-DTYPE_CODES = {"torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}
+#: The dtype codes of ``floats.h``, by the dtype's name.
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 ENV = "ROBOT_LLM_GEMV"
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -92,7 +92,7 @@ class Kernels:
     """``gemv.c`` loaded from ``path``."""
 
     def __init__(self, path: Path) -> None:
-        import torch  # noqa: F401  (torch's libgomp is loaded first: the kernel shares torch's OpenMP runtime)
+        import torch  # torch's libgomp is loaded first: the kernel shares torch's OpenMP runtime
 
         self.lib = ctypes.CDLL(str(path))
         self.lib.rl_gemv_lanes.restype = _INT64
@@ -101,6 +101,7 @@ class Kernels:
         norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT, _PTR, _PTR, _INT64, _PTR, _PTR, _INT]
         self.lib.rl_rms_norm.argtypes = norm
         self.lib.rl_rms_norm.restype = _INT
+        self.dtype_codes = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
 
@@ -154,9 +155,10 @@ class Kernels:
         out = torch.empty_like(x)
         cos, sin = rotary if rotary is not None else (None, None)
         heads = x.numel() // cos.numel() if cos is not None else 1
-        w_dtype = DTYPE_CODES[str(weight.dtype)] if weight is not None else 0
+        codes = self.dtype_codes
+        w_dtype = codes[weight.dtype] if weight is not None else 0
         failed = self.lib.rl_rms_norm(
-            x.data_ptr(), DTYPE_CODES[str(x.dtype)], x.numel() // n, n,
+            x.data_ptr(), codes[x.dtype], x.numel() // n, n,
             None if weight is None else weight.data_ptr(), w_dtype, offset, gain_rounded, eps,
             None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), heads,
             None if residual is None else residual.data_ptr(), out.data_ptr(), torch.get_num_threads(),

@@ -22,48 +22,69 @@
  *     y = y * cos + rotate_half(y) * sin, row r using row r / heads of the tables;
  *   where residual is given ([rows, n], x's dtype): y = residual + y.
  * out [rows, n] in x's dtype (it may be x itself). Returns 0, or -1 when a row buffer could not be had. */
+/* The row's squares summed in double, eight running sums (so that the adds pipeline and vectorize). */
+static double sum_of_squares(const float *y, int64_t n) {
+    double part[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) part[l] += (double)y[j + l] * y[j + l];
+    for (; j < n; j++) part[0] += (double)y[j] * y[j];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+static void round_row(float *y, int64_t n, int dtype) {
+    if (dtype == RL_BF16)
+        for (int64_t j = 0; j < n; j++) y[j] = bf16_to_float(float_to_bf16(y[j]));
+}
+
 int rl_rms_norm(const void *x, int dtype, int64_t rows, int64_t n, const void *w, int w_dtype, float offset,
                 int gain_rounded, float eps, const void *cos, const void *sin, int64_t heads, const void *residual,
                 void *out, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (rows * n >= 65536) reduction(| : failed)
     {
-        float *y = malloc((size_t)n * sizeof(float));
+        /* The row, the gain (offset + w, or w: the same for every row) and the rotary's half row. */
+        float *y = malloc((size_t)(3 * n) * sizeof(float)), *gain = y + n, *first = y + 2 * n;
         if (y == NULL) failed = 1;
+        for (int64_t j = 0; y != NULL && w != NULL && j < n; j++)
+            gain[j] = gain_rounded ? load_float(w, w_dtype, j) : offset + load_float(w, w_dtype, j);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (y == NULL) continue;
             int64_t at = r * n;
-            for (int64_t j = 0; j < n; j++) y[j] = load_float(x, dtype, at + j);
+            if (dtype == RL_BF16)
+                for (int64_t j = 0; j < n; j++) y[j] = bf16_to_float(((const uint16_t *)x)[at + j]);
+            else
+                memcpy(y, (const float *)x + at, (size_t)n * sizeof(float));
             if (w != NULL) {
-                double squares = 0.0;
-                for (int64_t j = 0; j < n; j++) squares += (double)y[j] * y[j];
-                float rstd = 1.0f / sqrtf((float)(squares / (double)n) + eps);
-                for (int64_t j = 0; j < n; j++) {
-                    float normed = y[j] * rstd;
-                    y[j] = gain_rounded ? round_to(round_to(normed, dtype) * load_float(w, w_dtype, j), dtype)
-                                        : round_to(normed * (offset + load_float(w, w_dtype, j)), dtype);
-                }
+                float rstd = 1.0f / sqrtf((float)(sum_of_squares(y, n) / (double)n) + eps);
+                for (int64_t j = 0; j < n; j++) y[j] *= rstd;
+                if (gain_rounded) round_row(y, n, dtype);  /* Llama: the normed row is cast before the gain */
+                for (int64_t j = 0; j < n; j++) y[j] *= gain[j];
+                round_row(y, n, dtype);
             }
             if (cos != NULL) {
                 int64_t table = (r / heads) * n, half = n / 2;
-                float first[half > 0 ? half : 1];  /* the first half, before its outputs overwrite it */
-                for (int64_t j = 0; j < half; j++) first[j] = y[j];
-                for (int64_t j = 0; j < n; j++) {
-                    float v = j < half ? first[j] : y[j];
-                    float other = j < half ? -y[j + half] : first[j - half];
-                    float a = round_to(v * load_float(cos, dtype, table + j), dtype);
-                    float b = round_to(other * load_float(sin, dtype, table + j), dtype);
+                memcpy(first, y, (size_t)half * sizeof(float));  /* before its outputs overwrite it */
+                for (int64_t j = 0; j < half; j++) {  /* y * cos + (-second half) * sin */
+                    float a = round_to(first[j] * load_float(cos, dtype, table + j), dtype);
+                    float b = round_to(-y[j + half] * load_float(sin, dtype, table + j), dtype);
+                    y[j] = round_to(a + b, dtype);
+                }
+                for (int64_t j = half; j < n; j++) {  /* y * cos + first half * sin */
+                    float a = round_to(y[j] * load_float(cos, dtype, table + j), dtype);
+                    float b = round_to(first[j - half] * load_float(sin, dtype, table + j), dtype);
                     y[j] = round_to(a + b, dtype);
                 }
             }
-            for (int64_t j = 0; j < n; j++) {
-                float v = residual != NULL ? round_to(load_float(residual, dtype, at + j) + y[j], dtype) : y[j];
-                if (dtype == RL_BF16)
-                    ((uint16_t *)out)[at + j] = float_to_bf16(v);
-                else
-                    ((float *)out)[at + j] = v;
+            if (residual != NULL) {
+                for (int64_t j = 0; j < n; j++) y[j] += load_float(residual, dtype, at + j);
+                round_row(y, n, dtype);
             }
+            if (dtype == RL_BF16)
+                for (int64_t j = 0; j < n; j++) ((uint16_t *)out)[at + j] = float_to_bf16(y[j]);
+            else
+                memcpy((float *)out + at, y, (size_t)n * sizeof(float));
         }
         free(y);
     }
