@@ -43,7 +43,7 @@ from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
-from robot_llm.llm.store.gemv import gemv_available, int8_gemv
+from robot_llm.llm.store.gemv import gemv_available, int8_gemv, kernels
 from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
@@ -431,6 +431,24 @@ def _fast_matmul(q: Tensor) -> bool:
     return q.dtype == torch.float32 or q.device.type != "cpu" or cpu_has_native_bf16()
 
 
+def _attention_kernel_serves(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
+    """Whether ``attend.c`` reads these operands: CPU, fp32 or bf16, the query contiguous, the keys and values
+    alike in layout with their head dimension contiguous (a multiple of 8 wide), a bool mask of one query position."""
+    kinds = (torch.float32, torch.bfloat16)
+    return (
+        q.device.type == k.device.type == v.device.type == mask.device.type == "cpu"
+        and q.dtype in kinds
+        and k.dtype == v.dtype
+        and k.dtype in kinds
+        and q.is_contiguous()
+        and k.stride() == v.stride()
+        and k.stride(-1) == 1
+        and q.shape[-1] % 8 == 0
+        and mask.dtype == torch.bool
+        and mask.shape == (q.shape[0], 1, 1, k.shape[1])
+    )
+
+
 def grouped_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
 ) -> Tensor:
@@ -454,6 +472,8 @@ def grouped_attention(
     B, T, n, hd = q.shape
     kv = k.shape[2]
     group = n // kv
+    if T == 1 and _attention_kernel_serves(q, k, v, mask) and (lib := kernels()) is not None:
+        return lib.decode_attention(q, k, v, mask, scale, softcap)
     # [B, T, kv, group, hd] -> [B, kv, group * T, hd]: the rows of one KV head's query heads, head-major.
     rows = q.view(B, T, kv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, kv, group * T, hd)
     keys, values = k.transpose(1, 2), v.transpose(1, 2)

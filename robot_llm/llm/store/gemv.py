@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-#: Every file of the shared object: the products, the norms (``norm.c``) and their float conversions.
-SOURCES = (SOURCE, SOURCE.with_name("norm.c"))
+#: Every file of the shared object: the products, the norms (``norm.c``), decode attention (``attend.c``) and
+#: their float conversions.
+SOURCES = (SOURCE, SOURCE.with_name("norm.c"), SOURCE.with_name("attend.c"))
 HEADERS = (SOURCE.with_name("floats.h"),)
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -60,7 +61,7 @@ def kernel_dir() -> Path:
 
 
 def build(flags: list[str] | None = None) -> Path:
-    """Compile ``gemv.c`` and ``norm.c`` with ``flags`` (default :func:`compile_flags`) into :func:`kernel_dir`,
+    """Compile :data:`SOURCES` with ``flags`` (default :func:`compile_flags`) into :func:`kernel_dir`,
     unless that build is there already; the shared object's path. Raises ``RuntimeError`` (with the compiler's
     message)."""
     flags = compile_flags() if flags is None else flags
@@ -101,6 +102,9 @@ class Kernels:
         norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT, _PTR, _PTR, _INT64, _PTR, _PTR, _INT]
         self.lib.rl_rms_norm.argtypes = norm
         self.lib.rl_rms_norm.restype = _INT
+        attend = [_PTR, _INT, *[_INT64] * 4, _PTR, _PTR, _INT, *[_INT64] * 3, _PTR, *[_INT64] * 3, _FLOAT, _FLOAT]
+        self.lib.rl_decode_attention.argtypes = [*attend, _PTR, _INT]
+        self.lib.rl_decode_attention.restype = _INT
         self.dtype_codes = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
@@ -133,6 +137,29 @@ class Kernels:
         if self.lib.rl_int8_gemv(*args, y.data_ptr(), bf16, n, threads) != 0:
             raise MemoryError(f"int8_gemv: no memory to stage {m} x {kp} activations")
         return y.view(*x.shape[:-1], n).to(x.dtype)
+
+    def decode_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
+    ) -> Tensor:
+        """``attend.c``'s attention of one new position per row: ``q [B, 1, n, hd]`` (contiguous, fp32 or bf16)
+        over ``k``/``v`` ``[B, S, kv, hd]`` (same strides, the last 1; fp32 or bf16, read in place), ``mask
+        [B, 1, 1, S]`` bool (True where forbidden; any strides); query head ``j`` uses KV head ``j // (n / kv)``.
+        Returns ``[B, 1, n * hd]`` in q's dtype."""
+        import torch
+
+        B, _, n, hd = q.shape
+        S, kv = k.shape[1], k.shape[2]
+        out = torch.empty(B, 1, n * hd, dtype=q.dtype)
+        codes = self.dtype_codes
+        sb, ss, sh, _ = k.stride()
+        failed = self.lib.rl_decode_attention(
+            q.data_ptr(), codes[q.dtype], B, n, kv, hd, k.data_ptr(), v.data_ptr(), codes[k.dtype], sb, ss, sh,
+            mask.data_ptr(), mask.stride(0), mask.stride(3), S, scale, softcap or 0.0, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"decode_attention: no memory for the scores of {S} keys")
+        return out
 
     def rms_norm(
         self,
