@@ -22,6 +22,7 @@ from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.machine import cpu_flags
 from robot_llm.llm.store.gemv import kernels
+from robot_llm.llm.store.quant import PackedInt8
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="built where gemv.c is (AVX2, FMA)")
 
@@ -169,6 +170,12 @@ def test_ram_homed_layers_are_built_once_with_gains_in_another_dtype(
 
     reused = night()
     assert len(built) == 2  # each of the fixture's layers once, for four passes
+    # Once a layer has run, what its matrices made dense is dropped (a prefill's widened copies would stay resident).
+    model = StreamingModel(stores["int8"], home="ram", device="cpu", dtype="bf16")
+    model.forward(torch.randint(5, 600, (3, 60), generator=torch.Generator().manual_seed(5)))  # 180 rows: widened
+    packed = [p for params in model.ram_params.values() for p in params.values() if isinstance(p, PackedInt8)]
+    assert packed and all(p._widened is None and p._dense is None for p in packed)
+    model.close()
     # Rebuilt every pass (as before), the passes compute the same.
     monkeypatch.setattr("robot_llm.llm.engine.streaming.kept_for_reuse", lambda params, buffers: None)
     built.clear()

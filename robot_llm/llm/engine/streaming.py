@@ -44,7 +44,7 @@ from robot_llm.llm.engine.stream_slots import (
     Prepared,
     Slot,
     StreamStats,
-    for_this_pass,
+    drop_dense,
     kept_for_reuse,
     prepare_ram_layer,
     resolve_device,
@@ -146,8 +146,7 @@ class StreamingModel:
         self.stats = StreamStats()
         self.watch = FiniteWatch()
         self.last_hidden: Tensor | None = None  # the last pass's pre-head states, as InMemoryModel.last_hidden
-        # Quantized matrices go to torch's fused CPU kernels as stored, fp32 activations cast to bf16 for them:
-        # widening a layer to fp32 every pass made an int4 store slower than an fp32 one (quant.FUSED_COMPUTE_DTYPES).
+        # Quantized matrices go to the fused CPU kernels as stored, not widened every pass (quant.fused_on_cpu).
         self.fused = not self.cuda and fused_on_cpu(self.store.manifest.dtype, _DTYPE_NAMES.get(self.dtype, ""))
         self.rope = self.family.rope(cfg)
         # An untied model's embedding is only looked up: on a GPU it stays in host RAM (70B: 2 GiB).
@@ -181,22 +180,21 @@ class StreamingModel:
         ]
         self.ram_params: dict[int, Params] = {}
         self.slots = [self._new_slot(slot_bytes) for _ in range(2 if prefetch else 1)]
-        # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so
-        # does the fused CPU path, whose quantized matrices are dequantized (if ever) by the compute thread.
+        # CUDA converts on the compute stream, one layer at a time: one set of buffers serves both slots; so does the
+        # fused CPU path, whose quantized matrices are dequantized (if ever) by the compute thread.
         shared = self._compute_buffers()
         for n, slot in enumerate(self.slots):
             slot.buffers = shared if self.cuda or n == 0 else self._compute_buffers(shared if self.fused else None)
         self._next = 0
         self._prefetched: Slot | None = None
         self._current = self.slots[0]
-        # Two reader threads: the next layer's reads join the disk pool's queue while the last requests of
-        # the layer before are still in flight, so the disk never waits at a file's end for the queue to
-        # refill. All that follows a read (the GPU copy, conversions, stats) runs one layer at a time.
-        # But every layer in RAM on the CPU with nothing to convert (fused kernels, or the compute dtype) fills inline:
-        # the threads' GIL handoffs cost 28 of a batch-1 decode step's 97 ms (int4 Gemma 3 270M, cProfile, loaded).
+        # Two reader threads: the next layer's reads join the disk pool's queue while the last requests of the layer
+        # before are in flight, so the disk never waits at a file's end for the queue to refill; what follows a read
+        # runs one layer at a time. Every layer in RAM on the CPU with nothing to convert fills inline: the threads'
+        # GIL handoffs cost 28 of a batch-1 decode step's 97 ms (int4 Gemma 3 270M, cProfile, loaded).
         same = self.fused or self.store.manifest.dtype == _DTYPE_NAMES.get(self.dtype)
-        pool = prefetch and not (not self.cuda and self.ram_layers == cfg.num_layers and same)
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="layer-reader") if pool else None
+        inline = not self.cuda and self.ram_layers == cfg.num_layers and same
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="layer-reader") if prefetch and not inline else None
         self._after_read = threading.Lock()
         self._read_busy_until = 0.0
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -276,7 +274,7 @@ class StreamingModel:
                     params = self._to_compute(layout, ram, slot.buffers, self.ram_prepared[layer])
                     if self._pool is None and (kept := kept_for_reuse(params, slot.buffers)) is not None:  # inline
                         params = self.ram_params[layer] = kept
-                slot.params = for_this_pass(params)
+                slot.params = drop_dense(params)
             return 0
         started = time.perf_counter()
         size = layout.data_size
@@ -462,7 +460,9 @@ class StreamingModel:
             self._current = self._prefetched
             # Read the next layer (layer 0 of the next step after the last one) while this one computes.
             self._prefetched = self._request((i + 1) % cfg.num_layers) if self._pool is not None else None
-            yield f"layer {i} ({self.paths[i].name})", bind_layer(self.family, self._acquire(i), cfg, i)
+            params = self._acquire(i)
+            yield f"layer {i} ({self.paths[i].name})", bind_layer(self.family, params, cfg, i)
+            drop_dense(params)
             if self.cuda:
                 assert self._current.free is not None
                 # On the compute device's stream: a bare record() takes the current device's (cuda:0 under cuda:1).

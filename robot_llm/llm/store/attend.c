@@ -33,7 +33,7 @@ static inline float hsum8(__m256 v) {
 #define HB 4
 
 /* scores[h * S + i] = (q_h . k[live[i]]) * scale for nb <= HB heads (q: fp32 [nb, hd], hd a multiple of 8). */
-static void score_block(const float *q, int64_t nb, int64_t hd, const char *keys, int64_t stride, int dtype,
+static inline __attribute__((always_inline)) void score_block(const float *q, int64_t nb, int64_t hd, const char *keys, int64_t stride, int dtype,
                         const int32_t *live, int64_t count, float scale, float *scores, int64_t S) {
     for (int64_t i = 0; i < count; i++) {
         const void *key = keys + (size_t)live[i] * stride;
@@ -56,7 +56,7 @@ static void score_block(const float *q, int64_t nb, int64_t hd, const char *keys
 }
 
 /* out_h = sum_i p[h * S + i] * v[live[i]] for nb <= HB heads, 16 columns at a time (fp32 [nb, hd]). */
-static void weigh_block(const float *p, int64_t nb, int64_t hd, const char *values, int64_t stride, int dtype,
+static inline __attribute__((always_inline)) void weigh_block(const float *p, int64_t nb, int64_t hd, const char *values, int64_t stride, int dtype,
                         const int32_t *live, int64_t count, float *out, int64_t S) {
     for (int64_t j = 0; j < hd; j += 16) {
         int wide = j + 16 <= hd;
@@ -76,6 +76,29 @@ static void weigh_block(const float *p, int64_t nb, int64_t hd, const char *valu
             if (wide) _mm256_storeu_ps(out + h * hd + j + 8, acc[h][1]);
         }
     }
+}
+
+/* The blocks with their head count a constant, so that the running sums stay in registers. */
+#define BY_HEADS(call, nb, ...)                                           \
+    switch (nb) {                                                         \
+        case 1: call(__VA_ARGS__, 1); break;                              \
+        case 2: call(__VA_ARGS__, 2); break;                              \
+        case 3: call(__VA_ARGS__, 3); break;                              \
+        default: call(__VA_ARGS__, 4); break;                             \
+    }
+
+static void scores_for(const float *q, int64_t hd, const char *keys, int64_t stride, int dtype, const int32_t *live,
+                       int64_t count, float scale, float *scores, int64_t S, int64_t nb) {
+#define SCORE(q, hd, keys, stride, dtype, live, count, scale, scores, S, n) \
+    score_block(q, n, hd, keys, stride, dtype, live, count, scale, scores, S)
+    BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, live, count, scale, scores, S)
+}
+
+static void weights_for(const float *p, int64_t hd, const char *values, int64_t stride, int dtype, const int32_t *live,
+                        int64_t count, float *out, int64_t S, int64_t nb) {
+#define WEIGH(p, hd, values, stride, dtype, live, count, out, S, n) \
+    weigh_block(p, n, hd, values, stride, dtype, live, count, out, S)
+    BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, live, count, out, S)
 }
 
 /* q [B, n_heads, hd] (q_dtype, contiguous); k, v [B, S, kv_heads, hd] at element strides (sb, ss, sh), the
@@ -114,8 +137,8 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
             for (int64_t s = 0; s < S; s++)
                 if (!mask[b * mb + s * ms]) live[count++] = (int32_t)s;
             for (int64_t h = 0; h < width; h += HB)
-                score_block(qs + h * hd, width - h < HB ? width - h : HB, hd, kb, ss * esize, kv_dtype, live, count,
-                            scale, scores + h * S, S);
+                scores_for(qs + h * hd, hd, kb, ss * esize, kv_dtype, live, count, scale, scores + h * S, S,
+                           width - h < HB ? width - h : HB);
             for (int64_t h = 0; h < width; h++) {
                 float *row = scores + h * S, top = -INFINITY, total = 0.f;
                 for (int64_t i = 0; i < count; i++) {
@@ -127,8 +150,8 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
                 for (int64_t i = 0; i < count; i++) row[i] *= inv;
             }
             for (int64_t h = 0; h < width; h += HB)
-                weigh_block(scores + h * S, width - h < HB ? width - h : HB, hd, vb, ss * esize, kv_dtype, live, count,
-                            acc + h * hd, S);
+                weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, live, count, acc + h * hd, S,
+                            width - h < HB ? width - h : HB);
             for (int64_t h = 0; h < width; h++) {
                 int64_t at = (b * n_heads + h0 + h) * hd;
                 for (int64_t j = 0; j < hd; j++) {
