@@ -139,7 +139,7 @@ def test_few_row_products_of_int8_matrices_and_the_head_run_the_kernel(kernel_ca
 
 def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     body = "AVX512" if gemv.Kernels(gemv.build()).lanes == 16 else "AVX2"
-    assert gemv.describe().endswith(f"through our kernel (gemv.c, its {body} body)")
+    assert f"through our kernel (gemv.c, its {body} body); decode norms and attention ours" in gemv.describe()
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()
-    assert "through torch's fused kernel (gemv.c not built" in gemv.describe()
+    assert "through torch's fused kernel, decode norms and attention torch's ops (gemv.c not built" in gemv.describe()

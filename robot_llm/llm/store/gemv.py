@@ -216,12 +216,15 @@ def gemv_available() -> bool:
 
 
 def describe() -> str:
-    """Which kernel serves the few-row int8 products here, in words (``doctor`` prints it)."""
+    """Which kernels serve the few-row int8 products and a decode step's norms and attention here, in words
+    (``doctor`` prints it)."""
     built = kernels()
     what = "few-row int8 products (the int8 matrices and the head at decode sizes)"
     if built is None:
-        return f"{what} through torch's fused kernel (gemv.c not built: no C compiler, no AVX2/FMA, or {ENV}=0)"
-    return f"{what} through our kernel (gemv.c, its {'AVX512' if built.lanes == 16 else 'AVX2'} body)"
+        why = f"no C compiler, no AVX2/FMA, or {ENV}=0"
+        return f"{what} through torch's fused kernel, decode norms and attention torch's ops (gemv.c not built: {why})"
+    body = "AVX512" if built.lanes == 16 else "AVX2"
+    return f"{what} through our kernel (gemv.c, its {body} body); decode norms and attention ours (norm.c, attend.c)"
 
 
 def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
