@@ -21,7 +21,9 @@ from robot_llm.llm.families.family import apply_rotary, grouped_attention, rando
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.machine import cpu_flags
+from robot_llm.llm.store import qhead
 from robot_llm.llm.store.gemv import kernels
+from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="built where gemv.c is (AVX2, FMA)")
@@ -246,3 +248,25 @@ def test_grouped_attention_takes_the_kernel_for_decode_steps_only(monkeypatch: p
     grouped_attention(decode.half(), k.half(), v.half(), mask, 0.2)
     grouped_attention(decode[..., :12], k[..., :12], v[..., :12], mask, 0.2)
     assert calls == [1]
+
+
+def test_the_heads_int8_product_comes_out_in_fp32_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(7)
+    acc = torch.randint(-(2**20), 2**20, (5, 1003), dtype=torch.int32, generator=g)
+    scale, row_scale = torch.rand(1003, generator=g), torch.rand(5, 1, generator=g)
+    assert torch.equal(lib.scale_int32(acc, scale, row_scale), acc.float().mul_(scale).mul_(row_scale))
+    with pytest.raises(ValueError, match="products"):
+        lib.scale_int32(acc.t(), scale, row_scale)
+    # The int8 head at a batch-32 decode step with int8 activations (on wherever the CPU has VNNI; taken here on
+    # any CPU): its logits are fp32, the values the torch epilogue had before it rounded them to the compute dtype
+    # (which the forward pass then made fp32 again).
+    monkeypatch.setattr(qhead, "int8_activations_for", lambda rows, dtype: True)
+    table = QuantizedTable.quantize(torch.randn(3000, 640, generator=g) * 0.02, torch.bfloat16, rotate=True)
+    x = torch.randn(32, 640, generator=g).bfloat16()
+    logits = table.linear(x)
+    monkeypatch.setattr(qhead, "kernels", lambda: None)
+    rounded = table.linear(x)
+    assert logits.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    assert torch.equal(logits.bfloat16(), rounded)

@@ -105,6 +105,8 @@ class Kernels:
         attend = [_PTR, _INT, *[_INT64] * 4, _PTR, _PTR, _INT, *[_INT64] * 3, _PTR, *[_INT64] * 3, _FLOAT, _FLOAT]
         self.lib.rl_decode_attention.argtypes = [*attend, _PTR, _INT]
         self.lib.rl_decode_attention.restype = _INT
+        self.lib.rl_scale_int32.argtypes = [_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
+        self.lib.rl_scale_int32.restype = None
         self.dtype_codes = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
@@ -159,6 +161,21 @@ class Kernels:
         )  # fmt: skip
         if failed:
             raise MemoryError(f"decode_attention: no memory for the scores of {S} keys")
+        return out
+
+    def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor) -> Tensor:
+        """An int8 x int8 product's fp32 values, in one pass: ``acc int32 [M, N]`` (contiguous) times ``scale fp32
+        [N]`` and ``row_scale fp32 [M, 1]``, as ``acc.float().mul_(scale).mul_(row_scale)`` computes them."""
+        import torch
+
+        m, n = acc.shape
+        scale, row_scale = scale.float().contiguous(), row_scale.float().contiguous()
+        if not acc.is_contiguous() or scale.numel() != n or row_scale.numel() != m:
+            sizes = f"{scale.numel()} and {row_scale.numel()} scales"
+            raise ValueError(f"scale_int32: {tuple(acc.shape)} products (contiguous?) by {sizes}")
+        out = torch.empty(m, n, dtype=torch.float32)
+        args = (acc.data_ptr(), m, n, scale.data_ptr(), row_scale.data_ptr(), out.data_ptr())
+        self.lib.rl_scale_int32(*args, torch.get_num_threads())
         return out
 
     def rms_norm(
