@@ -21,13 +21,6 @@ static inline __m256 load8(const void *p, int dtype, int64_t j) {
     return _mm256_loadu_ps((const float *)p + j);
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Heads handled together: every key and value vector loaded once for HB heads' products (HB x 2 running
  * sums keep the FMAs' latency hidden; one head's dot product alone is a chain of dependent adds). */
 #define HB 4

@@ -1,4 +1,4 @@
-/* The float conversions gemv.c and norm.c share: bf16 and fp16 as torch rounds them. */
+/* What the kernels (gemv.c, norm.c, attend.c) share: bf16 and fp16 conversions as torch rounds them, an AVX2 sum. */
 #ifndef ROBOT_LLM_FLOATS_H
 #define ROBOT_LLM_FLOATS_H
 #include <stdint.h>
@@ -30,5 +30,13 @@ static inline float load_float(const void *p, int dtype, int64_t i) {
 
 /* v rounded to bf16 where the tensor is bf16: what a torch op in that dtype stores. */
 static inline float round_to(float v, int dtype) { return dtype == RL_BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+/* The sum of an AVX2 vector's eight floats. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 
 #endif

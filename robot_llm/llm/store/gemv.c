@@ -33,12 +33,7 @@ static inline vfloat widen(const int8_t *w) {
 #define FMA _mm256_fmadd_ps
 #define ZERO _mm256_setzero_ps
 #define LOAD _mm256_loadu_ps
-static inline float hsum(vfloat v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+static inline float hsum(vfloat v) { return hsum8(v); }
 #else
 #error "gemv.c needs AVX2 and FMA (gemv.py compiles it only where the CPU has them)"
 #endif

@@ -11,9 +11,12 @@ the codes once for all of a call's rows. It serves every call torch's fused int8
 :data:`~robot_llm.llm.store.qhead.HEAD_FUSED_ROWS` of the head), faster at every row count measured
 (1 / 4 / 8 / 10 rows, both bodies, 1 and 2 threads; the head at one row, 1 thread: 16-20 ms against 29-44).
 
-Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available` is
-False and the callers keep torch's kernels. The shared object is cached under ``~/.cache/robot-llm/kernels``
-(``XDG_CACHE_HOME``), named by a hash of the source, the flags, the compiler and the CPU's features.
+The same shared object holds a decode step's other kernels (:data:`SOURCES`): the families' RMSNorm with its
+rotary or residual add (``norm.c``), the attention of one new position (``attend.c``) and the int8 head's
+epilogue. Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available`
+is False and the callers keep torch's kernels and ops. The shared object is cached under
+``~/.cache/robot-llm/kernels`` (``XDG_CACHE_HOME``), named by a hash of the sources, the flags, the compiler and
+the CPU's features.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def build(flags: list[str] | None = None) -> Path:
 
 
 class Kernels:
-    """``gemv.c`` loaded from ``path``."""
+    """The shared object of :data:`SOURCES` loaded from ``path``."""
 
     def __init__(self, path: Path) -> None:
         import torch  # torch's libgomp is loaded first: the kernel shares torch's OpenMP runtime
@@ -190,7 +193,7 @@ class Kernels:
         residual: Tensor | None = None,
     ) -> Tensor:
         """``norm.c``'s RMSNorm of ``x [..., n]`` (contiguous fp32 or bf16; see
-        :func:`~robot_llm.llm.families.family.rms_norm` for the arithmetic), then the rotary ``(cos, sin)``
+        :func:`~robot_llm.llm.families.norm.rms_norm` for the arithmetic), then the rotary ``(cos, sin)``
         (each ``[rows / heads, n]`` as many elements, x's dtype) and the ``residual`` add; ``weight`` None: no
         norm. A new tensor of x's shape and dtype."""
         import torch

@@ -11,6 +11,7 @@ head, :mod:`robot_llm.llm.store.qhead`), :func:`rotate_input` rotates a call's a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
@@ -205,15 +206,24 @@ def int8_dynamic_linear(x: Tensor, w: PackedInt8) -> Tensor:
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
-def int8_gemm(rows: Tensor, codes: Tensor, scale: Tensor, acc: Tensor | None = None) -> Tensor:
+def int8_gemm(
+    rows: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    acc: Tensor | None = None,
+    epilogue: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+) -> Tensor:
     """``rows [M, K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32, the rows quantized to int8 first
     (:func:`quantize_activations`): one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to
     fp32, then both scales in place (a mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for
-    32 x 262,144 logits, 1 thread)."""
+    32 x 262,144 logits, 1 thread); or ``epilogue(product, scale, row_scale)`` does that last step (our one-pass
+    kernel, :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`)."""
     import torch
 
     q, row_scale = quantize_activations(rows, codes.shape[1])
     product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
+    if epilogue is not None:
+        return epilogue(product, scale, row_scale)
     return product.float().mul_(scale).mul_(row_scale)
 
 

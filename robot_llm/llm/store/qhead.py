@@ -23,14 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.store.gemv import gemv_available, int8_gemv, kernels
-from robot_llm.llm.store.int8act import (
-    int8_activations_for,
-    int8_gemm,
-    quantize_activations,
-    rotate_weights,
-    rotation_block,
-    weight_levels,
-)
+from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block, weight_levels
 from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 
@@ -181,12 +174,11 @@ class QuantizedTable:
                 self._scale32 = self.scale.float()
             if self._acc is None or self._acc.shape[0] < m:
                 self._acc = torch.empty(m, v, dtype=torch.int32)
+            # Our epilogue: fp32 logits in one pass (the forward pass wants fp32), not rounded to x's dtype and back.
             lib = kernels()
+            y = int8_gemm(flat, self.q, self._scale32, self._acc[:m], lib.scale_int32 if lib is not None else None)
             if lib is None:
-                y = int8_gemm(flat, self.q, self._scale32, self._acc[:m]).to(x.dtype)
-            else:  # fp32 logits in one pass (the forward pass wants fp32): no rounding to x's dtype and back
-                codes, row_scale = quantize_activations(flat, self.q.shape[1])
-                y = lib.scale_int32(torch._int_mm(codes, self.q.t(), out=self._acc[:m]), self._scale32, row_scale)
+                y = y.to(x.dtype)
         elif m <= HEAD_FUSED_ROWS:
             rows = flat.to(torch.bfloat16)
             if self.q.shape[1] != k:
