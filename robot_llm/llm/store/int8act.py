@@ -42,13 +42,14 @@ INT8_ACTIVATION_MAX_ROWS = {"bf16": 128}
 def int8_activations_on_cpu() -> bool:
     """True when calls of many rows on the CPU quantize their activations to int8 and multiply int8 by int8
     (``torch._int_mm``, oneDNN's s8s8s32 GEMM), as llama.cpp multiplies its blocks: by default where that
-    GEMM is exact (VNNI: AVX512-VNNI, AVX-VNNI, AMX; :func:`weight_levels`). ``ROBOT_LLM_INT8_ACTIVATIONS=1``
-    turns them on on any CPU with the kernel (without VNNI the rotated weights then keep 7 bits, which costs
-    accuracy: Gemma 3 270M +1.2 % ru perplexity on the AVX2 kernels), ``0`` off (the weight-only kernels),
-    e.g. to measure one path against the other in separate processes.
+    GEMM is exact (VNNI: AVX512-VNNI, AVX-VNNI, AMX; :func:`weight_levels`) and faster than the fp32 GEMM
+    (:func:`_int8_gemm_fast`). ``ROBOT_LLM_INT8_ACTIVATIONS=1`` turns them on on any CPU with the kernel
+    (without VNNI the rotated weights then keep 7 bits, which costs accuracy: Gemma 3 270M +1.2 % ru
+    perplexity on the AVX2 kernels), ``0`` off (the weight-only kernels), e.g. to measure one path against
+    the other in separate processes.
 
-    The GEMM runs at 2.3x (AVX2) to 6-8x (AVX512-VNNI) the fp32 one on these shapes; the cost is an int8
-    rounding of each row of activations (one scale per row, :func:`quantize_activations`).
+    The GEMM runs at 2.3x (oneDNN's AVX2 kernels) to 6-8x (AVX512-VNNI) the fp32 one on these shapes; the cost
+    is an int8 rounding of each row of activations (one scale per row, :func:`quantize_activations`).
     """
     import os
 
@@ -56,7 +57,9 @@ def int8_activations_on_cpu() -> bool:
     if asked in ("0", "false", "no", "off"):
         return False
     exact = _int8_gemm_exact()
-    return exact is not None and (exact or asked in ("1", "true", "yes", "on"))
+    if exact is None:
+        return False
+    return asked in ("1", "true", "yes", "on") or (exact and _int8_gemm_fast())
 
 
 def weight_levels() -> int:
@@ -66,6 +69,32 @@ def weight_levels() -> int:
     on the AVX2 kernels: products off by up to 24 % of their range on random codes, and Gemma 3 270M's
     perplexity +2.0 % ru), 255 x 63 x 2 does not."""
     return 127 if _int8_gemm_exact() else 63
+
+
+@functools.cache
+def _int8_gemm_fast() -> bool:
+    """Whether this CPU's ``torch._int_mm`` outruns its fp32 GEMM (best of three calls each, 32 x 512 x 512, at
+    the process's threads). Exact is not enough: on an AVX2 EPYC (no VNNI) torch 2.13's int8 GEMM is exact but a
+    fallback of 1-2 G ops/s against the fp32 GEMM's 30-50 GFLOP/s (32 x 640 x 2048, 1 thread: 45 against
+    2.7 ms), which would make every batched decode step of a night 10-20x slower; with VNNI it is 2-8x faster
+    than fp32, so the probe's margin is wide either way."""
+    import time
+
+    import torch
+
+    a, w = torch.ones(32, 512, dtype=torch.int8), torch.ones(512, 512, dtype=torch.int8)
+    x, v = torch.ones(32, 512), torch.ones(512, 512)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()  # first call: dispatch and allocation
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best(lambda: torch._int_mm(a, w.t())) < best(lambda: x @ v.t())
 
 
 @functools.cache
