@@ -15,6 +15,7 @@ from robot_llm.llm.families import family
 from robot_llm.llm.families.family import Weights
 from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.generate import SamplingParams, generate
+from robot_llm.llm.store import gemv
 from robot_llm.llm.store.layout import SCALE_SUFFIX
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, dequantize_int4_into, dequantize_int8_into
 from robot_llm.llm.store.reader import Store
@@ -226,12 +227,12 @@ def test_buffers_are_preallocated_and_reused(stores: dict[str, Path], dtype: str
     if dtype != "fp16":
         # Quantized matrices reach the fused kernels as read (fp32 activations cast to bf16 for them): their
         # dense buffers, used only by a many-row pass on the compute thread, are one set for both slots;
-        # except, where this CPU's int4 kernel reads another layout, streamed int4 matrices, which the
-        # reader dequantizes as before, each slot into its own buffers.
-        assert model.fused
+        # except, where this CPU's int4 kernel reads another layout and gemm.c (which reads the stored one) is
+        # not built, streamed int4 matrices, which the reader dequantizes, each slot into its own buffers.
+        assert model.fused and model.widen_int4 == (model.repack and not gemv.matmul_available())
         for key, t in model.layouts[1].tensors.items():
             if t.dtype in (torch.int8, torch.uint8):
-                own = t.dtype == torch.uint8 and model.repack
+                own = t.dtype == torch.uint8 and model.widen_int4
                 assert (model.slots[0].buffers[key] is model.slots[1].buffers[key]) != own
                 assert isinstance(params[key], Tensor) == own
     model.close()  # waits for the read of the next step's layer 0

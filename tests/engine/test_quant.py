@@ -17,6 +17,7 @@ from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.families.family import Params, Weights, linear, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
+from robot_llm.llm.store.gemv import MATMUL_ROWS
 from robot_llm.llm.store.int8act import (
     int8_activations_on_cpu,
     rotate,
@@ -46,6 +47,9 @@ from robot_llm.llm.store.quant import (
 )
 from robot_llm.llm.store.reader import MANIFEST, Store, read_manifest, verify
 from robot_llm.llm.store.writer import convert, write_store
+
+#: Rows of a call past every few- and many-row kernel of its dtype (torch's fused ones, gemv.c, gemm.c): dense.
+PAST_KERNELS = {d: max(FUSED_MAX_ROWS[d], MATMUL_ROWS[d][1]) + 1 for d in ("int4", "int8")}
 
 # N not a multiple of 64 (padded rows), K not a multiple of the group (padded columns), both, neither.
 SHAPES = [(64, 64), (172, 64), (64, 172), (172, 172), (200, 300), (7, 3)]
@@ -143,17 +147,19 @@ def test_linear_runs_the_fused_kernel_only_for_few_rows_on_the_cpu(weight_only: 
     codes, scales_and_zeros = quantize_int4(w, 32)
     buffer = torch.empty(172, 172, dtype=torch.bfloat16)
     few = torch.randn(2, 3, 172).bfloat16()
-    packed = PackedInt4(codes, scales_and_zeros, (172, 172), buffer)
+    # As the engine hands a RAM-homed matrix over: in the layout this CPU's kernel reads.
+    kernel_codes = None if int4_kernel_reads_stored_layout() else int4_kernel_codes(codes)
+    packed = PackedInt4(codes, scales_and_zeros, (172, 172), buffer, kernel_codes=kernel_codes)
     y = linear(few, packed, bias)
     assert packed._dense is None  # never dequantized
     assert torch.equal(y, int4_linear(few, packed) + bias)
-    many = torch.randn(FUSED_MAX_ROWS["int4"] + 1, 172).bfloat16()
+    many = torch.randn(PAST_KERNELS["int4"], 172).bfloat16()  # past torch's fused kernel and gemm.c
     y = linear(many, packed, bias)
     assert packed._dense is buffer  # dequantized once, into the buffer it was given
     assert torch.equal(y, torch.nn.functional.linear(many, buffer, bias))
     # fp32 activations meet the fused kernels cast to bf16 (fed fp32 they are 30-100x slower), the result
     # cast back: nothing is dequantized at decode sizes on a CPU without native bf16 either.
-    fp32 = PackedInt4(codes, scales_and_zeros, (172, 172), torch.empty(172, 172))
+    fp32 = PackedInt4(codes, scales_and_zeros, (172, 172), torch.empty(172, 172), kernel_codes=kernel_codes)
     fused = linear(few.float(), fp32)
     assert fused.dtype == torch.float32 and fp32._dense is None
     assert torch.equal(fused, int4_linear(few, fp32).float())
@@ -169,7 +175,7 @@ def _relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
     return float((y.float() - exact).norm() / exact.norm())
 
 
-@pytest.mark.skipif(not int8_activations_on_cpu(), reason="int8 activations are off on this CPU (no exact int8 GEMM)")
+@pytest.mark.skipif(not int8_activations_on_cpu(), reason="int8 activations off here (no fast, exact int8 GEMM)")
 def test_many_rows_of_an_int4_matrix_meet_its_rotated_int8_copy_with_int8_activations() -> None:
     w = _weight((172, 300), 5)
     codes, scales_and_zeros = quantize_int4(w, 32)
@@ -244,12 +250,12 @@ def test_int8_above_its_row_limit_widens_the_codes_once_and_scales_the_output(sh
     packed = PackedInt8(q, scale, shape, buffer)
     assert torch.equal(linear(few, packed, bias), int8_linear(few, packed) + bias)
     assert packed._widened is None and packed._dense is None  # the kernel read the stored bytes
-    many = torch.randn(2, FUSED_MAX_ROWS["int8"], shape[1]).bfloat16()
+    many = torch.randn(2, PAST_KERNELS["int8"], shape[1]).bfloat16()  # past gemv.c and gemm.c
     y = linear(many, packed, bias)
     assert packed._widened is buffer and packed._dense is None  # widened once, into its buffer, unscaled
     assert torch.equal(buffer, q[:, : shape[1]].bfloat16())
     assert linear(many, packed) is not None and packed._widened is buffer  # the second call reuses it
-    assert y.shape == (2, FUSED_MAX_ROWS["int8"], shape[0]) and y.dtype == torch.bfloat16
+    assert y.shape == (2, PAST_KERNELS["int8"], shape[0]) and y.dtype == torch.bfloat16
     # Two bf16 roundings of the output (the product, then the scale) on top of bf16 activations.
     bound = 2 * _bf16_bound(many, exact) + (bias.float().abs() + 1e-3) * 2**-7
     assert bool(((y.float() - (many.float() @ exact.T + bias.float())).abs() <= bound).all())
@@ -414,7 +420,7 @@ def test_fused_engine_equals_the_dequantized_model_within_bf16(
     engine.close()
 
 
-@pytest.mark.skipif(not int8_activations_on_cpu(), reason="int8 activations are off on this CPU (no exact int8 GEMM)")
+@pytest.mark.skipif(not int8_activations_on_cpu(), reason="int8 activations off here (no fast, exact int8 GEMM)")
 @pytest.mark.parametrize("model", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
 def test_int8_activations_in_ram_stay_as_close_to_the_exact_logits_as_the_weight_only_path(

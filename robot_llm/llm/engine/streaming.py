@@ -56,6 +56,7 @@ from robot_llm.llm.plan.machine import gpu_has_native_bf16
 from robot_llm.llm.plan.planner import gpu_compute_dtype
 from robot_llm.llm.store.checksum import DamagedStoreError
 from robot_llm.llm.store.diskio import DEFAULT_DEPTH, io_pool
+from robot_llm.llm.store.gemv import matmul_available
 from robot_llm.llm.store.int8act import int8_activations_on_cpu
 from robot_llm.llm.store.layout import (
     SCALE_SUFFIX,
@@ -169,9 +170,11 @@ class StreamingModel:
             offset = read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
             self.store.check_read(self.paths[i].name, read_pieces(self.layouts[i], held, offset))
         # Where this CPU's int4 kernel reads another layout than the stored one (AVX2), RAM-homed layers are repacked
-        # once here; streamed ones are dequantized by the reader: repacking every pass costs ~3x that (65 vs 20 ms).
+        # once here; streamed ones go to gemm.c, which reads the stored layout, or are dequantized by the reader
+        # where it does not serve: repacking every pass costs ~3x that (65 vs 20 ms).
         int4 = any(t.dtype == torch.uint8 for layout in self.layouts for t in layout.tensors.values())
         self.repack = self.fused and int4 and not int4_kernel_reads_stored_layout()
+        self.widen_int4 = self.repack and not matmul_available()
         # int8 activations (where the CPU has them) need RAM-homed int8 matrices rotated; streamed ones keep their path.
         rotates = self.fused and int8_activations_on_cpu()
         self.ram_prepared = [
@@ -236,10 +239,10 @@ class StreamingModel:
         With ``shared``, the quantized matrices' buffers are taken from it (the fused CPU path).
         """
         buffers: Params = {}
-        # Streamed int4 matrices the reader dequantizes (see ``repack``) need a buffer per slot: the reader
+        # Streamed int4 matrices the reader dequantizes (see ``widen_int4``) need a buffer per slot: the reader
         # fills the next layer's while the compute thread still uses this one's. A mixed store may hold one
         # key int4 in a layer and int8 in another, so the choice is made per key over every layer.
-        streamed = self.repack and self.ram_layers < self.config.num_layers
+        streamed = self.widen_int4 and self.ram_layers < self.config.num_layers
         by_reader = {k for layout in self.layouts for k, slot in layout.tensors.items() if slot.dtype == torch.uint8}
         for layout in self.layouts:
             for key, slot in layout.tensors.items():
@@ -309,15 +312,8 @@ class StreamingModel:
         delay, attempt = READ_BACKOFF_S, 1
         while True:
             try:
-                offset = read_into(
-                    path,
-                    self.layouts[layer],
-                    slot.host,
-                    direct=True,
-                    drop_cache=self.drop_cache,
-                    pool=self._io,
-                    depth=self.read_depth,
-                )
+                reading = {"direct": True, "drop_cache": self.drop_cache, "pool": self._io, "depth": self.read_depth}
+                offset = read_into(path, self.layouts[layer], slot.host, **reading)
                 # The first pass hashes every file as it arrives (on this reader thread, beside compute).
                 self.store.check_read(path.name, read_pieces(self.layouts[layer], slot.host, offset))
                 return offset
@@ -387,7 +383,7 @@ class StreamingModel:
             elif tensor.dtype == torch.int8:
                 packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
             if packed is not None:
-                by_reader = not self.fused or (isinstance(packed, PackedInt4) and self.repack and not kernel_codes)
+                by_reader = not self.fused or (isinstance(packed, PackedInt4) and self.widen_int4 and not kernel_codes)
                 params[key] = packed.dense(self.dtype) if by_reader else packed
             elif tensor.dtype == self.dtype:
                 params[key] = tensor

@@ -43,13 +43,14 @@ from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
-from robot_llm.llm.store.gemv import gemv_available, int8_gemv, kernels
+from robot_llm.llm.store.gemv import gemv_available, int4_matmul, int8_gemv, int8_matmul, kernels, matmul_serves
 from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
     PackedInt4,
     PackedInt8,
+    int4_kernel_reads_stored_layout,
     int4_linear,
     int8_linear,
     int8_linear_widened,
@@ -106,11 +107,14 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     rows = x.numel() // x.shape[-1]
     kernel = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
     if isinstance(weight, PackedInt4):
+        torch_reads = weight.kernel_codes is not None or int4_kernel_reads_stored_layout()  # its codes as given
         if kernel and weight.int8_copy is not None and int8_activations_for(rows, x.dtype):
             # RAM-homed: its rotated int8 copy was made once (a streamed matrix's would cost a pass each time);
             # from 8 rows it beats the fused int4 kernel (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows).
             rotated = weight.int8_copy
             y = int8_dynamic_linear(rotate_input(x, rotated), rotated)
+        elif kernel and matmul_serves("int4", rows, torch_reads):
+            y = int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])
         elif kernel and rows <= FUSED_MAX_ROWS["int4"]:
             y = int4_linear(x, weight)
         else:
@@ -119,6 +123,8 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
         quantized_rows = kernel and weight.rotation and int8_activations_for(rows, x.dtype)
         if kernel and not quantized_rows and rows <= FUSED_MAX_ROWS["int8"] and gemv_available():
             y = int8_gemv(x, weight.q, weight.scale, weight.shape[0], weight.rotation)  # it pads and rotates x itself
+        elif kernel and not quantized_rows and matmul_serves("int8", rows):
+            y = int8_matmul(x, weight.q, weight.scale, weight.shape[0], weight.rotation)
         else:
             if weight.rotation:
                 x = rotate_input(x, weight)

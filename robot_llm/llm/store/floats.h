@@ -1,4 +1,5 @@
-/* What the kernels (gemv.c, norm.c, attend.c) share: bf16 and fp16 conversions as torch rounds them, an AVX2 sum. */
+/* What the kernels (gemv.c, gemm.c, norm.c, attend.c) share: bf16 and fp16 conversions as torch rounds them, an
+ * AVX2 sum, and the staging of a product's activations as fp32 rows. */
 #ifndef ROBOT_LLM_FLOATS_H
 #define ROBOT_LLM_FLOATS_H
 #include <stdint.h>
@@ -37,6 +38,25 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* x [m, kx] (fp32, or bf16 where x_bf16) into fp32 [m, k], zero-padded, each run of `rotation` columns
+ * (0: none) times the Sylvester Hadamard matrix of +-1 entries (the fast transform; int8act.rotate's matrix). */
+static inline void stage_rows(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, int64_t rotation, float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        float *row = out + i * k;
+        for (int64_t j = 0; j < kx; j++)
+            row[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i * kx + j]) : ((const float *)x)[i * kx + j];
+        for (int64_t j = kx; j < k; j++) row[j] = 0.f;
+        for (int64_t b = 0; rotation && b < k; b += rotation)
+            for (int64_t h = 1; h < rotation; h *= 2)
+                for (int64_t a = b; a < b + rotation; a += 2 * h)
+                    for (int64_t j = a; j < a + h; j++) {
+                        float u = row[j], v = row[j + h];
+                        row[j] = u + v;
+                        row[j + h] = u - v;
+                    }
+    }
 }
 
 #endif

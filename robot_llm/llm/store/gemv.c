@@ -45,25 +45,6 @@ static inline float hsum(vfloat v) { return hsum8(v); }
 /* The widths this build needs: k (and every row stride) a multiple of it. */
 int64_t rl_gemv_lanes(void) { return LANES; }
 
-/* x [m, kx] (fp32, or bf16 where x_bf16) into fp32 [m, k], zero-padded, each run of `rotation` columns
- * (0: none) times the Sylvester Hadamard matrix of +-1 entries (the fast transform; int8act.rotate's matrix). */
-static void stage_rows(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, int64_t rotation, float *out) {
-    for (int64_t i = 0; i < m; i++) {
-        float *row = out + i * k;
-        for (int64_t j = 0; j < kx; j++)
-            row[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i * kx + j]) : ((const float *)x)[i * kx + j];
-        for (int64_t j = kx; j < k; j++) row[j] = 0.f;
-        for (int64_t b = 0; rotation && b < k; b += rotation)
-            for (int64_t h = 1; h < rotation; h *= 2)
-                for (int64_t a = b; a < b + rotation; a += 2 * h)
-                    for (int64_t j = a; j < a + h; j++) {
-                        float u = row[j], v = row[j + h];
-                        row[j] = u + v;
-                        row[j + h] = u - v;
-                    }
-    }
-}
-
 /* y [m, n] (fp32, or bf16 where y_bf16) = stage_rows(x) @ (q * scale)^T over q int8 [n, ldq] (k columns used),
  * scale bf16 [n]; k a multiple of LANES and of rotation; threads: OpenMP threads to split the rows over.
  * Returns 0, or -1 when the staging buffer could not be allocated. */

@@ -30,9 +30,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from robot_llm.llm.plan.machine import cpu_flags
+from robot_llm.llm.plan.machine import cpu_flags, cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -40,13 +40,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-#: Every file of the shared object: the products, the norms (``norm.c``), decode attention (``attend.c``) and
-#: their float conversions.
-SOURCES = (SOURCE, SOURCE.with_name("norm.c"), SOURCE.with_name("attend.c"))
+#: Every file of the shared object: the few-row products, the many-row ones (``gemm.c``), the norms (``norm.c``),
+#: decode attention (``attend.c``) and their float conversions.
+SOURCES = (SOURCE, SOURCE.with_name("gemm.c"), SOURCE.with_name("norm.c"), SOURCE.with_name("attend.c"))
 HEADERS = (SOURCE.with_name("floats.h"),)
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 ENV = "ROBOT_LLM_GEMV"
+#: Rows of a call (lowest, highest) that ``gemm.c``'s products serve, by the stored dtype, on a CPU without native
+#: bf16 (:func:`matmul_available`). There torch feeds its fused int4 kernel bf16 activations it cannot compute
+#: natively, and past a few rows both dtypes are widened into fp32 every pass; a streamed int4 matrix whose codes
+#: torch's kernel cannot read as stored is served from one row. Measured (AVX2 EPYC, 1 thread, ms, ours against
+#: the best of torch's fused kernel, the dense way and gemv.c): int4 4096 x 1024 at 8 / 32 / 128 rows TODO
+MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -102,6 +108,11 @@ class Kernels:
         self.lib.rl_gemv_lanes.restype = _INT64
         self.lib.rl_int8_gemv.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, _INT64, _PTR, _PTR, _INT, _INT64, _INT]
         self.lib.rl_int8_gemv.restype = _INT
+        self.lib.rl_int8_gemm.argtypes = self.lib.rl_int8_gemv.argtypes
+        self.lib.rl_int8_gemm.restype = _INT
+        int4 = [_PTR, _INT, *[_INT64] * 3, _PTR, _PTR, _INT64, _INT64, _PTR, _INT, _INT64, _INT]
+        self.lib.rl_int4_gemm.argtypes = int4
+        self.lib.rl_int4_gemm.restype = _INT
         norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT, _PTR, _PTR, _INT64, _PTR, _PTR, _INT]
         self.lib.rl_rms_norm.argtypes = norm
         self.lib.rl_rms_norm.restype = _INT
@@ -119,29 +130,70 @@ class Kernels:
         with ``rotation``, each run of that many columns Hadamard-rotated first, as
         :func:`~robot_llm.llm.store.int8act.rotate` does), ``q int8 [N', Kp]`` (rows contiguous; the first ``n``
         used), ``scale bf16 [N']``; ``[..., n]`` in ``x``'s dtype (computed in fp32 for any float dtype)."""
+        return self._int8_product(self.lib.rl_int8_gemv, x, q, scale, n, rotation)
+
+    def int8_matmul(self, x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
+        """:meth:`int8_gemv`'s product for many rows (``gemm.c``: each weight widened once per call)."""
+        return self._int8_product(self.lib.rl_int8_gemm, x, q, scale, n, rotation)
+
+    def _int8_product(self, fn: Any, x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int) -> Tensor:
         import torch
 
         kp = q.shape[1]
         if q.stride(1) != 1 or kp % self.lanes or scale.dtype != torch.bfloat16 or not scale.is_contiguous():
             raise ValueError(
-                f"int8_gemv needs row-contiguous int8 codes {self.lanes}-column aligned and contiguous bf16 "
+                f"int8 products need row-contiguous int8 codes {self.lanes}-column aligned and contiguous bf16 "
                 f"scales, got codes {tuple(q.shape)} strides {q.stride()} and {scale.dtype} scales"
             )
         if rotation and kp % rotation:
-            raise ValueError(f"int8_gemv: a rotation block of {rotation} does not divide the width {kp}")
-        kx = x.shape[-1]
-        rows = x.reshape(-1, kx)
+            raise ValueError(f"int8 products: a rotation block of {rotation} does not divide the width {kp}")
+        rows, bf16 = self._rows(x)
+        m, kx = rows.shape
+        y = torch.empty(m, n, dtype=rows.dtype)
+        args = (rows.data_ptr(), bf16, m, kx, kp, rotation, q.data_ptr(), q.stride(0), scale.data_ptr())
+        if fn(*args, y.data_ptr(), bf16, n, torch.get_num_threads()) != 0:
+            raise MemoryError(f"int8 product: no memory to stage {m} x {kp} activations")
+        return y.view(*x.shape[:-1], n).to(x.dtype)
+
+    def int4_matmul(self, x: Tensor, codes: Tensor, scales_and_zeros: Tensor, n: int) -> Tensor:
+        """``x @ W.T`` for many rows over an int4 matrix as stored (``codes uint8 [Np, Kp / 2]``, bf16
+        ``scales_and_zeros [Kp / group, Np, 2]``, :func:`~robot_llm.llm.store.quant.quantize_int4`'s layout;
+        the first ``n`` rows used): ``x [..., K]`` zero-padded to ``Kp``; ``[..., n]`` in ``x``'s dtype, computed
+        in fp32 over exactly :func:`~robot_llm.llm.store.quant.dequantize_int4_into`'s fp32 weights."""
+        import torch
+
+        np_, kp = codes.shape[0], 2 * codes.shape[1]
+        groups = scales_and_zeros.shape[0]
+        if (
+            not codes.is_contiguous()
+            or np_ % 64
+            or scales_and_zeros.dtype != torch.bfloat16
+            or not scales_and_zeros.is_contiguous()
+            or scales_and_zeros.shape[1:] != (np_, 2)
+            or kp % groups
+        ):
+            raise ValueError(
+                f"int4_matmul needs contiguous codes of 64-row blocks and bf16 scales and zeros [groups, Np, 2], "
+                f"got codes {tuple(codes.shape)} and {scales_and_zeros.dtype} {tuple(scales_and_zeros.shape)}"
+            )
+        rows, bf16 = self._rows(x)
+        m, kx = rows.shape
+        y = torch.empty(m, n, dtype=rows.dtype)
+        args = (rows.data_ptr(), bf16, m, kx, kp, codes.data_ptr(), scales_and_zeros.data_ptr(), np_, kp // groups)
+        if self.lib.rl_int4_gemm(*args, y.data_ptr(), bf16, n, torch.get_num_threads()) != 0:
+            raise MemoryError(f"int4_matmul: no memory to stage {m} x {kp} activations")
+        return y.view(*x.shape[:-1], n).to(x.dtype)
+
+    @staticmethod
+    def _rows(x: Tensor) -> tuple[Tensor, bool]:
+        """``x`` as contiguous fp32 or bf16 rows ``[M, K]``, and whether they are bf16."""
+        import torch
+
+        rows = x.reshape(-1, x.shape[-1])
         if rows.dtype not in (torch.float32, torch.bfloat16):
             rows = rows.float()
         rows = rows.contiguous()
-        bf16 = rows.dtype == torch.bfloat16
-        m = rows.shape[0]
-        y = torch.empty(m, n, dtype=rows.dtype)
-        threads = torch.get_num_threads()
-        args = (rows.data_ptr(), bf16, m, kx, kp, rotation, q.data_ptr(), q.stride(0), scale.data_ptr())
-        if self.lib.rl_int8_gemv(*args, y.data_ptr(), bf16, n, threads) != 0:
-            raise MemoryError(f"int8_gemv: no memory to stage {m} x {kp} activations")
-        return y.view(*x.shape[:-1], n).to(x.dtype)
+        return rows, rows.dtype == torch.bfloat16
 
     def decode_attention(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
@@ -230,6 +282,20 @@ def kernels() -> Kernels | None:
         return None
 
 
+def matmul_available() -> bool:
+    """True when ``gemm.c``'s many-row products serve this process: built, on a CPU without native bf16 (with
+    it, torch's bf16 kernels and int8 activations serve those calls)."""
+    return kernels() is not None and not cpu_has_native_bf16()
+
+
+def matmul_serves(dtype: str, rows: int, torch_reads: bool = True) -> bool:
+    """True when a call of ``rows`` rows over a ``dtype`` (``"int4"``/``"int8"``) matrix goes through ``gemm.c``
+    (:data:`MATMUL_ROWS`); ``torch_reads`` False: torch's fused kernel cannot read the matrix's codes as given,
+    so ours serves its few-row calls too."""
+    low, high = MATMUL_ROWS[dtype]
+    return matmul_available() and rows <= high and (rows >= low or not torch_reads)
+
+
 def gemv_available() -> bool:
     """True when ``gemv.c`` is built and loaded for this process."""
     return kernels() is not None
@@ -252,3 +318,17 @@ def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) ->
     lib = kernels()
     assert lib is not None, "int8_gemv called without the kernel (check gemv_available)"
     return lib.int8_gemv(x, q, scale, n, rotation)
+
+
+def int8_matmul(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
+    """:meth:`Kernels.int8_matmul` of this process's kernels; only call where :func:`matmul_available`."""
+    lib = kernels()
+    assert lib is not None, "int8_matmul called without the kernel (check matmul_available)"
+    return lib.int8_matmul(x, q, scale, n, rotation)
+
+
+def int4_matmul(x: Tensor, codes: Tensor, scales_and_zeros: Tensor, n: int) -> Tensor:
+    """:meth:`Kernels.int4_matmul` of this process's kernels; only call where :func:`matmul_available`."""
+    lib = kernels()
+    assert lib is not None, "int4_matmul called without the kernel (check matmul_available)"
+    return lib.int4_matmul(x, codes, scales_and_zeros, n)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robot_llm.llm.store.gemv import gemv_available, int8_gemv, kernels
+from robot_llm.llm.store.gemv import gemv_available, int8_gemv, int8_matmul, kernels, matmul_serves
 from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block, weight_levels
 from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
@@ -165,6 +165,9 @@ class QuantizedTable:
         quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype)
         if cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available():
             y = int8_gemv(x, self.q, self.scale, v, self.rotation)  # it pads and rotates x itself
+            return (y if bias is None else y + bias).reshape(*lead, v)
+        if cpu and not quantized_rows and matmul_serves("int8", m):
+            y = int8_matmul(x, self.q, self.scale, v, self.rotation)
             return (y if bias is None else y + bias).reshape(*lead, v)
         if self.rotation:
             x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
