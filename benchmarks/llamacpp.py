@@ -21,7 +21,8 @@ untimed warm-up first (a short prefill and decode); llama-batched-bench warms up
 itself. Printed per configuration: prefill, decode and night throughput (all tokens
 over the time of both phases, as llama-batched-bench's ``speed``), their ratios ours /
 llama.cpp, each process's peak RSS, and the 1-minute load average when it started;
-the CPU's features head the table. The last line is one JSON object.
+the CPU's features head the table. A second table puts our decode step beside its roofline (:func:`roofline`).
+The last line is one JSON object.
 
 On an AVX512-BF16 machine the AVX2 kind's paths of ours are run with
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ROBOT_LLM_HIDE_CPU_FLAGS=avx512_bf16,amx_bf16``
@@ -275,16 +276,62 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
 
     night(min(batch, 2), 16, 2)  # untimed warm-up: first calls, allocator, kernel dispatch
     t_pp, t_tg = night(batch, prompt, new)
+    peak = vm_hwm()  # before the roofline's probes allocate theirs
+    step = roofline(model, batch, prompt, new, threads, kv_dtype)
     opened.close()
     return {
+        "step_s": t_tg / new,
+        "roofline": step,
         "prefill": batch * prompt / t_pp,
         "decode": batch * new / t_tg,
         "night": batch * (prompt + new) / (t_pp + t_tg),
         "seconds": t_pp + t_tg,
-        "peak_rss": vm_hwm(),
+        "peak_rss": peak,
         "dtype": dtype,
         "kv_dtype": kv_dtype,
         "quantized_head": True,
+    }
+
+
+def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dtype: str) -> dict[str, float]:
+    """The decode step's roofline at ``batch`` rows, averaged over the ``new`` steps after a ``prompt``: the larger
+    of the bytes a step reads (every layer's stored weights, the head as held, the KV cache of the live positions,
+    a sliding layer's window at most) over the RAM read rate of a one-row fp32 GEMM, and its FLOPs (the matrices'
+    2 x rows x parameters, attention's 4 x rows x positions x query width) over the GEMM rate measured at the
+    step's shape (``batch`` rows of the model's widest matrix; int8 x int8 where this process's calls of many rows
+    take int8 activations), both at ``threads``."""
+    import torch
+
+    from robot_llm.llm.plan.rates import gemm_flops, int8_gemm_ops, read_bps
+    from robot_llm.llm.plan.sizes import DTYPE_BYTES, layer_params
+    from robot_llm.llm.store.int8act import int8_activations_for
+    from robot_llm.llm.store.quant import KV_QUANTIZED, kv_bits_per_value
+
+    cfg = model.config
+    slots = prompt + (new + 1) / 2  # positions attended, on average over the steps
+    live = [min(slots, cfg.sliding_window(i) or slots) for i in range(cfg.num_layers)]
+    kv_width = cfg.num_key_value_heads * cfg.head_dim
+    elem = kv_bits_per_value(kv_dtype, cfg.head_dim) / 8 if kv_dtype in KV_QUANTIZED else DTYPE_BYTES[kv_dtype]
+    kv_bytes = 2 * batch * sum(live) * kv_width * elem
+    head = model.resident["head"] if "head" in model.resident else model.resident["embedding"]
+    table = next(iter(head.values()))
+    head_bytes = table.nbytes if hasattr(table, "q") else table.numel() * table.element_size()
+    weights = sum(layout.data_size for layout in model.layouts) + head_bytes
+    head_params = cfg.vocab_size * cfg.hidden_size
+    flops = 2 * batch * (layer_params(cfg) * cfg.num_layers + head_params)
+    flops += 4 * batch * sum(live) * cfg.num_attention_heads * cfg.head_dim
+    shape = (batch, cfg.hidden_size, cfg.intermediate_size)
+    dtype = "bf16" if model.dtype == torch.bfloat16 else "fp32"
+    rate = gemm_flops(*shape, dtype, threads=threads)
+    if int8_activations_for(batch, model.dtype):
+        rate = max(rate, int8_gemm_ops(*shape, threads=threads))
+    bandwidth = read_bps(threads=threads)
+    return {
+        "bytes": weights + kv_bytes,
+        "flops": flops,
+        "read_bps": bandwidth,
+        "gemm_rate": rate,
+        "seconds": max((weights + kv_bytes) / bandwidth, flops / rate),
     }
 
 
@@ -400,6 +447,19 @@ def main() -> None:
                     "peak_rss": {"ours": peak[engine], "llama.cpp": peak["llama.cpp"]},
                 }
             )
+    print("\nOur decode step against its roofline (max of bytes / read rate and FLOPs / GEMM rate, measured in the")
+    print("row's process at its threads; best night's run):")
+    print("| threads | batch | ours | step ms | roofline ms | bytes MB / read GB/s | GFLOP / GEMM GFLOP/s | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in summary:
+        o, line = row["ours"], row["ours"]["roofline"]
+        row["step_vs_roofline"] = o["step_s"] / line["seconds"]
+        print(
+            f"| {row['threads']} | {row['batch']} | {row['engine']} | {1e3 * o['step_s']:.1f} "
+            f"| {1e3 * line['seconds']:.1f} "
+            f"| {line['bytes'] / 1e6:.0f} / {line['read_bps'] / 1e9:.1f} | {line['flops'] / 1e9:.2f} / "
+            f"{line['gemm_rate'] / 1e9:.1f} | **{row['step_vs_roofline']:.2f}** |"
+        )
     print(json.dumps({"features": features, "prompt": args.prompt, "new": args.new, "rows": summary}))
 
 

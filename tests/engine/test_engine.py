@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.commands.model import check_fixture
+from robot_llm.llm.engine import stream_slots, streaming
 from robot_llm.llm.engine.memory import InMemoryModel, Yalm
 from robot_llm.llm.engine.streaming import StreamingModel
 from robot_llm.llm.families import family
@@ -265,3 +266,19 @@ def test_an_interrupted_step_restarts_the_stream(stores: dict[str, Path], refere
         model.forward(ids, cache)
     assert (model.forward(ids, None, pad) - reference.forward(ids, None, pad)).abs().max() <= 1e-4
     model.close()
+
+
+def test_a_cpu_prefill_hands_freed_memory_back_after_each_layer(
+    stores: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(streaming, "trim_heap", lambda: calls.append(1))
+    model = StreamingModel(stores["int4"], home="ram", device="cpu", micro_batch=2)
+    ids, pad = _batch()
+    cache = model.new_cache(3, 16, pad)
+    model.forward(ids, cache)
+    assert len(calls) == model.config.num_layers  # once a layer, after all of its micro-batches
+    model.forward(torch.full((3, 1), 7), cache)
+    assert len(calls) == model.config.num_layers  # a decode step's few temporaries are left to the allocator
+    model.close()
+    stream_slots.trim_heap()  # the real one: glibc's malloc_trim here, nothing where the C library has none

@@ -17,6 +17,7 @@ from robot_llm.llm.families.config import ModelConfig, ModuleKind, module_plan
 from robot_llm.llm.families.family import Params, Weights, linear, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
+from robot_llm.llm.store import int8act
 from robot_llm.llm.store.gemv import MATMUL_ROWS
 from robot_llm.llm.store.int8act import (
     int8_activations_on_cpu,
@@ -454,3 +455,24 @@ def test_int8_activations_in_ram_stay_as_close_to_the_exact_logits_as_the_weight
     # On the real Gemma 3 270M the perplexity moves by under 1 % (benchmarks/quality.py, README).
     err, base = float((ours - want).norm() / want.norm()), float((theirs - want).norm() / want.norm())
     assert base < 0.02 and err < 0.1, (err, base)
+
+
+def test_int8_activations_need_an_int8_gemm_faster_than_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact is not enough: an exact but slow int8 GEMM (torch's fallback on an AVX2 EPYC, 20x under fp32) keeps
+    the weight-only kernels unless they are asked for."""
+    assert isinstance(int8act._int8_gemm_fast(), bool)
+    monkeypatch.setattr(int8act, "_int8_gemm_exact", lambda: True)
+    monkeypatch.setattr(int8act, "_int8_gemm_fast", lambda: False)
+    int8_activations_on_cpu.cache_clear()
+    try:
+        assert not int8_activations_on_cpu()
+        monkeypatch.setattr(int8act, "_int8_gemm_fast", lambda: True)
+        int8_activations_on_cpu.cache_clear()
+        assert int8_activations_on_cpu()
+        monkeypatch.setattr(int8act, "_int8_gemm_fast", lambda: False)
+        monkeypatch.setenv("ROBOT_LLM_INT8_ACTIVATIONS", "1")
+        int8_activations_on_cpu.cache_clear()
+        assert int8_activations_on_cpu()
+    finally:
+        monkeypatch.undo()
+        int8_activations_on_cpu.cache_clear()

@@ -4,6 +4,9 @@ one-time preparation of a RAM-homed layer for the fused CPU path."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -131,3 +134,22 @@ class Slot:
     offset: int = 0  # where the layer's data section starts in the slot
     buffers: Params = field(default_factory=dict, repr=False)
     params: Params | None = field(default=None, repr=False)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's; musl and other C libraries have none
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Hand the pages of what the allocator holds freed back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). A CPU prefill's temporaries (tens of MB a layer, in sizes glibc keeps on its heap once its dynamic
+    mmap threshold has risen) stay resident when freed, and the KV cache grows beside them: Gemma 3 270M int4,
+    fp32 compute, batch 32, prompt 512, 2 threads, peak RSS 1.20 GiB, 1.07 trimmed after each layer of the
+    prefill, 1.06 after each layer of each micro-batch (which cost 16 % of the prefill in page faults)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -48,6 +48,7 @@ from robot_llm.llm.engine.stream_slots import (
     kept_for_reuse,
     prepare_ram_layer,
     resolve_device,
+    trim_heap,
 )
 from robot_llm.llm.families.config import embedding_is_head
 from robot_llm.llm.families.family import LayerCall, Params, bind_layer, forward_pass, prepare_step, resolve_dtype
@@ -421,6 +422,7 @@ class StreamingModel:
         started = time.perf_counter()
         cfg, fam = self.config, self.family
         B, T = ids.shape
+        self._trim = T > 1 and not self.cuda  # a CPU prefill's freed temporaries go back once each layer has run
         logits, self.last_hidden = forward_pass(  # the pre-head states: a stance head reads them
             ids,
             prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B),
@@ -459,6 +461,8 @@ class StreamingModel:
             params = self._acquire(i)
             yield f"layer {i} ({self.paths[i].name})", bind_layer(self.family, params, cfg, i)
             drop_dense(params)
+            if self._trim:
+                trim_heap()
             if self.cuda:
                 assert self._current.free is not None
                 # On the compute device's stream: a bare record() takes the current device's (cuda:0 under cuda:1).

@@ -20,31 +20,49 @@
 #error "gemm.c needs AVX2 and FMA (gemv.py compiles it only where the CPU has them)"
 #endif
 
-/* Activation rows a tile of FMAs holds at once: 6 rows x 16 weights of int4, 4 x 3 of int8 (12 sums each, with
- * the operands they need, the 16 registers AVX2 has). */
-#define M4 6
-#define M8 4
-#define R8 3
-/* int4: input columns dequantized per tile (64 rows x 256 fp32: 64 KB, in L2 on every CPU of either kind). */
+/* Activation rows a tile of FMAs takes at once, against 16 weight rows (12 running sums and the operands they need:
+ * the 16 registers AVX2 has). */
+#define MT 6
+/* Input columns made fp32 at a time: a 64-row int4 block's 256 columns are 64 KB (in L2 on either kind of CPU), a
+ * 16-row int8 tile's 16 KB (in L1). */
 #define KC 256
 #define BLOCK 64
 
-static inline __attribute__((always_inline)) void int4_tile(int mi, const float *xs, int64_t kp, const float *wt,
-                                                            int64_t kc, float *acc, int first) {
-    /* acc [mi, 16] (+)= xs [mi, kc] (row stride kp) @ wt [kc, 16] (column stride BLOCK) */
-    __m256 s[M4][2];
+/* acc [mi, 16] (+)= xs [mi, kc] @ wt [kc, 16]: xs rows ldx apart, wt's columns (16 weight rows each) ldw apart, acc
+ * rows ldacc apart; first: acc starts from zero. 12 running sums (6 rows x 2 vectors), the two weight vectors of a
+ * column loaded once for the 6 rows and each activation broadcast once for both. */
+static inline __attribute__((always_inline)) void tile(int mi, const float *xs, int64_t ldx, const float *wt,
+                                                       int64_t ldw, int64_t kc, float *acc, int64_t ldacc, int first) {
+    __m256 s[MT][2];
     for (int i = 0; i < mi; i++)
-        for (int h = 0; h < 2; h++) s[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * 16 + h * 8);
+        for (int h = 0; h < 2; h++) s[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * ldacc + h * 8);
     for (int64_t c = 0; c < kc; c++) {
-        __m256 w0 = _mm256_load_ps(wt + c * BLOCK), w1 = _mm256_load_ps(wt + c * BLOCK + 8);
+        __m256 w0 = _mm256_load_ps(wt + c * ldw), w1 = _mm256_load_ps(wt + c * ldw + 8);
         for (int i = 0; i < mi; i++) {
-            __m256 x = _mm256_broadcast_ss(xs + i * kp + c);
+            __m256 x = _mm256_broadcast_ss(xs + i * ldx + c);
             s[i][0] = _mm256_fmadd_ps(x, w0, s[i][0]);
             s[i][1] = _mm256_fmadd_ps(x, w1, s[i][1]);
         }
     }
     for (int i = 0; i < mi; i++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc + i * 16 + h * 8, s[i][h]);
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc + i * ldacc + h * 8, s[i][h]);
+}
+
+/* Every row of xs [m, kc] times one tile wt [kc, 16], into acc (as tile()), MT rows at a time. */
+static void tiles(int64_t m, const float *xs, int64_t ldx, const float *wt, int64_t ldw, int64_t kc, float *acc,
+                  int64_t ldacc, int first) {
+    for (int64_t i0 = 0; i0 < m; i0 += MT) {
+        const float *x = xs + i0 * ldx;
+        float *a = acc + i0 * ldacc;
+        switch (m - i0 < MT ? m - i0 : MT) {
+        case 6: tile(6, x, ldx, wt, ldw, kc, a, ldacc, first); break;
+        case 5: tile(5, x, ldx, wt, ldw, kc, a, ldacc, first); break;
+        case 4: tile(4, x, ldx, wt, ldw, kc, a, ldacc, first); break;
+        case 3: tile(3, x, ldx, wt, ldw, kc, a, ldacc, first); break;
+        case 2: tile(2, x, ldx, wt, ldw, kc, a, ldacc, first); break;
+        default: tile(1, x, ldx, wt, ldw, kc, a, ldacc, first); break;
+        }
+    }
 }
 
 /* Columns c0 .. c0 + kc - 1 of one 64-row block of int4 codes as fp32, column-major: wt[c][r] for row r. The
@@ -117,25 +135,7 @@ int rl_int4_gemm(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t kp, c
                 int64_t kc = kp - c0 < KC ? kp - c0 : KC;
                 dequantize_block(block, sz, np, b * BLOCK, group, c0, kc, wt);
                 for (int h = 0; h < BLOCK / 16; h++)
-                    for (int64_t i0 = 0; i0 < m; i0 += M4) {
-                        int64_t mi = m - i0 < M4 ? m - i0 : M4;
-                        float *tile = acc + i0 * BLOCK + h * 16;  /* rows i0.., stride BLOCK: see below */
-                        float part[M4 * 16] __attribute__((aligned(32)));
-                        for (int64_t i = 0; i < mi && c0; i++)
-                            for (int r = 0; r < 16; r++) part[i * 16 + r] = tile[i * BLOCK + r];
-                        const float *xi = xs + i0 * kp + c0;
-                        const float *w = wt + h * 16;
-                        switch (mi) {
-                        case 6: int4_tile(6, xi, kp, w, kc, part, c0 == 0); break;
-                        case 5: int4_tile(5, xi, kp, w, kc, part, c0 == 0); break;
-                        case 4: int4_tile(4, xi, kp, w, kc, part, c0 == 0); break;
-                        case 3: int4_tile(3, xi, kp, w, kc, part, c0 == 0); break;
-                        case 2: int4_tile(2, xi, kp, w, kc, part, c0 == 0); break;
-                        default: int4_tile(1, xi, kp, w, kc, part, c0 == 0); break;
-                        }
-                        for (int64_t i = 0; i < mi; i++)
-                            for (int r = 0; r < 16; r++) tile[i * BLOCK + r] = part[i * 16 + r];
-                    }
+                    tiles(m, xs + c0, kp, wt + h * 16, BLOCK, kc, acc + h * 16, BLOCK, c0 == 0);
             }
             int64_t r0 = b * BLOCK, nr = n - r0 < BLOCK ? n - r0 : BLOCK;
             store_rows(acc, m, BLOCK, y, y_bf16, n, 0, r0, nr);
@@ -147,22 +147,40 @@ int rl_int4_gemm(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t kp, c
     return failed ? -1 : 0;
 }
 
-static inline __attribute__((always_inline)) void int8_tile(int mi, const float *xs, int64_t k, const float *wb,
-                                                            float *out) {
-    /* out [mi, R8] = xs [mi, k] @ wb [R8, k]^T (rows of both contiguous, stride k) */
-    __m256 s[M8][R8];
-    for (int i = 0; i < mi; i++)
-        for (int r = 0; r < R8; r++) s[i][r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < k; j += 8) {
-        __m256 w[R8];
-        for (int r = 0; r < R8; r++) w[r] = _mm256_load_ps(wb + r * k + j);
-        for (int i = 0; i < mi; i++) {
-            __m256 x = _mm256_load_ps(xs + i * k + j);
-            for (int r = 0; r < R8; r++) s[i][r] = _mm256_fmadd_ps(x, w[r], s[i][r]);
-        }
+/* Transposes the 8 x 8 floats of r (row i: r[i]) in place. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
-    for (int i = 0; i < mi; i++)
-        for (int r = 0; r < R8; r++) out[i * R8 + r] = hsum8(s[i][r]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* Columns c0 .. c0 + kc - 1 (kc a multiple of 8) of 16 int8 weight rows (w[r]: row r's codes) as fp32, column-major:
+ * wt[c][r], 8 rows x 8 columns widened and transposed at a time. The same columns of the next tile's rows (next,
+ * NULL for none) are prefetched: read 8 bytes of 16 rows at a time, a matrix larger than the cache (the LM head)
+ * otherwise comes from memory at a fraction of its speed. */
+static void widen_tile(const int8_t *const w[16], const int8_t *next, int64_t ldq, int64_t c0, int64_t kc, float *wt) {
+    for (int r = 0; next != NULL && r < 16; r++)
+        for (int64_t c = c0; c < c0 + kc; c += 64) _mm_prefetch((const char *)next + r * ldq + c, _MM_HINT_T0);
+    for (int half = 0; half < 2; half++)
+        for (int64_t c = c0; c < c0 + kc; c += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w[half * 8 + i] + c))));
+            transpose8(r);
+            for (int j = 0; j < 8; j++) _mm256_store_ps(wt + (c - c0 + j) * 16 + half * 8, r[j]);
+        }
 }
 
 /* y [m, n] (fp32, or bf16 where y_bf16) = stage_rows(x) @ (q * scale)^T over q int8 [n, ldq] (k columns used, k a
@@ -170,47 +188,38 @@ static inline __attribute__((always_inline)) void int8_tile(int mi, const float 
  * could not be allocated. */
 int rl_int8_gemm(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, int64_t rotation, const int8_t *q,
                  int64_t ldq, const uint16_t *scale, void *y, int y_bf16, int64_t n, int threads) {
-    /* Staged rows and a widened weight tile 32-byte aligned: k is a multiple of 8. */
     float *xs = aligned_alloc(64, (size_t)((m * k * sizeof(float) + 63) / 64 * 64));
     if (xs == NULL) return -1;
     stage_rows(x, x_bf16, m, kx, k, rotation, xs);
     int failed = 0;
-    int64_t tiles = (n + R8 - 1) / R8;
+    int64_t count = (n + 15) / 16;
 #pragma omp parallel num_threads(threads)
     {
-        float *wb = aligned_alloc(64, (size_t)((R8 * k * sizeof(float) + 63) / 64 * 64));
-        if (wb == NULL) {
+        float *wt = aligned_alloc(64, KC * 16 * sizeof(float));
+        float *acc = aligned_alloc(64, (size_t)((m * 16 * sizeof(float) + 63) / 64 * 64));
+        if (wt == NULL || acc == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (wb == NULL) continue;
-            int64_t r0 = t * R8, nr = n - r0 < R8 ? n - r0 : R8;
-            for (int r = 0; r < R8; r++) {  /* a short tile repeats its last row */
-                const int8_t *w = q + (r0 + (r < nr ? r : nr - 1)) * ldq;
-                for (int64_t j = 0; j < k; j += 8)
-                    _mm256_store_ps(wb + r * k + j,
-                                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + j)))));
+        for (int64_t t = 0; t < count; t++) {
+            if (wt == NULL || acc == NULL) continue;
+            int64_t r0 = t * 16, nr = n - r0 < 16 ? n - r0 : 16;
+            const int8_t *w[16];
+            for (int r = 0; r < 16; r++) w[r] = q + (r0 + (r < nr ? r : nr - 1)) * ldq;  /* a short tile repeats a row */
+            for (int64_t c0 = 0; c0 < k; c0 += KC) {
+                int64_t kc = k - c0 < KC ? k - c0 : KC;
+                widen_tile(w, t + 1 < count && nr == 16 && n - r0 >= 32 ? w[0] + 16 * ldq : NULL, ldq, c0, kc, wt);
+                tiles(m, xs + c0, k, wt, 16, kc, acc, 16, c0 == 0);
             }
-            float s[R8];
+            float s[16];
             for (int64_t r = 0; r < nr; r++) s[r] = bf16_to_float(scale[r0 + r]);
-            for (int64_t i0 = 0; i0 < m; i0 += M8) {
-                int64_t mi = m - i0 < M8 ? m - i0 : M8;
-                float part[M8 * R8];
-                const float *xi = xs + i0 * k;
-                switch (mi) {
-                case 4: int8_tile(4, xi, k, wb, part); break;
-                case 3: int8_tile(3, xi, k, wb, part); break;
-                case 2: int8_tile(2, xi, k, wb, part); break;
-                default: int8_tile(1, xi, k, wb, part); break;
-                }
-                for (int64_t i = 0; i < mi; i++)
-                    for (int64_t r = 0; r < R8; r++) part[i * R8 + r] *= r < nr ? s[r] : 0.f;
-                store_rows(part, mi, R8, y, y_bf16, n, i0, r0, nr);
-            }
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t r = 0; r < nr; r++) acc[i * 16 + r] *= s[r];
+            store_rows(acc, m, 16, y, y_bf16, n, 0, r0, nr);
         }
-        free(wb);
+        free(wt);
+        free(acc);
     }
     free(xs);
     return failed ? -1 : 0;

@@ -50,8 +50,12 @@ ENV = "ROBOT_LLM_GEMV"
 #: Rows of a call (lowest, highest) that ``gemm.c``'s products serve, by the stored dtype, on a CPU without native
 #: bf16 (:func:`matmul_available`). There torch feeds its fused int4 kernel bf16 activations it cannot compute
 #: natively, and past a few rows both dtypes are widened into fp32 every pass; a streamed int4 matrix whose codes
-#: torch's kernel cannot read as stored is served from one row. Measured (AVX2 EPYC, 1 thread, ms, ours against
-#: the best of torch's fused kernel, the dense way and gemv.c): int4 4096 x 1024 at 8 / 32 / 128 rows TODO
+#: torch's kernel cannot read as stored is served from one row. Measured on an AVX2 EPYC, 1 thread, ms at 8 / 32 /
+#: 128 rows: int4 4096 x 1024 ours 2.3 / 5.1 / 24, torch's fused kernel 3.0 / 10.5 / -, dequantized then fp32
+#: 19 / 25 / 55 (2048 x 640: 0.59 / 1.5 / 7.2, 0.84 / 3.5 / -, 5.2 / 6.3 / 13.5); int8 at 16 / 32 / 64 / 128 rows,
+#: 4096 x 1024 ours 6.6 / 4.8 / 9.3 / 26, gemv.c 6.5 / 6.9 / 14 / 44, widened then fp32 14 / 20 / 34 / 38 (2048
+#: x 640: 1.0 / 1.3 / 3.2 / 5.1, 1.5 / 2.7 / 5.2 / 11, 2.3 / 2.6 / 5.0 / 6.8); the 262,144 x 640 head at 16 / 32 /
+#: 64 rows 153-186 / 260-313 / 365-375, widened in blocks 164-256 / 257-451 / 554-750 (this VM is noisy).
 MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
