@@ -17,7 +17,15 @@ from robot_llm.llm.plan.machine import cpu_flags
 from robot_llm.llm.store import gemv, qhead
 from robot_llm.llm.store.int8act import rotate
 from robot_llm.llm.store.qhead import QuantizedTable
-from robot_llm.llm.store.quant import PackedInt4, PackedInt8, dequantize_int4_into, quantize_int4, quantize_int8
+from robot_llm.llm.store.quant import (
+    PackedInt4,
+    PackedInt8,
+    dequantize_int4_into,
+    int4_kernel_codes,
+    int4_kernel_reads_stored_layout,
+    quantize_int4,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="gemm.c needs AVX2 and FMA")
 
@@ -41,7 +49,7 @@ def test_int4_products_are_the_dense_weights_products(kernel_cache: Path, flags:
     kernels = gemv.Kernels(gemv.build(flags))
     g = torch.Generator().manual_seed(0)
     # Rows not a multiple of the 64-row block, columns padded to the group, more columns than one tile (256),
-    # row counts around the 6-row tile.
+    # row counts of the one-pass kernel (up to 7) and around the 6-row tile.
     for n, k, group in ((100, 300, 32), (64, 640, 64), (130, 600, 128)):
         codes, sz = quantize_int4(torch.randn(n, k, generator=g), group)
         dense = dequantize_int4_into(codes, sz, torch.empty(n, k)).double()
@@ -50,12 +58,14 @@ def test_int4_products_are_the_dense_weights_products(kernel_cache: Path, flags:
             y = kernels.int4_matmul(x, codes, sz, n)
             assert y.shape == (m, n) and y.dtype == torch.float32
             assert _close(y, x.double() @ dense.T)
-    # Leading dimensions kept; bf16 rows read exactly and the output rounded once to bf16.
-    x = torch.randn(2, 4, 600, generator=g).bfloat16()
-    y = kernels.int4_matmul(x, codes, sz, n)
-    ref = (x.double() @ dense.T).float()
-    assert y.shape == (2, 4, n) and y.dtype == torch.bfloat16
-    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5).all()
+    # Leading dimensions kept; bf16 rows read exactly and the output rounded once to bf16 (a few rows: the one-pass
+    # kernel; more: the tiles).
+    for lead in ((1, 3), (2, 4)):
+        x = torch.randn(*lead, 600, generator=g).bfloat16()
+        y = kernels.int4_matmul(x, codes, sz, n)
+        ref = (x.double() @ dense.T).float()
+        assert y.shape == (*lead, n) and y.dtype == torch.bfloat16
+        assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5).all()
 
 
 @pytest.mark.parametrize("flags", [None, AVX2], ids=["this-cpu", "avx2"])
@@ -118,6 +128,16 @@ def test_a_batched_step_without_native_bf16_takes_them(kernel_cache: Path, monke
         assert _close(family.linear(x, w8), x.double() @ w8.dense(torch.float64).T)
         assert _close(table.linear(x), x.double() @ (table.q.double() * table.scale.double()[:, None]).T)
         assert calls.count("int4_matmul") == int4_ours and calls.count("int8_matmul") == 2 * int8_ours
+    # A few rows: one pass over the codes up to INT4_FEW_ROWS; between that and the many-row range torch's fused
+    # kernel where it reads the codes as given (a RAM-homed matrix repacked for it), else ours again.
+    repacked = PackedInt4(w4.codes, w4.scales_and_zeros, w4.shape, kernel_codes=_torch_codes(w4))
+    for m in (1, gemv.INT4_FEW_ROWS, gemv.INT4_FEW_ROWS + 1):
+        calls.clear()
+        x = torch.randn(m, 320, generator=g)
+        assert _close(family.linear(x, w4), x.double() @ w4.dense(torch.float64).T)
+        family.linear(x, repacked)
+        ours = m <= gemv.INT4_FEW_ROWS
+        assert calls.count("int4_matmul") == 1 + ours or repacked.kernel_codes is None
     # Past the highest row count (a prefill) the dense GEMM serves.
     calls.clear()
     family.linear(torch.randn(high4 + 1, 320, generator=g), w4)
@@ -127,3 +147,8 @@ def test_a_batched_step_without_native_bf16_takes_them(kernel_cache: Path, monke
     family.linear(torch.randn(32, 320, generator=g), w4)
     table.linear(torch.randn(32, 320, generator=g))
     assert calls == []
+
+
+def _torch_codes(w: PackedInt4) -> Tensor | None:
+    """``w``'s codes in the layout this CPU's fused int4 kernel reads (None: the stored one)."""
+    return None if int4_kernel_reads_stored_layout() else int4_kernel_codes(w.codes)

@@ -139,7 +139,10 @@ def test_few_row_products_of_int8_matrices_and_the_head_run_the_kernel(kernel_ca
 
 def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     body = "AVX512" if gemv.Kernels(gemv.build()).lanes == 16 else "AVX2"
-    assert f"through our kernel (gemv.c, its {body} body); decode norms and attention ours" in gemv.describe()
+    described = gemv.describe()
+    assert f"through our kernel (gemv.c, its {body} body)" in described
+    assert "decode norms and attention ours" in described
+    assert ("rows ours too (gemm.c)" in described) == gemv.matmul_available()
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()
     assert "through torch's fused kernel, decode norms and attention torch's ops (gemv.c not built" in gemv.describe()

@@ -224,3 +224,79 @@ int rl_int8_gemm(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, in
     free(xs);
     return failed ? -1 : 0;
 }
+
+/* y [m, n] = stage_rows(x) @ W^T over an int4 matrix as stored (rl_int4_gemm's operands) for a few rows (a decode
+ * step at batch 1 to 7): the codes are read once, widened in registers and multiplied unscaled, and each group's sum
+ * is scaled once: sum_c x[c] * ((q[c] - 8) * s + z) = s * sum_c x[c] * q[c] + (z - 8 s) * sum_c x[c]. A pass over
+ * the codes, like gemv.c's over int8 ones; torch's AVX2 int4 kernel wanted the rows cast to bf16 and back, padded
+ * and sliced, five small ops a call. Rows are taken two at a time (8 running sums over 32 weight rows, the four
+ * code vectors and a broadcast: the 16 registers AVX2 has), a block's codes staying in the cache for the next two.
+ * Returns 0, or -1 when a buffer could not be allocated. */
+int rl_int4_gemv(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t kp, const uint8_t *codes,
+                 const uint16_t *sz, int64_t np, int64_t group, void *y, int y_bf16, int64_t n, int threads) {
+    int64_t groups = kp / group;
+    float *xs = aligned_alloc(64, (size_t)(((m * kp + m * groups) * sizeof(float) + 63) / 64 * 64));
+    if (xs == NULL) return -1;
+    stage_rows(x, x_bf16, m, kx, kp, 0, xs);
+    float *xsum = xs + m * kp; /* [m, groups]: each row's sum over each group's columns */
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float t = 0.f;
+            for (int64_t c = g * group; c < (g + 1) * group; c++) t += xs[i * kp + c];
+            xsum[i * groups + g] = t;
+        }
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    const __m256i nibble = _mm256_set1_epi8(15), high = _mm256_set1_epi32((int)0xffff0000);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + b * kp * 32;
+        float out[8][BLOCK] __attribute__((aligned(32)));  /* up to 7 rows (FUSED calls are few-row) */
+        for (int h = 0; h < 2; h++) {  /* rows 0-31 of the block (low nibbles), then 32-63 (high) */
+            for (int64_t i0 = 0; i0 < m; i0 += 2) {
+                int two = m - i0 >= 2;
+                __m256 total[2][4];
+                for (int i = 0; i < 2; i++)
+                    for (int v = 0; v < 4; v++) total[i][v] = _mm256_setzero_ps();
+                for (int64_t g = 0; g < groups; g++) {
+                    __m256 s[2][4];
+                    for (int i = 0; i < 2; i++)
+                        for (int v = 0; v < 4; v++) s[i][v] = _mm256_setzero_ps();
+                    for (int64_t c = g * group; c < (g + 1) * group; c++) {
+                        __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + c * 32));
+                        __m256i q = h ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)
+                                      : _mm256_and_si256(bytes, nibble);
+                        __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                        __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+                        __m256 x0 = _mm256_broadcast_ss(xs + i0 * kp + c);
+                        for (int v = 0; v < 4; v++) s[0][v] = _mm256_fmadd_ps(x0, w[v], s[0][v]);
+                        if (two) {
+                            __m256 x1 = _mm256_broadcast_ss(xs + (i0 + 1) * kp + c);
+                            for (int v = 0; v < 4; v++) s[1][v] = _mm256_fmadd_ps(x1, w[v], s[1][v]);
+                        }
+                    }
+                    /* This group's scale and zero for the 32 rows: bf16 pairs (scale, zero) -> fp32. */
+                    const uint16_t *pairs = sz + (g * np + b * BLOCK + h * 32) * 2;
+                    for (int v = 0; v < 4; v++) {
+                        __m256i both = _mm256_loadu_si256((const __m256i *)(pairs + v * 16));
+                        __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+                        __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(both, high));
+                        __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale, zero);  /* z - 8 s */
+                        for (int i = 0; i < 1 + two; i++) {
+                            __m256 sum = _mm256_set1_ps(xsum[(i0 + i) * groups + g]);
+                            total[i][v] = _mm256_fmadd_ps(scale, s[i][v], _mm256_fmadd_ps(offset, sum, total[i][v]));
+                        }
+                    }
+                }
+                for (int i = 0; i < 1 + two; i++)
+                    for (int v = 0; v < 4; v++) _mm256_store_ps(out[i0 + i] + h * 32 + v * 8, total[i][v]);
+            }
+        }
+        int64_t r0 = b * BLOCK, nr = n - r0 < BLOCK ? n - r0 : BLOCK;
+        store_rows(&out[0][0], m, BLOCK, y, y_bf16, n, 0, r0, nr);
+    }
+    free(xs);
+    return 0;
+}

@@ -57,6 +57,11 @@ ENV = "ROBOT_LLM_GEMV"
 #: x 640: 1.0 / 1.3 / 3.2 / 5.1, 1.5 / 2.7 / 5.2 / 11, 2.3 / 2.6 / 5.0 / 6.8); the 262,144 x 640 head at 16 / 32 /
 #: 64 rows 153-186 / 260-313 / 365-375, widened in blocks 164-256 / 257-451 / 554-750 (this VM is noisy).
 MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
+#: Rows up to which an int4 product is one pass over the codes (``gemm.c``'s ``rl_int4_gemv``; at most 8), and up
+#: to which that pass also beats torch's fused int4 kernel with its casts where torch can read the codes (AVX2
+#: EPYC, 1 thread, ms at 1 / 2 / 4 / 7 rows: 2048 x 640 0.19 / 0.25 / 0.49 / 0.85 against 0.25 / 0.29 / 0.43 /
+#: 0.73; 4096 x 1024 0.54 / 0.75 / 1.5 / 3.1 against 0.75 / 0.90 / 1.4 / 2.5).
+INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -117,6 +122,8 @@ class Kernels:
         int4 = [_PTR, _INT, *[_INT64] * 3, _PTR, _PTR, _INT64, _INT64, _PTR, _INT, _INT64, _INT]
         self.lib.rl_int4_gemm.argtypes = int4
         self.lib.rl_int4_gemm.restype = _INT
+        self.lib.rl_int4_gemv.argtypes = int4
+        self.lib.rl_int4_gemv.restype = _INT
         norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT, _PTR, _PTR, _INT64, _PTR, _PTR, _INT]
         self.lib.rl_rms_norm.argtypes = norm
         self.lib.rl_rms_norm.restype = _INT
@@ -160,10 +167,11 @@ class Kernels:
         return y.view(*x.shape[:-1], n).to(x.dtype)
 
     def int4_matmul(self, x: Tensor, codes: Tensor, scales_and_zeros: Tensor, n: int) -> Tensor:
-        """``x @ W.T`` for many rows over an int4 matrix as stored (``codes uint8 [Np, Kp / 2]``, bf16
-        ``scales_and_zeros [Kp / group, Np, 2]``, :func:`~robot_llm.llm.store.quant.quantize_int4`'s layout;
-        the first ``n`` rows used): ``x [..., K]`` zero-padded to ``Kp``; ``[..., n]`` in ``x``'s dtype, computed
-        in fp32 over exactly :func:`~robot_llm.llm.store.quant.dequantize_int4_into`'s fp32 weights."""
+        """``x @ W.T`` over an int4 matrix as stored (``codes uint8 [Np, Kp / 2]``, bf16 ``scales_and_zeros
+        [Kp / group, Np, 2]``, :func:`~robot_llm.llm.store.quant.quantize_int4`'s layout; the first ``n`` rows
+        used): ``x [..., K]`` zero-padded to ``Kp``; ``[..., n]`` in ``x``'s dtype, computed in fp32 over exactly
+        :func:`~robot_llm.llm.store.quant.dequantize_int4_into`'s fp32 weights (``gemm.c``'s many-row product; up
+        to :data:`INT4_GEMV_ROWS` rows its one pass over the codes, each group's sum scaled once)."""
         import torch
 
         np_, kp = codes.shape[0], 2 * codes.shape[1]
@@ -183,8 +191,9 @@ class Kernels:
         rows, bf16 = self._rows(x)
         m, kx = rows.shape
         y = torch.empty(m, n, dtype=rows.dtype)
+        fn = self.lib.rl_int4_gemv if m <= INT4_GEMV_ROWS else self.lib.rl_int4_gemm
         args = (rows.data_ptr(), bf16, m, kx, kp, codes.data_ptr(), scales_and_zeros.data_ptr(), np_, kp // groups)
-        if self.lib.rl_int4_gemm(*args, y.data_ptr(), bf16, n, torch.get_num_threads()) != 0:
+        if fn(*args, y.data_ptr(), bf16, n, torch.get_num_threads()) != 0:
             raise MemoryError(f"int4_matmul: no memory to stage {m} x {kp} activations")
         return y.view(*x.shape[:-1], n).to(x.dtype)
 
@@ -294,10 +303,11 @@ def matmul_available() -> bool:
 
 def matmul_serves(dtype: str, rows: int, torch_reads: bool = True) -> bool:
     """True when a call of ``rows`` rows over a ``dtype`` (``"int4"``/``"int8"``) matrix goes through ``gemm.c``
-    (:data:`MATMUL_ROWS`); ``torch_reads`` False: torch's fused kernel cannot read the matrix's codes as given,
-    so ours serves its few-row calls too."""
+    (:data:`MATMUL_ROWS`; an int4 one's calls of up to :data:`INT4_FEW_ROWS` rows too); ``torch_reads`` False:
+    torch's fused kernel cannot read the int4 matrix's codes as given, so ours serves all its few-row calls."""
     low, high = MATMUL_ROWS[dtype]
-    return matmul_available() and rows <= high and (rows >= low or not torch_reads)
+    few = dtype == "int4" and (rows <= INT4_FEW_ROWS or not torch_reads)
+    return matmul_available() and rows <= high and (rows >= low or few)
 
 
 def gemv_available() -> bool:
@@ -314,7 +324,14 @@ def describe() -> str:
         why = f"no C compiler, no AVX2/FMA, or {ENV}=0"
         return f"{what} through torch's fused kernel, decode norms and attention torch's ops (gemv.c not built: {why})"
     body = "AVX512" if built.lanes == 16 else "AVX2"
-    return f"{what} through our kernel (gemv.c, its {body} body); decode norms and attention ours (norm.c, attend.c)"
+    many = ""
+    if matmul_available():
+        (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
+        many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
+    return (
+        f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours "
+        "(norm.c, attend.c)"
+    )
 
 
 def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
