@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,14 @@ def weight_only(monkeypatch: pytest.MonkeyPatch):
     yield
     monkeypatch.undo()
     int8_activations_on_cpu.cache_clear()
+
+
+@pytest.fixture
+def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh cache of our compiled kernels (and a fresh :func:`~robot_llm.llm.store.gemv.kernels`) for this test."""
+    from robot_llm.llm.store import gemv
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    gemv.kernels.cache_clear()
+    yield tmp_path / "robot-llm" / "kernels"
+    gemv.kernels.cache_clear()

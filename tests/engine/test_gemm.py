@@ -4,7 +4,7 @@ CPU without native bf16."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,24 +29,23 @@ from robot_llm.llm.store.quant import (
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="gemm.c needs AVX2 and FMA")
 
-AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
-@pytest.fixture
-def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    gemv.kernels.cache_clear()
-    yield tmp_path / "robot-llm" / "kernels"
-    gemv.kernels.cache_clear()
+@pytest.fixture(params=["this-cpu", "avx2"])
+def kernels(request: pytest.FixtureRequest, kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> gemv.Kernels:
+    """The kernels as this CPU builds them, and as the AVX2 kind does (``ATEN_CPU_CAPABILITY=avx2``'s flags)."""
+    if request.param == "avx2":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    flags = gemv.compile_flags()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    return gemv.Kernels(gemv.build(flags))
 
 
 def _close(y: Tensor, ref: Tensor, rel: float = 1e-5) -> bool:
     return bool((y.double() - ref).abs().max() <= rel * ref.abs().max())
 
 
-@pytest.mark.parametrize("flags", [None, AVX2], ids=["this-cpu", "avx2"])
-def test_int4_products_are_the_dense_weights_products(kernel_cache: Path, flags: list[str] | None) -> None:
-    kernels = gemv.Kernels(gemv.build(flags))
+def test_int4_products_are_the_dense_weights_products(kernels: gemv.Kernels) -> None:
     g = torch.Generator().manual_seed(0)
     # Rows not a multiple of the 64-row block, columns padded to the group, more columns than one tile (256),
     # row counts of the one-pass kernel (up to 7) and around the 6-row tile.
@@ -68,9 +67,7 @@ def test_int4_products_are_the_dense_weights_products(kernel_cache: Path, flags:
         assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5).all()
 
 
-@pytest.mark.parametrize("flags", [None, AVX2], ids=["this-cpu", "avx2"])
-def test_int8_products_match_the_few_row_kernel_and_fp64(kernel_cache: Path, flags: list[str] | None) -> None:
-    kernels = gemv.Kernels(gemv.build(flags))
+def test_int8_products_match_the_few_row_kernel_and_fp64(kernels: gemv.Kernels) -> None:
     g = torch.Generator().manual_seed(1)
     q = torch.randint(-127, 128, (1003, 640), dtype=torch.int8, generator=g)  # 1003: not a multiple of the 3-row tile
     scale = (torch.rand(1003, generator=g) / 100).bfloat16()

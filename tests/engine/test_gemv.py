@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,6 @@ from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="gemv.c needs AVX2 and FMA")
 
 AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-
-
-@pytest.fixture
-def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A fresh kernel cache (and a fresh :func:`gemv.kernels`) for this test."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    gemv.kernels.cache_clear()
-    yield tmp_path / "robot-llm" / "kernels"
-    gemv.kernels.cache_clear()
 
 
 def _exact(x: Tensor, q: Tensor, scale: Tensor, n: int) -> Tensor:
