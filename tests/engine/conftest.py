@@ -44,12 +44,28 @@ def weight_only(monkeypatch: pytest.MonkeyPatch):
     int8_activations_on_cpu.cache_clear()
 
 
-@pytest.fixture
-def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A fresh cache of our compiled kernels (and a fresh :func:`~robot_llm.llm.store.gemv.kernels`) for this test."""
+def _kernels_cached_in(root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     from robot_llm.llm.store import gemv
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root))
     gemv.kernels.cache_clear()
-    yield tmp_path / "robot-llm" / "kernels"
+    yield root / "robot-llm" / "kernels"
     gemv.kernels.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def _kernel_builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernel-builds")
+
+
+@pytest.fixture
+def kernel_cache(_kernel_builds: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Our compiled kernels' cache for this test, with a fresh :func:`~robot_llm.llm.store.gemv.kernels`: one
+    folder for the session, so that each build (5-6 s of the compiler) is made once, not once a test."""
+    yield from _kernels_cached_in(_kernel_builds, monkeypatch)
+
+
+@pytest.fixture
+def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache, for the tests of what a build leaves in it."""
+    yield from _kernels_cached_in(tmp_path, monkeypatch)

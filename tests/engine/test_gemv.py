@@ -69,9 +69,9 @@ def test_a_rotated_matrix_meets_its_rotation_inside_the_kernel(
         kernels.int8_gemv(x, q, scale, 77, rotation=96)
 
 
-def test_each_build_is_cached_by_its_flags(kernel_cache: Path) -> None:
+def test_each_build_is_cached_by_its_flags(fresh_kernel_cache: Path) -> None:
     native, avx2 = gemv.build(), gemv.build(AVX2)
-    assert native != avx2 and {p.name for p in kernel_cache.iterdir()} == {native.name, avx2.name}
+    assert native != avx2 and {p.name for p in fresh_kernel_cache.iterdir()} == {native.name, avx2.name}
     stamp = native.stat().st_mtime_ns
     assert gemv.build() == native and native.stat().st_mtime_ns == stamp  # not rebuilt
     assert gemv.Kernels(avx2).lanes == 8
@@ -94,7 +94,7 @@ def test_bad_operands_are_refused_with_what_was_given(kernel_cache: Path) -> Non
 
 
 def test_off_or_without_a_compiler_the_torch_kernels_stay(
-    kernel_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     assert not gemv.gemv_available()
@@ -104,7 +104,7 @@ def test_off_or_without_a_compiler_the_torch_kernels_stay(
     with caplog.at_level(logging.WARNING, logger=gemv.log.name):
         assert not gemv.gemv_available()
     assert "no C compiler" in caplog.text and "torch's kernels" in caplog.text
-    assert not kernel_cache.exists() or not any(kernel_cache.iterdir())
+    assert not fresh_kernel_cache.exists() or not any(fresh_kernel_cache.iterdir())
     # The engine's products still run (torch's fused kernel) and agree with the kernel's to bf16 rounding.
     w = torch.randn(96, 64)
     packed = PackedInt8(*quantize_int8(w), shape=(96, 64))
