@@ -215,7 +215,7 @@ def test_a_given_policy_is_the_engine_and_no_job_changes_it(tiny_dir: Path, stor
         # in place aside, the layer stream's position and the last pass's hidden state, an output the
         # stance head reads): nothing per-job was written into it.
         changed = {k for k, v in vars(engine).items() if before.get(k) is not v}
-        assert changed <= {"_next", "_prefetched", "_current", "_read_busy_until", "_trim", "last_hidden"}, changed
+        assert changed <= {"_next", "_prefetched", "_current", "_read_busy_until", "last_hidden"}, changed
         with pytest.raises(dataclasses.FrozenInstanceError):
             policy.micro_batch = 4  # type: ignore[misc]
     finally:

@@ -422,13 +422,12 @@ class StreamingModel:
         started = time.perf_counter()
         cfg, fam = self.config, self.family
         B, T = ids.shape
-        self._trim = T > 1 and not self.cuda  # a CPU prefill's freed temporaries go back once each layer has run
         logits, self.last_hidden = forward_pass(  # the pre-head states: a stance head reads them
             ids,
             prepare_step(cfg, self.rope, cache, T, pad, self.device, self.dtype, batch=B),
             cache,
             embed=lambda ids: fam.embed(ids.to(self.embed_device), self.resident, cfg).to(self.device),
-            layers=self._layers(),
+            layers=self._layers(trim=T > 1 and not self.cuda),  # a CPU prefill's freed temporaries go back
             head=lambda x: fam.head(x, self.resident, cfg),
             watch=self.watch,
             rows=B if T == 1 else (task and task.micro_batch) or self.micro_batch or B,
@@ -448,8 +447,9 @@ class StreamingModel:
         )
         return logits
 
-    def _layers(self) -> Iterator[tuple[str, LayerCall]]:
-        """Every layer in order, each read while the one before computes; its slot is freed once it has run."""
+    def _layers(self, trim: bool) -> Iterator[tuple[str, LayerCall]]:
+        """Every layer in order, each read while the one before computes; its slot is freed once it has run (and,
+        with ``trim``, the heap's freed pages handed back: :func:`trim_heap`)."""
         cfg = self.config
         if self._prefetched is None or self._prefetched.layer != 0 or _failed(self._prefetched):
             self._drain()  # an earlier step stopped midway or its read failed: restart the stream at layer 0
@@ -461,7 +461,7 @@ class StreamingModel:
             params = self._acquire(i)
             yield f"layer {i} ({self.paths[i].name})", bind_layer(self.family, params, cfg, i)
             drop_dense(params)
-            if self._trim:
+            if trim:
                 trim_heap()
             if self.cuda:
                 assert self._current.free is not None

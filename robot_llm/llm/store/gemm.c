@@ -1,5 +1,6 @@
 /* Products of many rows (a batched decode step: 8 to a few hundred) over int8 and int4 codes on the CPU, with
- * fp32 activations, for CPUs whose int8 x int8 GEMM is not exact (no VNNI: the AVX2 kind, int8act.py).
+ * fp32 activations, for CPUs without native bf16 (the AVX2 kind: gemv.matmul_available), and the few-row int4
+ * pass (rl_int4_gemv) beside them.
  *
  * There torch has two ways, both slow at these sizes: its fused int4 kernel rounds the activations to bf16 and
  * costs 0.35-0.4 ms a row for a 4096 x 1024 matrix (13 ms at 32 rows), and the dense way writes the whole
@@ -97,11 +98,12 @@ static void dequantize_block(const uint8_t *block, const uint16_t *sz, int64_t n
     }
 }
 
-static void store_rows(const float *acc, int64_t mi, int64_t width, void *y, int y_bf16, int64_t ldy, int64_t i0,
-                       int64_t r0, int64_t nr) {
-    for (int64_t i = 0; i < mi; i++)
+/* Rows 0 .. m - 1 of acc [m, width] (its first nr columns) into columns r0 .. r0 + nr - 1 of y [m, ldy]. */
+static void store_rows(const float *acc, int64_t m, int64_t width, void *y, int y_bf16, int64_t ldy, int64_t r0,
+                       int64_t nr) {
+    for (int64_t i = 0; i < m; i++)
         for (int64_t r = 0; r < nr; r++) {
-            int64_t at = (i0 + i) * ldy + r0 + r;
+            int64_t at = i * ldy + r0 + r;
             if (y_bf16)
                 ((uint16_t *)y)[at] = float_to_bf16(acc[i * width + r]);
             else
@@ -138,7 +140,7 @@ int rl_int4_gemm(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t kp, c
                     tiles(m, xs + c0, kp, wt + h * 16, BLOCK, kc, acc + h * 16, BLOCK, c0 == 0);
             }
             int64_t r0 = b * BLOCK, nr = n - r0 < BLOCK ? n - r0 : BLOCK;
-            store_rows(acc, m, BLOCK, y, y_bf16, n, 0, r0, nr);
+            store_rows(acc, m, BLOCK, y, y_bf16, n, r0, nr);
         }
         free(wt);
         free(acc);
@@ -216,7 +218,7 @@ int rl_int8_gemm(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, in
             for (int64_t r = 0; r < nr; r++) s[r] = bf16_to_float(scale[r0 + r]);
             for (int64_t i = 0; i < m; i++)
                 for (int64_t r = 0; r < nr; r++) acc[i * 16 + r] *= s[r];
-            store_rows(acc, m, 16, y, y_bf16, n, 0, r0, nr);
+            store_rows(acc, m, 16, y, y_bf16, n, r0, nr);
         }
         free(wt);
         free(acc);
@@ -295,7 +297,7 @@ int rl_int4_gemv(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t kp, c
             }
         }
         int64_t r0 = b * BLOCK, nr = n - r0 < BLOCK ? n - r0 : BLOCK;
-        store_rows(&out[0][0], m, BLOCK, y, y_bf16, n, 0, r0, nr);
+        store_rows(&out[0][0], m, BLOCK, y, y_bf16, n, r0, nr);
     }
     free(xs);
     return 0;

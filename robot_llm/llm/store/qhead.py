@@ -163,11 +163,10 @@ class QuantizedTable:
         lead = x.shape[:-1]
         m, cpu = x.numel() // x.shape[-1], x.device.type == "cpu"
         quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype)
-        if cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available():
-            y = int8_gemv(x, self.q, self.scale, v, self.rotation)  # it pads and rotates x itself
-            return (y if bias is None else y + bias).reshape(*lead, v)
-        if cpu and not quantized_rows and matmul_serves("int8", m):
-            y = int8_matmul(x, self.q, self.scale, v, self.rotation)
+        few = cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available()
+        if few or (cpu and not quantized_rows and matmul_serves("int8", m)):
+            product = int8_gemv if few else int8_matmul  # ours, few rows or many: they pad and rotate x themselves
+            y = product(x, self.q, self.scale, v, self.rotation)
             return (y if bias is None else y + bias).reshape(*lead, v)
         if self.rotation:
             x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
