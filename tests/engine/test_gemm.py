@@ -131,10 +131,13 @@ def test_a_batched_step_without_native_bf16_takes_them(kernel_cache: Path, monke
     for m in (1, gemv.INT4_FEW_ROWS, gemv.INT4_FEW_ROWS + 1):
         calls.clear()
         x = torch.randn(m, 320, generator=g)
-        assert _close(family.linear(x, w4), x.double() @ w4.dense(torch.float64).T)
+        y = family.linear(x, w4)
+        # Exact where ours served; torch's fused kernel (it reads the stored codes on an AVX512 CPU) rounds to bf16.
+        assert _close(y, x.double() @ w4.dense(torch.float64).T, 1e-5 if calls else 1e-2)
         family.linear(x, repacked)
         ours = m <= gemv.INT4_FEW_ROWS
         assert calls.count("int4_matmul") == 1 + ours or repacked.kernel_codes is None
+        assert calls.count("int4_matmul") >= ours  # the few-row pass is ours on either kind of CPU
     # Past the highest row count (a prefill) the dense GEMM serves.
     calls.clear()
     family.linear(torch.randn(high4 + 1, 320, generator=g), w4)
