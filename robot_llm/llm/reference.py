@@ -12,6 +12,8 @@ than 600 tokens, so the 512-token sliding window is exercised) and 32 greedy tok
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +93,11 @@ def check_gemma(gguf: Path, store_dir: Path) -> dict[str, Any]:
     )
     ours = Model.open(settings)
     tokenizer = ours.tokenizer
-    ref_tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    with _gguf_parsed_once():
+        ref_tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     tokens_match = sum(tokenizer.encode(text) == ref_tok(text).input_ids for text in TOKENIZER_CORPUS)
     prompts = [ENGLISH_PROMPT, RUSSIAN_PROMPT, long_prompt(650, tokenizer)]
     max_diff, greedy_match = 0.0, 0
@@ -122,6 +125,29 @@ def check_gemma(gguf: Path, store_dir: Path) -> dict[str, Any]:
         "greedy_total": len(prompts),
         "long_prompt_tokens": len(tokenizer.encode(prompts[2])),
     }
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers opens the GGUF three times (tokenizer, config, weights), and gguf-py's reader takes about
+    20 s a time over the 262k-token vocabulary's metadata; inside this block each file is parsed once (the reader
+    is a read-only view of the file, so sharing it changes nothing transformers sees)."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[str, Any] = {}
+
+    def shared(path: str | Path, mode: str = "r") -> Any:
+        key = f"{Path(path).resolve()}:{mode}"
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def passed(result: dict[str, Any]) -> bool:
