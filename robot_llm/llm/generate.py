@@ -29,7 +29,17 @@ from robot_llm.llm.engine.finite import check_logits
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.slots import tree_layout
 from robot_llm.llm.families.family import ForwardModel
-from robot_llm.llm.scoring import Followup, Tree, followup_slots, item_scores, plan_tree, tree_hidden, tree_scores
+from robot_llm.llm.scoring import (
+    Followup,
+    StepLogits,
+    Tree,
+    followup_slots,
+    item_scores,
+    plan_tree,
+    tree_hidden,
+    tree_scores,
+    tree_slots,
+)
 from robot_llm.llm.tokenizer import Tokenizer
 
 FinishReason = Literal["eos", "stop", "length"]
@@ -278,15 +288,26 @@ def _run_batch(
                 step[b, : len(fills[b])] = torch.tensor(fills[b])
             elif bool(cache.slots.active[b]):
                 step[b, 0] = r.new_ids[-1]
+        out: Tensor | StepLogits
         if trees or fills:
             shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
             shapes |= {b: (len(f), [], True) for b, f in fills.items()}
             cache.layout = tree_layout(len(rows), steps, shapes, cache.slots, {b: t.placed() for b, t in trees.items()})
-        out = model.forward(step, cache, last_only=not (trees or fills))
+            # The head only where read: every row's first position (the live rows' next token), each tree's
+            # label predictors, each refilled prompt's last token.
+            select = torch.zeros(len(rows), steps, dtype=torch.bool)
+            select[:, 0] = True
+            for b, tree in trees.items():
+                select[b, tree_slots(tree)] = True
+            for b, f in fills.items():
+                select[b, len(f) - 1] = True
+            out = StepLogits(model.forward(step, cache, select=select), select)
+        else:
+            out = model.forward(step, cache, last_only=True)
         if on_step is not None:
             on_step()
         for b, tree in trees.items():
-            check_logits(out[b, : len(tree.tokens)], model)
+            check_logits(out[b, tree_slots(tree)], model)
         for b, scores in tree_scores(out, trees).items():
             if b in seconds:
                 rows[b].then_logprobs = scores
@@ -300,7 +321,7 @@ def _run_batch(
                 carried[b] = second
             else:
                 freed.append(b)
-        logits = out[:, 0].clone()
+        logits = out[:, 0]
         for b, f in fills.items():
             logits[b] = out[b, len(f) - 1]
             cache.slots.active[b] = True
@@ -445,9 +466,12 @@ def _rescore(
             step[b, : len(tree.tokens)] = torch.tensor(tree.tokens)
         shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
         cache.layout = tree_layout(len(chunk), steps, shapes, cache.slots, {b: t.placed() for b, t in trees.items()})
-        out = model.forward(step, cache)
+        select = torch.zeros(len(chunk), steps, dtype=torch.bool)
         for b, tree in trees.items():
-            check_logits(out[b, : len(tree.tokens)], model)
+            select[b, tree_slots(tree)] = True
+        out = StepLogits(model.forward(step, cache, select=select), select)
+        for b, tree in trees.items():
+            check_logits(out[b, tree_slots(tree)], model)
         for b, scores in tree_scores(out, trees).items():
             if then:
                 chunk[b][0].then_logprobs = scores
@@ -456,7 +480,7 @@ def _rescore(
             _keep_hidden(model, chunk[b][0], b, trees[b], out, then=then)
 
 
-def _keep_hidden(model: ForwardModel, r: _Row, b: int, tree: Tree, logits: Tensor, *, then: bool) -> None:
+def _keep_hidden(model: ForwardModel, r: _Row, b: int, tree: Tree, logits: Tensor | StepLogits, *, then: bool) -> None:
     """Keep row ``r``'s hidden state at ``tree``'s trunk end, and its items' scores, when the followup asks."""
     assert r.followup is not None
     followup = r.followup.then if then else r.followup

@@ -197,10 +197,24 @@ def plan_items(
     return tuple(out)
 
 
-def item_scores(logits: Tensor, b: int, tree: Tree) -> tuple[tuple[tuple[float, ...], ...] | None, ...]:
-    """Row ``b``'s per-item label log-probabilities (per token) from the step's logits, None for unplaced items."""
+Reads = list[tuple[list[int], list[int]]]  # (the step's positions whose logits predict them, the target tokens)
+
+
+def _branch_reads(tree: Tree) -> Reads:
+    """Each continuation's target and the positions that predict it (empty for an empty continuation)."""
+    reads: Reads = []
+    last, at = len(tree.trunk) - 1, len(tree.trunk)
+    for branch, target in zip(tree.branches, tree.targets, strict=True):
+        # Piece 0 is predicted by the trunk's last token, piece j by the branch's piece j - 1.
+        reads.append(([last, *range(at, at + len(branch))] if target else [], target))
+        at += len(branch)
+    return reads
+
+
+def _item_reads(tree: Tree) -> list[Reads | None]:
+    """Per news item (None: unplaced), each label's target and the positions that predict it."""
     at = len(tree.trunk) + sum(len(branch) for branch in tree.branches)
-    out: list[tuple[tuple[float, ...], ...] | None] = []
+    out: list[Reads | None] = []
     for item in tree.items:
         if item is None:
             out.append(None)
@@ -209,36 +223,57 @@ def item_scores(logits: Tensor, b: int, tree: Tree) -> tuple[tuple[tuple[float, 
         for branch in item.branches:
             starts.append(at)
             at += len(branch)
-        scores = []
-        for j, target in enumerate(item.targets):
-            if not target:
-                scores.append(())
-                continue
-            # Piece 0 is predicted by the cue's last token, piece k by the label's piece k - 1, in its branch.
-            first = starts[item.label_branch[j]] + item.cue - 1
-            slots = torch.arange(first, first + len(target))
-            scores.append(tuple(token_logprobs(logits[b, slots], torch.tensor(target)).tolist()))
-        out.append(tuple(scores))
-    return tuple(out)
-
-
-def tree_scores(logits: Tensor, trees: dict[int, Tree]) -> dict[int, tuple[tuple[float, ...], ...]]:
-    """Each tree's continuation log-probabilities (per token), gathered from the step's logits ``[B, T, V]``."""
-    out: dict[int, tuple[tuple[float, ...], ...]] = {}
-    for b, tree in trees.items():
-        last = len(tree.trunk) - 1
-        scores: list[tuple[float, ...]] = []
-        at = len(tree.trunk)
-        for branch, target in zip(tree.branches, tree.targets, strict=True):
-            if not target:
-                scores.append(())
-                continue
-            # Piece 0 is predicted by the trunk's last token, piece j by the branch's piece j - 1.
-            slots = torch.tensor([last, *range(at, at + len(branch))])
-            scores.append(tuple(token_logprobs(logits[b, slots], torch.tensor(target)).tolist()))
-            at += len(branch)
-        out[b] = tuple(scores)
+        # Piece 0 is predicted by the cue's last token, piece k by the label's piece k - 1, in its branch.
+        firsts = [starts[item.label_branch[j]] + item.cue - 1 for j in range(len(item.targets))]
+        out.append([(list(range(f, f + len(t))), t) for f, t in zip(firsts, item.targets, strict=True)])
     return out
+
+
+def tree_slots(tree: Tree) -> list[int]:
+    """The positions of ``tree``'s step whose logits are read: the trunk's last and every label piece's predictor.
+
+    The output head runs at these only (a trunk re-fed from a prompt is hundreds of positions, a head
+    of 262k tokens costs as much as the layers at each)."""
+    slots = {len(tree.trunk) - 1}
+    for positions, _ in _branch_reads(tree):
+        slots.update(positions)
+    for item in _item_reads(tree):
+        for positions, _ in item or ():
+            slots.update(positions)
+    return sorted(slots)
+
+
+def _logprobs(logits: Tensor | StepLogits, b: int, reads: Reads) -> tuple[tuple[float, ...], ...]:
+    return tuple(
+        tuple(token_logprobs(logits[b, torch.tensor(slots)], torch.tensor(target)).tolist()) if target else ()
+        for slots, target in reads
+    )
+
+
+def item_scores(logits: Tensor | StepLogits, b: int, tree: Tree) -> tuple[tuple[tuple[float, ...], ...] | None, ...]:
+    """Row ``b``'s per-item label log-probabilities (per token) from the step's logits, None for unplaced items."""
+    return tuple(None if reads is None else _logprobs(logits, b, reads) for reads in _item_reads(tree))
+
+
+def tree_scores(logits: Tensor | StepLogits, trees: dict[int, Tree]) -> dict[int, tuple[tuple[float, ...], ...]]:
+    """Each tree's continuation log-probabilities (per token), gathered from the step's logits ``[B, T, V]``."""
+    return {b: _logprobs(logits, b, _branch_reads(tree)) for b, tree in trees.items()}
+
+
+class StepLogits:
+    """A step's logits computed at the ``select``ed positions only (``[N, V]``, row-major), indexed like the
+    ``[B, T, V]`` tensor they stand for; reading a position that was not computed raises ``IndexError``."""
+
+    def __init__(self, packed: Tensor, select: Tensor) -> None:
+        self.packed = packed
+        self.index = torch.full(select.shape, -1, dtype=torch.long)
+        self.index[select] = torch.arange(packed.shape[0])
+
+    def __getitem__(self, key: object) -> Tensor:
+        at = self.index[key]
+        if bool((at < 0).any()):
+            raise IndexError(f"logits at {key} were not computed in this step")
+        return self.packed[at]
 
 
 def tree_hidden(model: ForwardModel, b: int, tree: Tree) -> tuple[float, ...] | None:

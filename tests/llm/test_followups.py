@@ -10,7 +10,7 @@ batch must take at most one weight pass more than generation alone.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ class Counting:
 
     inner: ForwardModel
     calls: list[tuple[int, int, bool]]
+    heads: list[tuple[int, int]] = field(default_factory=list)  # (positions fed, positions the head ran at)
 
     @property
     def config(self) -> Any:
@@ -57,7 +58,9 @@ class Counting:
 
     def forward(self, ids: torch.Tensor, cache: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls.append((ids.shape[0], ids.shape[1], cache is not None))
-        return self.inner.forward(ids, cache, *args, **kwargs)
+        out = self.inner.forward(ids, cache, *args, **kwargs)
+        self.heads.append((ids.numel(), out.shape[0] if out.dim() == 2 else out.shape[0] * out.shape[1]))
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,9 @@ def _check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str], fo
     assert all(cached for _, _, cached in counted.calls), "a followup was re-prefilled instead of read from the cache"
     # One step more for the rows still scoring after the last token; two when that row has a second followup.
     assert len(counted.calls) <= len(plain.calls) + 1 + any(f.then is not None for f in followups)
+    # The tree steps run the head only at the positions read, not at every position fed.
+    trees = [(fed, head) for fed, head in counted.heads[1:] if fed > len(prompts)]
+    assert trees and sum(head for _, head in trees) < sum(fed for fed, _ in trees)
     for prompt, p, f, c, w in zip(prompts, params, followups, got, without, strict=True):
         assert replace(c, followup_logprobs=None, then_logprobs=None, hidden=None) == w
         assert w == generate(model, tokenizer, [prompt], p)[0]
@@ -103,6 +109,24 @@ def _check(model: ForwardModel, tokenizer: YalmTokenizer, prompts: list[str], fo
             model.forward(torch.tensor([tokenizer.encode(asked.context(prompt, c.text))]))
             want_hidden = model.last_hidden[0, -1]  # type: ignore[attr-defined]
             assert torch.tensor(c.hidden) == pytest.approx(want_hidden, abs=1e-4 * float(want_hidden.abs().max()))
+
+
+def test_the_head_at_selected_positions_is_the_full_passes(tiny_model: Yalm) -> None:
+    from robot_llm.llm.scoring import StepLogits
+
+    ids = torch.randint(0, tiny_model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+    select = torch.rand(3, 7, generator=torch.Generator().manual_seed(1)) < 0.4
+    select[:, 0] = True
+    full = tiny_model.forward(ids)
+    packed = tiny_model.forward(ids, select=select)
+    assert packed.shape == (int(select.sum()), full.shape[-1])
+    step = StepLogits(packed, select)
+    for b, t in select.nonzero().tolist():
+        assert torch.allclose(step[b, t], full[b, t], atol=1e-5)
+    assert torch.allclose(step[:, 0], full[:, 0], atol=1e-5)
+    unread = (~select).nonzero()[0].tolist()
+    with pytest.raises(IndexError, match="not computed"):
+        step[unread[0], unread[1]]
 
 
 def test_followups_from_the_cache_on_the_tiny_fixture(

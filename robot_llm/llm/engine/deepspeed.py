@@ -170,11 +170,25 @@ class YalmZero(nn.Module):
         )
 
     def forward(
-        self, ids: Tensor, step: StepInfo, cache: KVCache | None, last_only: bool, watch: FiniteWatch
+        self,
+        ids: Tensor,
+        step: StepInfo,
+        cache: KVCache | None,
+        last_only: bool,
+        select: Tensor | None,
+        watch: FiniteWatch,
     ) -> Tensor:
         layers = ((f"layer {i}", layer) for i, layer in enumerate(self.layers))
         return forward_pass(
-            ids, step, cache, embed=self.embedding, layers=layers, head=self.head, watch=watch, last_only=last_only
+            ids,
+            step,
+            cache,
+            embed=self.embedding,
+            layers=layers,
+            head=self.head,
+            watch=watch,
+            last_only=last_only,
+            select=select,
         )[0]
 
     def target(self, kind: ModuleKind, index: int) -> tuple[_Module, str]:
@@ -329,11 +343,12 @@ class DeepSpeedModel:
         pad: Tensor | None = None,
         *,
         last_only: bool = False,
+        select: Tensor | None = None,
     ) -> Tensor:
         """See :meth:`robot_llm.llm.families.yalm.ForwardModel.forward`."""
         B, T = ids.shape
         step = prepare_step(self.config, self.rope, cache, T, pad, self.device, self.dtype, batch=B)
-        return self.engine.module(ids.to(self.device), step, cache, last_only, self.watch)
+        return self.engine.module(ids.to(self.device), step, cache, last_only, select, self.watch)
 
     __call__ = forward
 

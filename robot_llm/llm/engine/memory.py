@@ -47,6 +47,7 @@ class InMemoryModel:
         pad: Tensor | None = None,
         *,
         last_only: bool = False,
+        select: Tensor | None = None,
     ) -> Tensor:
         """See :meth:`ForwardModel.forward`."""
         cfg, w, fam = self.config, self.weights, self.family
@@ -60,6 +61,7 @@ class InMemoryModel:
             head=lambda x: fam.head(x, w.resident, cfg),
             watch=self.watch,
             last_only=last_only,
+            select=select,
         )
         return logits
 

@@ -98,10 +98,18 @@ class TaskView:
         return self.engine.new_cache(batch, max_len, pad, self.task)
 
     def forward(
-        self, ids: Tensor, cache: KVCache | None = None, pad: Tensor | None = None, *, last_only: bool = False
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+        *,
+        last_only: bool = False,
+        select: Tensor | None = None,
     ) -> Tensor:
         """The engine's forward pass with this job's micro-batch and liveness callback."""
-        return self.engine.forward(ids, cache, pad, last_only=last_only, task=self.task, on_layer=self.on_layer)
+        return self.engine.forward(
+            ids, cache, pad, last_only=last_only, select=select, task=self.task, on_layer=self.on_layer
+        )
 
     __call__ = forward
 

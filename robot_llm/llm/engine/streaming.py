@@ -413,6 +413,7 @@ class StreamingModel:
         pad: Tensor | None = None,
         *,
         last_only: bool = False,
+        select: Tensor | None = None,
         task: Task | None = None,
         on_layer: Callable[[], None] | None = None,
     ) -> Tensor:
@@ -432,19 +433,14 @@ class StreamingModel:
             watch=self.watch,
             rows=B if T == 1 else (task and task.micro_batch) or self.micro_batch or B,
             last_only=last_only,
+            select=select,
             on_layer=on_layer,
         )
         self.stats.forwards += 1
-        self.stats.forward_seconds += time.perf_counter() - started
-        log.debug(
-            "forward %d: %dx%d tokens in %.2fs, %.0f MiB/s read, %.0f%% of I/O hidden",
-            self.stats.forwards,
-            B,
-            T,
-            time.perf_counter() - started,
-            self.stats.read_bandwidth / 2**20,
-            100 * self.stats.io_hidden_fraction,
-        )
+        self.stats.forward_seconds += (seconds := time.perf_counter() - started)
+        hidden = 100 * self.stats.io_hidden_fraction
+        stats = (self.stats.forwards, B, T, seconds, self.stats.read_bandwidth / 2**20, hidden)
+        log.debug("forward %d: %dx%d tokens in %.2fs, %.0f MiB/s read, %.0f%% of I/O hidden", *stats)
         return logits
 
     def _layers(self, trim: bool) -> Iterator[tuple[str, LayerCall]]:

@@ -286,6 +286,7 @@ def forward_pass(
     watch: FiniteWatch,
     rows: int | None = None,
     last_only: bool = False,
+    select: Tensor | None = None,
     on_layer: Callable[[], None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One step of any engine over ``ids [B, T]``: embed, every layer, the head. Returns the fp32 CPU
@@ -299,7 +300,8 @@ def forward_pass(
     into micro-batches of that many rows (bounded activations; each layer still fetched once);
     ``on_layer`` runs after every layer of every micro-batch (the watchdog's liveness). ``cache``
     (``step`` from :func:`prepare_step` over it) is advanced by ``T``; ``last_only`` keeps the
-    last position only.
+    last position only; ``select`` (``[B, T]`` bool) runs the head at those positions only and returns their
+    logits packed ``[N, V]`` in row-major order (the hidden states stay ``[B, T, H]``).
     """
     B, T = ids.shape
     rows = rows or B
@@ -322,7 +324,8 @@ def forward_pass(
         cache.advance(T)
     if last_only:
         x = x[:, -1:]
-    return head(x).float().cpu(), x
+    read = x if select is None else x[select.to(x.device)]
+    return head(read).float().cpu(), x
 
 
 # --------------------------------------------------------------------------- models
@@ -344,8 +347,10 @@ class ForwardModel(Protocol):
         pad: Tensor | None = None,
         *,
         last_only: bool = False,
+        select: Tensor | None = None,
     ) -> Tensor:
-        """Run ``ids [B, T]`` (CPU long); return fp32 CPU logits ``[B, T, V]`` (``[B, 1, V]`` if last_only).
+        """Run ``ids [B, T]`` (CPU long); return fp32 CPU logits ``[B, T, V]`` (``[B, 1, V]`` if last_only;
+        ``[N, V]`` at the N True positions of a ``[B, T]`` bool ``select``, row-major: the head only where read).
 
         With ``cache`` the tokens continue the cached rows and the cache is
         advanced by ``T``; without it ``pad`` gives the left padding of each row.
