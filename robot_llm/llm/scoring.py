@@ -313,14 +313,16 @@ def score_pieces(
         width = max(len(p) + len(c) for p, c in chunk)
         pad = torch.tensor([width - len(p) - len(c) for p, c in chunk], dtype=torch.long)
         ids = torch.full((len(chunk), width), tokenizer.eos_id, dtype=torch.long)
+        # Token at sequence index t is predicted by the logits at slot pad + t - 1: the head runs there only.
+        slots = [torch.arange(len(p) - 1, len(p) + len(c) - 1) + int(pad[b]) for b, (p, c) in enumerate(chunk)]
+        select = torch.zeros(len(chunk), width, dtype=torch.bool)
         for b, (p, c) in enumerate(chunk):
             ids[b, int(pad[b]) :] = torch.tensor(p + c)
-        logits = model.forward(ids, None, pad)
-        for b, (p, c) in enumerate(chunk):
-            check_logits(logits[b, int(pad[b]) :], model)
-            # Token at sequence index t is predicted by the logits at slot pad + t - 1.
-            slots = torch.arange(len(p), len(p) + len(c)) + int(pad[b]) - 1
-            scores.append(token_logprobs(logits[b, slots], torch.tensor(c, dtype=torch.long)).tolist())
+            select[b, slots[b]] = True
+        logits = StepLogits(model.forward(ids, None, pad, select=select), select)
+        for b, (_, c) in enumerate(chunk):
+            check_logits(logits[b, slots[b]], model)
+            scores.append(token_logprobs(logits[b, slots[b]], torch.tensor(c, dtype=torch.long)).tolist())
     return scores
 
 

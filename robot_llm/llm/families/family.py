@@ -20,12 +20,10 @@ loop every engine runs (in-memory, streaming, DeepSpeed); only where the weights
         watch=FiniteWatch(),
     )
 
-Batching prompts of different lengths: left-pad every row to the same length
-and pass ``pad[b]`` (the number of pad slots at the front of row ``b``). Row
-``b``'s rotary position of slot ``s`` is ``s - pad[b]`` (BOS at position 0),
-and pad slots are masked out as keys, so each row computes exactly what it
-would compute alone. The KV cache and
-what a layer sees of it are :mod:`robot_llm.llm.engine.kv_cache`.
+Batching prompts of different lengths: left-pad every row to the same length and pass ``pad[b]`` (the number of
+pad slots at the front of row ``b``). Row ``b``'s rotary position of slot ``s`` is ``s - pad[b]`` (BOS at position
+0), and pad slots are masked out as keys, so each row computes exactly what it would compute alone. The KV cache
+and what a layer sees of it are :mod:`robot_llm.llm.engine.kv_cache`.
 """
 
 from __future__ import annotations
@@ -289,19 +287,17 @@ def forward_pass(
     select: Tensor | None = None,
     on_layer: Callable[[], None] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One step of any engine over ``ids [B, T]``: embed, every layer, the head. Returns the fp32 CPU
-    logits and the hidden states the head read (``[B, T, H]``, ``[B, 1, H]`` with ``last_only``: a
-    stance head reads them).
+    """One step of any engine over ``ids [B, T]``: embed, every layer, the head. Returns the fp32 CPU logits and
+    the hidden states the head read (``[B, T, H]``, ``[B, 1, H]`` with ``last_only``: a stance head reads them).
 
-    The engines differ only in where weights come from, so they pass them in: ``layers`` yields
-    each layer's name (for ``watch``) and its call, in order; a generator may fetch the next
-    layer before it yields and release the last one after (the streaming engine's slots), or
-    yield modules whose hooks gather their weights (DeepSpeed ZeRO-3). ``rows`` splits the batch
-    into micro-batches of that many rows (bounded activations; each layer still fetched once);
-    ``on_layer`` runs after every layer of every micro-batch (the watchdog's liveness). ``cache``
-    (``step`` from :func:`prepare_step` over it) is advanced by ``T``; ``last_only`` keeps the
-    last position only; ``select`` (``[B, T]`` bool) runs the head at those positions only and returns their
-    logits packed ``[N, V]`` in row-major order (the hidden states stay ``[B, T, H]``).
+    The engines differ only in where weights come from, so they pass them in: ``layers`` yields each layer's name
+    (for ``watch``) and its call, in order; a generator may fetch the next layer before it yields and release the
+    last one after (the streaming engine's slots), or yield modules whose hooks gather their weights (DeepSpeed
+    ZeRO-3). ``rows`` splits the batch into micro-batches of that many rows (bounded activations; each layer still
+    fetched once); ``on_layer`` runs after every layer of every micro-batch (the watchdog's liveness). ``cache``
+    (``step`` from :func:`prepare_step` over it) is advanced by ``T``; ``last_only`` keeps the last position only;
+    ``select`` (``[B, T]`` bool) runs the head at those positions only and returns their logits packed ``[N, V]``
+    in row-major order (the hidden states stay ``[B, T, H]``).
     """
     B, T = ids.shape
     rows = rows or B
@@ -324,8 +320,7 @@ def forward_pass(
         cache.advance(T)
     if last_only:
         x = x[:, -1:]
-    read = x if select is None else x[select.to(x.device)]
-    return head(read).float().cpu(), x
+    return head(x if select is None else x[select.to(x.device)]).float().cpu(), x
 
 
 # --------------------------------------------------------------------------- models
