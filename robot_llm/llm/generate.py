@@ -38,6 +38,7 @@ from robot_llm.llm.scoring import (
     plan_tree,
     tree_hidden,
     tree_scores,
+    tree_select,
     tree_slots,
 )
 from robot_llm.llm.tokenizer import Tokenizer
@@ -295,10 +296,8 @@ def _run_batch(
             cache.layout = tree_layout(len(rows), steps, shapes, cache.slots, {b: t.placed() for b, t in trees.items()})
             # The head only where read: every row's first position (the live rows' next token), each tree's
             # label predictors, each refilled prompt's last token.
-            select = torch.zeros(len(rows), steps, dtype=torch.bool)
+            select = tree_select(trees, len(rows), steps)
             select[:, 0] = True
-            for b, tree in trees.items():
-                select[b, tree_slots(tree)] = True
             for b, f in fills.items():
                 select[b, len(f) - 1] = True
             out = StepLogits(model.forward(step, cache, select=select), select)
@@ -466,9 +465,7 @@ def _rescore(
             step[b, : len(tree.tokens)] = torch.tensor(tree.tokens)
         shapes = {b: (len(t.trunk), [len(x) for x in t.branches], False) for b, t in trees.items()}
         cache.layout = tree_layout(len(chunk), steps, shapes, cache.slots, {b: t.placed() for b, t in trees.items()})
-        select = torch.zeros(len(chunk), steps, dtype=torch.bool)
-        for b, tree in trees.items():
-            select[b, tree_slots(tree)] = True
+        select = tree_select(trees, len(chunk), steps)
         out = StepLogits(model.forward(step, cache, select=select), select)
         for b, tree in trees.items():
             check_logits(out[b, tree_slots(tree)], model)

@@ -243,6 +243,14 @@ def tree_slots(tree: Tree) -> list[int]:
     return sorted(slots)
 
 
+def tree_select(trees: dict[int, Tree], rows: int, steps: int) -> Tensor:
+    """The ``[rows, steps]`` positions of a tree step whose logits are read (:func:`tree_slots` of each tree)."""
+    select = torch.zeros(rows, steps, dtype=torch.bool)
+    for b, tree in trees.items():
+        select[b, tree_slots(tree)] = True
+    return select
+
+
 def _logprobs(logits: Tensor | StepLogits, b: int, reads: Reads) -> tuple[tuple[float, ...], ...]:
     return tuple(
         tuple(token_logprobs(logits[b, torch.tensor(slots)], torch.tensor(target)).tolist()) if target else ()
