@@ -7,67 +7,273 @@
  * query heads (every key read once for all of them) or, with fewer such items than threads, one query head
  * (a row at batch 1 still spreads over the threads). Scores, softmax and the weighted sum are fp32; the
  * output is rounded once to the query's dtype. A fully masked row comes out zero, as torch's fused kernel's.
+ *
+ * At batch 32 a step's caches (18 layers x 32 rows x 512 keys) are larger than the CPU's caches, so the
+ * kernel must compute faster than the memory delivers: the AVX512 body where the compiler may use it, the
+ * scores of four keys reduced together (a sum of one vector's lanes costs half a key's products), the
+ * exponentials eight or sixteen at a time, and the values weighed a block of keys at a time that stays in L1
+ * while every column of the head dimension passes over it.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "floats.h"
 
-/* Eight values of a key or value row as fp32 (bf16: its bits shifted up into an fp32's). */
-static inline __m256 load8(const void *p, int dtype, int64_t j) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define VL 16
+#define KB 4 /* keys scored together */
+#define CW 4 /* value vectors (of VL columns) weighed together */
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset(float a) { return _mm512_set1_ps(a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+static inline float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+/* n <= VL values from element j of a row (bf16: their bits shifted up into fp32's), the rest zero. */
+static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
+    if (dtype == RL_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first(n), (const uint16_t *)p + j)), 16));
+    return _mm512_maskz_loadu_ps(first(n), (const float *)p + j);
+}
+static inline void vstore(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
+/* The sums of four vectors' lanes. */
+static inline __m128 hsum4(vf a, vf b, vf c, vf d) {
+    __m256 h[4];
+    vf v[4] = {a, b, c, d};
+    for (int i = 0; i < 4; i++)
+        h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+/* 2^n for integral n in [-126, 127] in every lane, times x. */
+static inline vf vscale2(vf x, vf n) { return _mm512_scalef_ps(x, n); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* Where the values' unpacking serves (PAIRS), and the keys' bf16 dot products (DOT, AVX512-BF16). */
+#define PAIRS 1
+#define PAIRS_SERVE(kv_dtype, hd) ((kv_dtype) == RL_BF16 && (hd) % (CW * VL) == 0)
+#if defined(__AVX512BF16__)
+#define DOT 1
+#define DOT_SERVES(q_dtype, kv_dtype, hd) ((q_dtype) == RL_BF16 && (kv_dtype) == RL_BF16 && (hd) % 32 == 0)
+#endif
+/* Where column j of a 32-column block lies once unpacked: unpacklo takes the first four of each eight, unpackhi
+ * the last four, the eights' lanes in order. */
+static inline int64_t unpacked_column(int64_t j) {
+    int64_t block = j / 32 * 32, e = j % 32, lane = e / 8, r = e % 8;
+    return block + (r < 4 ? lane * 4 + r : 16 + lane * 4 + r - 4);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+#define KB 2
+#define CW 2
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset(float a) { return _mm256_set1_ps(a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vhmax(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float vhsum(vf a) { return hsum8(a); }
+/* A head size is a multiple of 8 (the caller checks), so every load and store of this body is whole. */
+static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
+    (void)n;
     if (dtype == RL_BF16)
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + j))), 16));
     return _mm256_loadu_ps((const float *)p + j);
 }
+static inline void vstore(float *p, vf v, int64_t n) {
+    (void)n;
+    _mm256_storeu_ps(p, v);
+}
+static inline __m128 hsum4(vf a, vf b, vf c, vf d) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+static inline vf vscale2(vf x, vf n) {
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(x, _mm256_castsi256_ps(bits));
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#define PAIRS 0
+#define PAIRS_SERVE(kv_dtype, hd) 0
+static inline int64_t unpacked_column(int64_t j) { return j; }
+#else
+#error "attend.c needs AVX2 and FMA (gemv.py compiles it only where the CPU has them)"
+#endif
 
-/* Heads handled together: every key and value vector loaded once for HB heads' products (HB x 2 running
- * sums keep the FMAs' latency hidden; one head's dot product alone is a chain of dependent adds). */
+#ifndef DOT
+#define DOT 0
+#define DOT_SERVES(q_dtype, kv_dtype, hd) 0
+#endif
+
+/* Query heads handled together: every key and value vector loaded once for HB heads' products. */
 #define HB 4
+/* Keys whose values are weighed together: 32 bf16 rows of 256 are 16 KB, in L1 for every column block. */
+#define KBLK 32
+/* Keys ahead of the ones being scored whose rows are fetched meanwhile (the memory's latency is a few keys'
+ * products). */
+#define PREFETCH_KEYS 24
 
-/* scores[h * S + i] = (q_h . k[live[i]]) * scale for nb <= HB heads (q: fp32 [nb, hd], hd a multiple of 8). */
-static inline __attribute__((always_inline)) void score_block(const float *q, int64_t nb, int64_t hd, const char *keys, int64_t stride, int dtype,
-                        const int32_t *live, int64_t count, float scale, float *scores, int64_t S) {
-    for (int64_t i = 0; i < count; i++) {
-        const void *key = keys + (size_t)live[i] * stride;
-        __m256 acc[HB][2];
-        for (int h = 0; h < HB; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= hd; j += 16) {
-            __m256 k0 = load8(key, dtype, j), k1 = load8(key, dtype, j + 8);
+/* exp(x) for x <= 0 (a score minus the row's largest), within 2 units in the last place: Cephes' expf (the
+ * remainder after whole powers of two, in two parts of ln 2, and a degree-6 polynomial). Below ln(FLT_MIN) it
+ * gives FLT_MIN's order instead of zero, which no sum of probabilities can tell apart. */
+static inline vf vexp(vf x) {
+    x = vmax(x, vset(-87.33654f));
+    vf n = vround(vmul(x, vset(1.44269504088896341f)));
+    vf r = vfma(n, vset(-0.693359375f), x);
+    r = vfma(n, vset(2.12194440e-4f), r);
+    vf y = vset(1.9875691500e-4f);
+    y = vfma(y, r, vset(1.3981999507e-3f));
+    y = vfma(y, r, vset(8.3334519073e-3f));
+    y = vfma(y, r, vset(4.1665795894e-2f));
+    y = vfma(y, r, vset(1.6666665459e-1f));
+    y = vfma(y, r, vset(5.0000001201e-1f));
+    y = vfma(y, vmul(r, r), vadd(r, vset(1.f)));
+    return vscale2(y, n);
+}
+
+/* scores[h * S + i] = (q_h . k[live[i]]) * scale for NB heads, KB keys at a time; q fp32 [NB, hd], or with
+ * `dot` (DOT_SERVES) the query's own bf16 [NB, hd] multiplied by the bf16 keys as they are, 32 products an
+ * instruction (exact products, summed in fp32 as the FMAs do, but in pairs and with subnormals flushed). */
+static inline __attribute__((always_inline)) void score_block(const void *q, int nb, int64_t hd, const char *keys,
+                                                              int64_t stride, int dtype, const int32_t *live,
+                                                              int64_t count, float scale, float *scores, int64_t S,
+                                                              int dot) {
+    size_t esize = dtype == RL_BF16 ? 2 : 4;
+    for (int64_t i = 0; i < count; i += KB) {
+        int64_t kn = count - i < KB ? count - i : KB;
+        const void *key[KB];
+        const char *ahead[KB];  /* the keys PREFETCH_KEYS on, fetched while these are scored */
+        for (int c = 0; c < KB; c++) {
+            key[c] = keys + (size_t)live[i + (c < kn ? c : 0)] * stride;
+            int64_t next = i + PREFETCH_KEYS + c < count ? i + PREFETCH_KEYS + c : count - 1;
+            ahead[c] = keys + (size_t)live[next] * stride;
+        }
+        vf acc[HB * KB];
+        for (int a = 0; a < HB * KB; a++) acc[a] = vzero();
+#if DOT
+        for (int64_t j = 0; dot && j < hd; j += 32) {
+            __m512i kv[KB];
+            for (int c = 0; c < KB; c++) {
+                _mm_prefetch(ahead[c] + j * 2, _MM_HINT_T0);
+                kv[c] = _mm512_loadu_si512((const uint16_t *)key[c] + j);
+            }
             for (int h = 0; h < nb; h++) {
-                acc[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + j), k0, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + j + 8), k1, acc[h][1]);
+                __m512bh qv = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + h * hd + j);
+                for (int c = 0; c < KB; c++) acc[h * KB + c] = _mm512_dpbf16_ps(acc[h * KB + c], qv, (__m512bh)kv[c]);
             }
         }
-        if (j < hd) {
-            __m256 k0 = load8(key, dtype, j);
-            for (int h = 0; h < nb; h++) acc[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + j), k0, acc[h][0]);
+#endif
+        for (int64_t j = 0; !dot && j < hd; j += VL) {
+            int64_t n = hd - j < VL ? hd - j : VL;
+            for (int c = 0; c < KB; c++) _mm_prefetch(ahead[c] + j * esize, _MM_HINT_T0);
+            vf kv[KB];
+            for (int c = 0; c < KB; c++) kv[c] = vload(key[c], dtype, j, n);
+            for (int h = 0; h < nb; h++) {
+                vf qv = vload((const float *)q + h * hd, RL_FP32, j, n);
+                for (int c = 0; c < KB; c++) acc[h * KB + c] = vfma(qv, kv[c], acc[h * KB + c]);
+            }
         }
-        for (int h = 0; h < nb; h++) scores[h * S + i] = hsum8(_mm256_add_ps(acc[h][0], acc[h][1])) * scale;
+        for (int a = 0; a < nb * KB; a += 4) {
+            float sums[4];
+            _mm_storeu_ps(sums, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
+            for (int b = 0; b < 4; b++) {
+                int h = (a + b) / KB, c = (a + b) % KB;
+                if (h < nb && c < kn) scores[h * S + i + c] = sums[b] * scale;
+            }
+        }
     }
 }
 
-/* out_h = sum_i p[h * S + i] * v[live[i]] for nb <= HB heads, 16 columns at a time (fp32 [nb, hd]). */
-static inline __attribute__((always_inline)) void weigh_block(const float *p, int64_t nb, int64_t hd, const char *values, int64_t stride, int dtype,
-                        const int32_t *live, int64_t count, float *out, int64_t S) {
-    for (int64_t j = 0; j < hd; j += 16) {
-        int wide = j + 16 <= hd;
-        __m256 acc[HB][2];
-        for (int h = 0; h < HB; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < count; i++) {
-            const void *value = values + (size_t)live[i] * stride;
-            __m256 v0 = load8(value, dtype, j), v1 = wide ? load8(value, dtype, j + 8) : _mm256_setzero_ps();
-            for (int h = 0; h < nb; h++) {
-                __m256 w = _mm256_broadcast_ss(p + h * S + i);
-                acc[h][0] = _mm256_fmadd_ps(w, v0, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(w, v1, acc[h][1]);
+/* out_h = sum_i p[h * S + i] * v[live[i]] for NB heads (fp32 [NB, hd]): KBLK keys at a time, and over each
+ * block CW vectors of columns at a time, the running sums kept in out between blocks. With `pairs`
+ * (PAIRS_SERVE), 32 bf16 values are widened by two unpacks instead of two widenings and two shifts, which leaves
+ * them in the order of unpacked_column(), the order out is then written in. */
+static inline __attribute__((always_inline)) void weigh_block(const float *p, int nb, int64_t hd, const char *values,
+                                                              int64_t stride, int dtype, const int32_t *live,
+                                                              int64_t count, float *out, int64_t S, int pairs) {
+    (void)pairs;  /* the AVX2 body has no unpacking mode */
+    size_t esize = dtype == RL_BF16 ? 2 : 4;
+    if (count == 0) {
+        memset(out, 0, (size_t)(nb * hd) * sizeof(float));
+        return;
+    }
+    for (int64_t i0 = 0; i0 < count; i0 += KBLK) {
+        int64_t i1 = count - i0 < KBLK ? count : i0 + KBLK;
+        for (int64_t j = 0; j < hd; j += CW * VL) {
+            int64_t n[CW];
+            for (int c = 0; c < CW; c++) {
+                int64_t left = hd - j - c * VL;
+                n[c] = left < 0 ? 0 : left < VL ? left : VL;
             }
+            vf acc[HB][CW];
+            for (int h = 0; h < nb; h++)
+                for (int c = 0; c < CW; c++)
+                    acc[h][c] = i0 == 0 || n[c] == 0 ? vzero() : vload(out + h * hd, RL_FP32, j + c * VL, n[c]);
+            for (int64_t i = i0; i < i1; i++) {
+                const char *value = values + (size_t)live[i] * stride;
+                if (i + KBLK < count) {  /* the same columns of the next block's key, for its pass */
+                    const char *next = values + (size_t)live[i + KBLK] * stride + j * esize;
+                    for (size_t at = 0; at < CW * VL * esize; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+                }
+                vf v[CW];
+#if PAIRS
+                if (pairs) {
+                    for (int c = 0; c < CW; c += 2) {
+                        __m512i raw = _mm512_loadu_si512((const uint16_t *)value + j + c * VL), z = _mm512_setzero_si512();
+                        v[c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, raw));
+                        v[c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, raw));
+                    }
+                } else
+#endif
+                    for (int c = 0; c < CW; c++) v[c] = n[c] ? vload(value, dtype, j + c * VL, n[c]) : vzero();
+                for (int h = 0; h < nb; h++) {
+                    vf w = vset(p[h * S + i]);
+                    for (int c = 0; c < CW; c++) acc[h][c] = vfma(w, v[c], acc[h][c]);
+                }
+            }
+            for (int h = 0; h < nb; h++)
+                for (int c = 0; c < CW; c++)
+                    if (n[c]) vstore(out + h * hd + j + c * VL, acc[h][c], n[c]);
         }
-        for (int h = 0; h < nb; h++) {
-            _mm256_storeu_ps(out + h * hd + j, acc[h][0]);
-            if (wide) _mm256_storeu_ps(out + h * hd + j + 8, acc[h][1]);
+    }
+}
+
+/* The softmax of each head's scores over its `count` live keys, in place (every key masked: nothing to do). */
+static void softmax_rows(float *scores, int64_t nb, int64_t S, int64_t count, float softcap) {
+    for (int64_t h = 0; h < nb; h++) {
+        float *row = scores + h * S;
+        if (softcap > 0.f)
+            for (int64_t i = 0; i < count; i++) row[i] = tanhf(row[i] / softcap) * softcap;
+        int64_t i = 0;
+        vf top = vset(-INFINITY);
+        for (; i + VL <= count; i += VL) top = vmax(top, vload(row, RL_FP32, i, VL));
+        float most = vhmax(top);
+        for (; i < count; i++) most = row[i] > most ? row[i] : most;
+        vf sum = vzero(), base = vset(most);
+        for (i = 0; i + VL <= count; i += VL) {
+            vf e = vexp(vsub(vload(row, RL_FP32, i, VL), base));
+            vstore(row + i, e, VL);
+            sum = vadd(sum, e);
         }
+        float total = vhsum(sum);
+        for (; i < count; i++) total += row[i] = expf(row[i] - most);
+        float inv = count ? 1.f / total : 0.f;
+        vf scale = vset(inv);
+        for (i = 0; i + VL <= count; i += VL) vstore(row + i, vmul(vload(row, RL_FP32, i, VL), scale), VL);
+        for (; i < count; i++) row[i] *= inv;
     }
 }
 
@@ -80,18 +286,26 @@ static inline __attribute__((always_inline)) void weigh_block(const float *p, in
         default: call(__VA_ARGS__, 4); break;                             \
     }
 
-static void scores_for(const float *q, int64_t hd, const char *keys, int64_t stride, int dtype, const int32_t *live,
-                       int64_t count, float scale, float *scores, int64_t S, int64_t nb) {
-#define SCORE(q, hd, keys, stride, dtype, live, count, scale, scores, S, n) \
-    score_block(q, n, hd, keys, stride, dtype, live, count, scale, scores, S)
-    BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, live, count, scale, scores, S)
+static void scores_for(const void *q, int64_t hd, const char *keys, int64_t stride, int dtype, const int32_t *live,
+                       int64_t count, float scale, float *scores, int64_t S, int64_t nb, int dot) {
+#define SCORE(q, hd, keys, stride, dtype, live, count, scale, scores, S, mode, n) \
+    score_block(q, n, hd, keys, stride, dtype, live, count, scale, scores, S, mode)
+    if (dot) {
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, live, count, scale, scores, S, 1)
+    } else {
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, live, count, scale, scores, S, 0)
+    }
 }
 
 static void weights_for(const float *p, int64_t hd, const char *values, int64_t stride, int dtype, const int32_t *live,
-                        int64_t count, float *out, int64_t S, int64_t nb) {
-#define WEIGH(p, hd, values, stride, dtype, live, count, out, S, n) \
-    weigh_block(p, n, hd, values, stride, dtype, live, count, out, S)
-    BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, live, count, out, S)
+                        int64_t count, float *out, int64_t S, int64_t nb, int pairs) {
+#define WEIGH(p, hd, values, stride, dtype, live, count, out, S, mode, n) \
+    weigh_block(p, n, hd, values, stride, dtype, live, count, out, S, mode)
+    if (pairs) {
+        BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, live, count, out, S, 1)
+    } else {
+        BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, live, count, out, S, 0)
+    }
 }
 
 /* q [B, n_heads, hd] (q_dtype, contiguous); k, v [B, S, kv_heads, hd] at element strides (sb, ss, sh), the
@@ -107,6 +321,7 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
     int64_t width = per_head ? 1 : group;                  /* query heads per item */
     int64_t items = B * kv_heads * (group / width);
     size_t esize = kv_dtype == RL_BF16 ? 2 : 4;
+    int dot = DOT_SERVES(q_dtype, kv_dtype, hd), pairs = PAIRS_SERVE(kv_dtype, hd);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -129,29 +344,22 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
             int64_t count = 0;
             for (int64_t s = 0; s < S; s++)
                 if (!mask[b * mb + s * ms]) live[count++] = (int32_t)s;
+            const uint16_t *qb = (const uint16_t *)q + (b * n_heads + h0) * hd;  /* the bf16 query, where dot */
             for (int64_t h = 0; h < width; h += HB)
-                scores_for(qs + h * hd, hd, kb, ss * esize, kv_dtype, live, count, scale, scores + h * S, S,
-                           width - h < HB ? width - h : HB);
-            for (int64_t h = 0; h < width; h++) {
-                float *row = scores + h * S, top = -INFINITY, total = 0.f;
-                for (int64_t i = 0; i < count; i++) {
-                    if (softcap > 0.f) row[i] = tanhf(row[i] / softcap) * softcap;
-                    if (row[i] > top) top = row[i];
-                }
-                for (int64_t i = 0; i < count; i++) total += row[i] = expf(row[i] - top);
-                float inv = count ? 1.f / total : 0.f;  /* every key masked: zero */
-                for (int64_t i = 0; i < count; i++) row[i] *= inv;
-            }
+                scores_for(dot ? (const void *)(qb + h * hd) : qs + h * hd, hd, kb, ss * esize, kv_dtype, live, count,
+                           scale, scores + h * S, S, width - h < HB ? width - h : HB, dot);
+            softmax_rows(scores, width, S, count, softcap);
             for (int64_t h = 0; h < width; h += HB)
                 weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, live, count, acc + h * hd, S,
-                            width - h < HB ? width - h : HB);
+                            width - h < HB ? width - h : HB, pairs);
             for (int64_t h = 0; h < width; h++) {
                 int64_t at = (b * n_heads + h0 + h) * hd;
                 for (int64_t j = 0; j < hd; j++) {
+                    float value = acc[h * hd + (pairs ? unpacked_column(j) : j)];
                     if (q_dtype == RL_BF16)
-                        ((uint16_t *)out)[at + j] = float_to_bf16(acc[h * hd + j]);
+                        ((uint16_t *)out)[at + j] = float_to_bf16(value);
                     else
-                        ((float *)out)[at + j] = acc[h * hd + j];
+                        ((float *)out)[at + j] = value;
                 }
             }
         }
