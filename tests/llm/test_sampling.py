@@ -1,0 +1,71 @@
+"""The token filter and the sampler without a sort of the vocabulary (generate.kept_tokens): the same kept set
+as sorting every token, the draws distributed as the filtered softmax."""
+
+from __future__ import annotations
+
+import torch
+
+from robot_llm.llm.generate import TOP_P_CANDIDATES, SamplingParams, choose_token, filter_logits, kept_tokens
+
+
+def _sorted_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[list[float], float]:
+    """§7.4 by sorting the whole vocabulary, in float64: the kept tokens' logits (which of several tokens tied
+    at the cut is kept is the sort's business), and how far the cumulative probability at the cut lies from p (a
+    cut closer than rounding can tell is no test of the filter)."""
+    out = logits.double() / temperature
+    if top_k:
+        out = out.masked_fill(out < torch.topk(out, min(top_k, len(out))).values[-1], float("-inf"))
+    if not top_p:
+        return sorted(logits[torch.isfinite(out)].tolist()), 1.0
+    values, ids = torch.sort(out, descending=True, stable=True)
+    cumulative = torch.cumsum(torch.softmax(values, 0), 0)
+    keep = torch.ones_like(cumulative, dtype=torch.bool)
+    keep[1:] = cumulative[:-1] <= top_p
+    keep &= torch.isfinite(values)
+    return sorted(logits[ids[keep]].tolist()), float((cumulative - top_p).abs().min())
+
+
+def test_the_kept_set_is_the_sorted_vocabularys() -> None:
+    g = torch.Generator().manual_seed(3)
+    checked = 0
+    for case in range(60):
+        vocab = (50, 5000, 262144)[case % 3]
+        scale = (0.3, 1.0, 3.0, 8.0)[case % 4]  # flat (thousands kept: the candidates grow) to peaked (a few)
+        logits = torch.randn(vocab, generator=g) * scale
+        if case % 5 == 0:
+            logits = logits.bfloat16().float()  # a bf16 model's logits: ties everywhere
+        temperature, top_k, top_p = (0.7, 1.0, 1.3)[case % 3], (0, 0, 40, 3000)[case % 4], (0.0, 0.5, 0.9)[case % 3]
+        want, margin = _sorted_filter(logits, temperature, top_k, top_p)
+        ids, values = kept_tokens(logits, temperature, top_k, top_p)
+        assert len(set(ids.tolist())) == len(ids)
+        assert torch.equal(values, logits[ids].float() / temperature)
+        if top_p:
+            assert torch.all(values[:-1] >= values[1:])  # most probable first
+        if margin < 1e-9:
+            continue
+        checked += 1
+        assert sorted(logits[ids].tolist()) == want, (case, len(ids), len(want))
+        filtered = filter_logits(logits, temperature, top_k, top_p)
+        assert torch.isfinite(filtered).nonzero().flatten().tolist() == sorted(ids.tolist())
+    assert checked >= 50
+    flat = torch.randn(5000, generator=g) * 0.3
+    assert len(kept_tokens(flat, 1.0, 0, 0.9)[0]) > 8 * TOP_P_CANDIDATES  # the candidates grew, twice at least
+
+
+def test_draws_follow_the_filtered_softmax() -> None:
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -30.0, 0.9])
+    for params in (
+        SamplingParams(temperature=0.8, top_p=0.9, seed=0),
+        SamplingParams(temperature=1.2, top_k=3, seed=0),
+        SamplingParams(temperature=1.0, seed=0),
+    ):
+        want = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), -1).double()
+        g = torch.Generator().manual_seed(11)
+        draws = 20000
+        counts = torch.bincount(torch.tensor([choose_token(logits, params, g) for _ in range(draws)]), minlength=7)
+        seen = counts.double() / draws
+        sigma = (want * (1 - want) / draws).sqrt()
+        assert torch.all((seen - want).abs() <= 5 * sigma + 1e-12), (params, seen, want)
+        assert torch.all(counts[want == 0] == 0)
+    again = [choose_token(logits, SamplingParams(seed=0), torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert again[0] == again[1]  # one generator's draws are reproducible
