@@ -7,6 +7,7 @@ dtype."""
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,10 @@ from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.machine import cpu_flags
 from robot_llm.llm.store import qhead
-from robot_llm.llm.store.gemv import kernels
+from robot_llm.llm.store.gemv import OUR_INT8_MM_MAX_ROWS, int8_mm_for, kernels
+from robot_llm.llm.store.int8act import int8_dynamic_linear
 from robot_llm.llm.store.qhead import QuantizedTable
-from robot_llm.llm.store.quant import PackedInt8
+from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="built where gemv.c is (AVX2, FMA)")
 
@@ -270,3 +272,33 @@ def test_the_heads_int8_product_comes_out_in_fp32_in_one_pass(monkeypatch: pytes
     rounded = table.linear(x)
     assert logits.dtype == torch.float32 and rounded.dtype == torch.bfloat16
     assert torch.equal(logits.bfloat16(), rounded)
+
+
+def test_our_int8_product_is_torchs_integers_where_it_serves() -> None:
+    lib = kernels()
+    assert lib is not None
+    vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags() and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2"
+    assert lib.has_int8_mm == vnni
+    if not vnni:  # the AVX2 build: torch's product serves every call
+        assert int8_mm_for(1) is None
+        with pytest.raises(RuntimeError, match="no AVX512-VNNI body"):
+            lib.int8_mm(torch.zeros(1, 64, dtype=torch.int8), torch.zeros(4, 64, dtype=torch.int8))
+        return
+    assert int8_mm_for(OUR_INT8_MM_MAX_ROWS) == lib.int8_mm and int8_mm_for(OUR_INT8_MM_MAX_ROWS + 1) is None
+    g = torch.Generator().manual_seed(9)
+    # rows 1 to the largest served, weight rows not a multiple of the tile's 4, a stored matrix's row stride,
+    # codes at the int8 extremes (-128 meets the activations' offset of 128)
+    for m, n, k in ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048)):
+        a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+        stored = torch.randint(-128, 128, (n, k + 64), dtype=torch.int8, generator=g)
+        stored[0, :k] = -128
+        codes = stored[:, :k]
+        want = torch._int_mm(a, codes.t())
+        assert torch.equal(lib.int8_mm(a, codes), want), (m, n, k)
+        out = torch.empty(m, n, dtype=torch.int32)
+        assert lib.int8_mm(a, codes, out).data_ptr() == out.data_ptr() and torch.equal(out, want)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        lib.int8_mm(torch.zeros(2, 40, dtype=torch.int8), torch.zeros(4, 40, dtype=torch.int8))
+    x, w = torch.randn(6, 640, generator=g), PackedInt8(*quantize_int8(torch.randn(300, 640, generator=g)), (300, 640))
+    ours, torchs = int8_dynamic_linear(x, w, int8_mm_for(6)), int8_dynamic_linear(x, w)
+    assert torch.equal(ours, torchs)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from robot_llm.llm.generate import TOP_P_CANDIDATES, SamplingParams, choose_token, filter_logits, kept_tokens
+from robot_llm.llm.generate import SamplingParams
+from robot_llm.llm.sampling import TOP_P_CANDIDATES, choose_token, filter_logits, kept_tokens
 
 
 def _sorted_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[list[float], float]:

@@ -10,7 +10,8 @@ import torch
 
 from robot_llm.llm.engine.memory import Yalm
 from robot_llm.llm.families.original import generate_original
-from robot_llm.llm.generate import Completion, SamplingParams, filter_logits, generate
+from robot_llm.llm.generate import Completion, SamplingParams, generate
+from robot_llm.llm.sampling import filter_logits
 from robot_llm.llm.scoring import score
 from robot_llm.llm.tokenizer import YalmTokenizer
 

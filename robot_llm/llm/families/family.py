@@ -41,7 +41,15 @@ from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.plan.machine import cpu_has_native_bf16
-from robot_llm.llm.store.gemv import gemv_available, int4_matmul, int8_gemv, int8_matmul, kernels, matmul_serves
+from robot_llm.llm.store.gemv import (
+    gemv_available,
+    int4_matmul,
+    int8_gemv,
+    int8_matmul,
+    int8_mm_for,
+    kernels,
+    matmul_serves,
+)
 from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
@@ -85,18 +93,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias`` for a streamed matrix: a plain tensor, or one the engine handed over packed.
 
-    A packed matrix runs torch's fused kernel when ``x`` is a bf16 or fp32 CPU tensor
-    (fp32 rows are cast to bf16 for the kernel, :data:`~robot_llm.llm.store.quant.FUSED_COMPUTE_DTYPES`)
-    of at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode
-    steps); an int8 one goes through our own kernel instead where it is built (:mod:`~robot_llm.llm.store.gemv`,
-    exact fp32 activations, faster at every such row count). A CPU call of more rows quantizes
-    its activations to int8 and multiplies int8 by int8 (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`)
-    where the CPU can and the matrix's input columns are rotated (RAM-homed matrices: an int8 one rotated in
-    place, an int4 one given a rotated int8 copy, once when the engine opens); otherwise the matrix is made
-    dense once, into its buffer, and multiplied densely (int4: dequantized; int8: its codes widened, the scale
-    applied to the output). A rotated
-    matrix is always given rotated activations.
-    An int8 output head (:class:`~robot_llm.llm.store.qhead.QuantizedTable`) computes its own way.
+    A packed matrix runs torch's fused kernel when ``x`` is a bf16 or fp32 CPU tensor (fp32 rows cast to bf16)
+    of at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode steps); an int8 one
+    goes through our own kernel instead where it is built (:mod:`~robot_llm.llm.store.gemv`, exact fp32
+    activations). A CPU call of more rows quantizes its activations to int8 and multiplies int8 by int8
+    (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`; ours up to a few rows, oneDNN's past them) where
+    the CPU can and the matrix's input columns are rotated (RAM-homed matrices: an int8 one rotated in place, an
+    int4 one given a rotated int8 copy, once when the engine opens); otherwise the matrix is made dense once and
+    multiplied densely. A rotated matrix is always given rotated activations; an int8 output head
+    (:class:`~robot_llm.llm.store.qhead.QuantizedTable`) computes its own way.
     """
     if isinstance(weight, Tensor):
         return F.linear(x, weight, bias)
@@ -110,7 +115,7 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             # RAM-homed: its rotated int8 copy was made once (a streamed matrix's would cost a pass each time);
             # from 8 rows it beats the fused int4 kernel (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows).
             rotated = weight.int8_copy
-            y = int8_dynamic_linear(rotate_input(x, rotated), rotated)
+            y = int8_dynamic_linear(rotate_input(x, rotated), rotated, int8_mm_for(rows))
         elif kernel and matmul_serves("int4", rows, torch_reads):
             y = int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])
         elif kernel and rows <= FUSED_MAX_ROWS["int4"]:
@@ -127,7 +132,7 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             if weight.rotation:
                 x = rotate_input(x, weight)
             if quantized_rows:  # rotated: rotate_int8_in_place
-                y = int8_dynamic_linear(x, weight)
+                y = int8_dynamic_linear(x, weight, int8_mm_for(rows))
             elif kernel and rows <= FUSED_MAX_ROWS["int8"]:
                 y = int8_linear(x, weight)
             else:
@@ -461,19 +466,14 @@ def grouped_attention(
     """Attention of ``q [B, T, n, hd]`` over ``k``/``v`` ``[B, S, kv, hd]``, query head ``j`` using KV head
     ``j // (n / kv)``; ``mask [B, 1, T, S]`` True where forbidden. Returns ``[B, T, n * hd]``.
 
-    The keys and values are read where and as they are (views of the cache, never a copy per query
-    head): the ``n / kv`` query heads of a KV head are folded into its query rows, so one KV head
-    serves ``n / kv * T`` rows of one product. A decode step of several rows (``T == 1 < B``) whose
-    scores fit in :data:`EAGER_MAX_SCORES`, and every soft-capped layer, runs as transformers' eager
-    attention: two batched matmuls with the scores scaled after the first (tanh-capped where the
-    family caps), softmax in float32, probabilities cast back to the compute dtype, masked scores
-    the dtype's minimum so that a fully masked row stays finite. Everything else (a prefill, a
-    one-row decode step) is torch's fused attention (``scaled_dot_product_attention``: scores,
-    softmax and the weighted sum in one pass); a fully masked row (a pad slot) comes out zero.
-    Measured per layer (Gemma 3 270M shapes, keys a view of the cache, 1 thread, CPU time): a
-    batch-32 decode step over 580 keys takes 1.5 ms eager against 2.9 in torch 2.13's CPU flash
-    kernel (bf16, AVX512-BF16), 2.2 against 3.1 (fp32, the AVX2 kernels); one row, 0.08 both;
-    a 4 x 512 prefill 42 against 44 (bf16) but 57 against 45 (fp32).
+    The keys and values are read where and as they are (views of the cache, never a copy per query head). A
+    decode step our kernel reads (:func:`_attention_kernel_serves`) is ``attend.c``'s. Otherwise the ``n / kv``
+    query heads of a KV head are folded into its query rows (one product serves ``n / kv * T`` rows); a decode
+    step of several rows whose scores fit in :data:`EAGER_MAX_SCORES`, and every soft-capped layer, runs as
+    transformers' eager attention (scores scaled after the first matmul, tanh-capped where the family caps,
+    softmax in float32, probabilities cast back, masked scores the dtype's minimum so that a fully masked row
+    stays finite: 1.5 ms against 2.9 for torch 2.13's CPU flash kernel at batch 32 over 580 keys, bf16), and
+    the rest (a prefill) torch's fused attention, where a fully masked row (a pad slot) comes out zero.
     """
     B, T, n, hd = q.shape
     kv = k.shape[2]

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from robot_llm.llm.families.family import ForwardModel
-from robot_llm.llm.generate import SamplingParams, choose_token
+from robot_llm.llm.generate import SamplingParams
+from robot_llm.llm.sampling import choose_token
 from robot_llm.llm.tokenizer import Tokenizer
 
 

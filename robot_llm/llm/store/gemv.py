@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,11 @@ MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
 #: EPYC, 1 thread, ms at 1 / 2 / 4 / 7 rows: 2048 x 640 0.19 / 0.25 / 0.49 / 0.85 against 0.25 / 0.29 / 0.43 /
 #: 0.73; 4096 x 1024 0.54 / 0.75 / 1.5 / 3.1 against 0.75 / 0.90 / 1.4 / 2.5).
 INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
+#: Rows up to which an int8 x int8 product is ``gemv.c``'s (AVX512-VNNI, one pass over the codes; the same
+#: integers) rather than ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly. Sapphire Rapids, 1
+#: thread, ms at 8 / 16 / 32 rows: 262,144 x 640 ours 18 / 26 / 41, oneDNN 32 / 33 / 40; 2048 x 640 0.066 /
+#: 0.13 / 0.25 against 0.11 / 0.12 / 0.15 (oneDNN's AMX kernels win from 16 rows where the matrix is in cache).
+OUR_INT8_MM_MAX_ROWS = 15
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -132,6 +138,11 @@ class Kernels:
         self.lib.rl_decode_attention.restype = _INT
         self.lib.rl_scale_int32.argtypes = [_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
         self.lib.rl_scale_int32.restype = None
+        self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _INT]
+        self.lib.rl_int8_mm.restype = _INT
+        self.lib.rl_int8_mm_available.restype = _INT
+        #: Whether this build has the int8 x int8 product (:meth:`int8_mm`; AVX512-VNNI).
+        self.has_int8_mm = bool(self.lib.rl_int8_mm_available())
         self.dtype_codes = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
@@ -231,6 +242,31 @@ class Kernels:
             raise MemoryError(f"decode_attention: no memory for the scores of {S} keys")
         return out
 
+    def int8_mm(self, a: Tensor, codes: Tensor, out: Tensor | None = None) -> Tensor:
+        """``a int8 [M, Kp] @ codes int8 [N, Kp].T`` as int32 ``[M, N]`` (into ``out`` when given), exactly
+        ``torch._int_mm(a, codes.t())``: ``gemv.c``'s one pass over the codes for a decode step's rows (only
+        where :attr:`has_int8_mm`)."""
+        import torch
+
+        if not self.has_int8_mm:
+            raise RuntimeError("int8_mm: this build of gemv.c has no AVX512-VNNI body (check has_int8_mm)")
+        m, k = a.shape
+        n = codes.shape[0]
+        if not a.is_contiguous() or codes.stride(1) != 1 or codes.shape[1] != k or k % 64:
+            raise ValueError(
+                f"int8_mm needs contiguous int8 rows and row-contiguous codes of one width, a multiple of 64; got "
+                f"{tuple(a.shape)} and codes {tuple(codes.shape)} strides {codes.stride()}"
+            )
+        out = torch.empty(m, n, dtype=torch.int32) if out is None else out
+        if out.shape != (m, n) or not out.is_contiguous() or out.dtype != torch.int32:
+            raise ValueError(f"int8_mm: the output must be contiguous int32 {(m, n)}, got {tuple(out.shape)}")
+        failed = self.lib.rl_int8_mm(
+            a.data_ptr(), m, k, codes.data_ptr(), codes.stride(0), n, out.data_ptr(), torch.get_num_threads()
+        )
+        if failed:
+            raise MemoryError(f"int8_mm: no memory to offset {m} x {k} activations")
+        return out
+
     def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor) -> Tensor:
         """An int8 x int8 product's fp32 values, in one pass: ``acc int32 [M, N]`` (contiguous) times ``scale fp32
         [N]`` and ``row_scale fp32 [M, 1]``, as ``acc.float().mul_(scale).mul_(row_scale)`` computes them."""
@@ -328,9 +364,10 @@ def describe() -> str:
     if matmul_available():
         (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
         many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
+    if built.has_int8_mm:
+        many += f"; int8 x int8 products of up to {OUR_INT8_MM_MAX_ROWS} rows ours (AVX512-VNNI)"
     return (
-        f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours "
-        "(norm.c, attend.c)"
+        f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours (norm.c, attend.c)"
     )
 
 
@@ -339,6 +376,13 @@ def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) ->
     lib = kernels()
     assert lib is not None, "int8_gemv called without the kernel (check gemv_available)"
     return lib.int8_gemv(x, q, scale, n, rotation)
+
+
+def int8_mm_for(rows: int) -> Callable[[Tensor, Tensor, Tensor | None], Tensor] | None:
+    """The int8 x int8 product (:meth:`Kernels.int8_mm`) for a call of ``rows`` rows where it serves (a VNNI
+    build, up to :data:`OUR_INT8_MM_MAX_ROWS` rows); None: ``torch._int_mm``."""
+    lib = kernels()
+    return lib.int8_mm if lib is not None and lib.has_int8_mm and rows <= OUR_INT8_MM_MAX_ROWS else None
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:

@@ -226,12 +226,15 @@ def rotate_input(x: Tensor, w: PackedInt8) -> Tensor:
     return rotated
 
 
-def int8_dynamic_linear(x: Tensor, w: PackedInt8) -> Tensor:
+def int8_dynamic_linear(
+    x: Tensor, w: PackedInt8, matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+) -> Tensor:
     """``x @ w.T`` with int8 activations: each row of ``x`` quantized (:func:`quantize_activations`), one int8
-    x int8 -> int32 GEMM over the stored codes, then both scales (the output in ``x``'s dtype)."""
+    x int8 -> int32 GEMM over the stored codes (``matmul``'s, as :func:`int8_gemm`), then both scales (the output
+    in ``x``'s dtype)."""
 
     n, _ = w.shape
-    y = int8_gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale32())
+    y = int8_gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale32(), matmul=matmul)
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
@@ -241,16 +244,21 @@ def int8_gemm(
     scale: Tensor,
     acc: Tensor | None = None,
     epilogue: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None,
 ) -> Tensor:
     """``rows [M, K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32, the rows quantized to int8 first
     (:func:`quantize_activations`): one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to
     fp32, then both scales in place (a mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for
     32 x 262,144 logits, 1 thread); or ``epilogue(product, scale, row_scale)`` does that last step (our one-pass
-    kernel, :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`)."""
+    kernel, :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`). ``matmul(q, codes, acc)`` (ours for few rows,
+    :func:`~robot_llm.llm.store.gemv.int8_mm_for`) computes the same integers as ``torch._int_mm``."""
     import torch
 
     q, row_scale = quantize_activations(rows, codes.shape[1])
-    product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
+    if matmul is not None:
+        product = matmul(q, codes, acc)
+    else:
+        product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
     if epilogue is not None:
         return epilogue(product, scale, row_scale)
     return product.float().mul_(scale).mul_(row_scale)
