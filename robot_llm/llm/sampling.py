@@ -15,9 +15,10 @@ from torch import Tensor
 if TYPE_CHECKING:
     from robot_llm.llm.generate import SamplingParams
 
-#: Candidates a top-p filter looks at first (the most probable tokens, ties at the last one included); a flat
-#: distribution whose top-p set is larger takes eight times as many, up to the whole vocabulary.
-TOP_P_CANDIDATES = 64
+#: How far below the most probable token (in logits over the temperature) a top-p filter looks first: every
+#: token within it is a candidate, which is the whole answer whenever their cumulative probability passes
+#: ``top_p``; a flatter distribution looks twice as far, and again, up to every token.
+TOP_P_REACH = 8.0
 
 
 def kept_tokens(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -26,9 +27,9 @@ def kept_tokens(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
 
     The same set as sorting the whole vocabulary (as the original does), without the sort: a 262k vocabulary
     took 27 ms a row to sort, every sampled token of a night, more than a batch-32 forward step's share of a
-    row. Top-p looks at the :data:`TOP_P_CANDIDATES` most probable tokens first, which is the whole answer
-    whenever their cumulative probability passes ``top_p``; the probabilities are the softmax over every token
-    top-k kept, as the original's.
+    row. Top-p looks at the tokens within :data:`TOP_P_REACH` of the most probable first: as every other token
+    is less probable than each of them, the sorted order's first ranks are theirs; the probabilities are the
+    softmax over every token top-k kept, as the original's.
     """
     out = logits.float() / temperature
     vocab = out.shape[-1]
@@ -40,12 +41,9 @@ def kept_tokens(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
         return ids, out[ids]
     top = out.max()
     total = torch.exp(out - top).sum()
-    count = min(TOP_P_CANDIDATES, top_k or vocab)
+    reach = TOP_P_REACH
     while True:
-        if count < vocab:
-            ids = (out >= torch.topk(out, count).values[-1]).nonzero().flatten()
-        else:
-            ids = torch.isfinite(out).nonzero().flatten()
+        ids = (out >= top - reach).nonzero().flatten()
         values = out[ids]
         order = torch.sort(values, descending=True, stable=True).indices
         ids, values = ids[order], values[order]
@@ -54,9 +52,9 @@ def kept_tokens(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
         if len(crossed):  # the first rank past p is kept, every later one removed
             last = int(crossed[0])
             return ids[: last + 1], values[: last + 1]
-        if count >= (top_k or vocab):
+        if len(ids) == int(torch.isfinite(out).sum()):
             return ids, values  # the whole (top-k) set is within p
-        count = min(count * 8, top_k or vocab)
+        reach *= 2
 
 
 def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0) -> Tensor:

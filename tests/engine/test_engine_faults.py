@@ -157,3 +157,20 @@ def test_the_next_layer_is_read_while_the_read_before_it_stalls(
     finally:
         release.set()
         model.close()
+
+
+def test_the_logits_check_tells_an_overflowing_sum_from_a_non_finite_logit() -> None:
+    from robot_llm.llm.engine.finite import NonFiniteError, check_logits
+
+    big = torch.full((2, 8), 3e38)  # every logit finite, their sum not
+    check_logits(big, object())
+    check_logits(big.bfloat16(), object())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        logits = torch.zeros(2, 8)
+        logits[1, 5] = bad
+        with pytest.raises(NonFiniteError, match="non-finite logits"):
+            check_logits(logits, object())
+    opposite = torch.zeros(2, 8)
+    opposite[0, 0], opposite[1, 1] = float("inf"), float("-inf")  # a sum of NaN, not of zero
+    with pytest.raises(NonFiniteError):
+        check_logits(opposite, object())

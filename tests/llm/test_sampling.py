@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from robot_llm.llm.generate import SamplingParams
-from robot_llm.llm.sampling import TOP_P_CANDIDATES, choose_token, filter_logits, kept_tokens
+from robot_llm.llm.sampling import TOP_P_REACH, choose_token, filter_logits, kept_tokens
 
 
 def _sorted_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[list[float], float]:
@@ -50,7 +50,11 @@ def test_the_kept_set_is_the_sorted_vocabularys() -> None:
         assert torch.isfinite(filtered).nonzero().flatten().tolist() == sorted(ids.tolist())
     assert checked >= 50
     flat = torch.randn(5000, generator=g) * 0.3
-    assert len(kept_tokens(flat, 1.0, 0, 0.9)[0]) > 8 * TOP_P_CANDIDATES  # the candidates grew, twice at least
+    assert flat.max() - flat.min() < TOP_P_REACH and len(kept_tokens(flat, 1.0, 0, 0.9)[0]) > 4000  # all candidates
+    # beyond the first reach, 10,000 tokens with 55 % of the mass: the reach grows to take some of them
+    wide = torch.cat([torch.zeros(1), torch.full((10000,), -1.125 * TOP_P_REACH)])
+    ids, _ = kept_tokens(wide, 1.0, 0, 0.5)
+    assert 1 < len(ids) < 10001 and sorted(wide[ids].tolist()) == _sorted_filter(wide, 1.0, 0, 0.5)[0]
 
 
 def test_draws_follow_the_filtered_softmax() -> None:

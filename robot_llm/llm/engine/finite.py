@@ -58,7 +58,9 @@ def check_logits(logits: Tensor, model: object) -> None:
 
     ``model`` may offer ``first_nonfinite() -> str | None`` (the engines with a :class:`FiniteWatch`).
     """
-    if bool(torch.isfinite(logits).all()):
+    # A sum is finite exactly when every logit is (inf - inf is NaN), but for finite logits whose sum overflows,
+    # which the exact test then clears: 0.7 against 18 ms for a batch-16 step's 262k-token logits.
+    if bool(torch.isfinite(logits.sum())) or bool(torch.isfinite(logits).all()):
         return
     finder = getattr(model, "first_nonfinite", None)
     where = finder() if callable(finder) else None
