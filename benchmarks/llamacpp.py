@@ -245,6 +245,7 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
     from robot_llm.llm.model import Model, ModelSettings, Policy
     from robot_llm.llm.plan.machine import cpu_has_native_bf16
     from robot_llm.llm.plan.planner import cpu_kv_dtype
+    from robot_llm.llm.sampling import greedy_tokens
     from robot_llm.llm.store.reader import read_manifest
 
     dtype = "bf16" if cpu_has_native_bf16() else "fp32"
@@ -269,9 +270,9 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
         started = time.perf_counter()
         logits = model.forward(ids, cache, last_only=True)
         prefilled = time.perf_counter()
-        token = logits[:, -1].argmax(-1, keepdim=True)
+        token = greedy_tokens(logits[:, -1])[:, None]  # a greedy night's choice (choose_token's)
         for _ in range(steps):
-            token = model.forward(token, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+            token = greedy_tokens(model.forward(token, cache, last_only=True)[:, -1])[:, None]
         return prefilled - started, time.perf_counter() - prefilled
 
     night(min(batch, 2), 16, 2)  # untimed warm-up: first calls, allocator, kernel dispatch

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from robot_llm.llm.generate import SamplingParams
-from robot_llm.llm.sampling import TOP_P_REACH, choose_token, filter_logits, kept_tokens
+from robot_llm.llm.sampling import TOP_P_REACH, choose_token, filter_logits, greedy_tokens, kept_tokens
 
 
 def _sorted_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[list[float], float]:
@@ -74,3 +74,17 @@ def test_draws_follow_the_filtered_softmax() -> None:
         assert torch.all(counts[want == 0] == 0)
     again = [choose_token(logits, SamplingParams(seed=0), torch.Generator().manual_seed(5)) for _ in range(2)]
     assert again[0] == again[1]  # one generator's draws are reproducible
+
+
+def test_greedy_tokens_are_torchs_argmax() -> None:
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(5, 262147, generator=g)  # not a multiple of the 8-wide pass
+    rows[1, 7], rows[1, 70000] = 50.0, 50.0  # a tie: the first
+    rows[2, 262146] = 60.0  # in the tail past the last whole vector
+    rows[3, 5], rows[3, 9] = float("nan"), 99.0  # a NaN wins, as torch's
+    rows[4] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rows.to(dtype)
+        assert torch.equal(greedy_tokens(x), torch.argmax(x, -1)), dtype
+        assert greedy_tokens(x[1]).shape == () and int(greedy_tokens(x[1])) == 7
+    assert greedy_tokens(rows[:, :5].t().contiguous().t()).tolist() == torch.argmax(rows[:, :5], -1).tolist()

@@ -138,6 +138,8 @@ class Kernels:
         self.lib.rl_decode_attention.restype = _INT
         self.lib.rl_scale_int32.argtypes = [_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
         self.lib.rl_scale_int32.restype = None
+        self.lib.rl_argmax_rows.argtypes = [_PTR, _INT, _INT64, _INT64, _PTR, _INT]
+        self.lib.rl_argmax_rows.restype = None
         self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _INT]
         self.lib.rl_int8_mm.restype = _INT
         self.lib.rl_int8_mm_available.restype = _INT
@@ -266,6 +268,18 @@ class Kernels:
         if failed:
             raise MemoryError(f"int8_mm: no memory to offset {m} x {k} activations")
         return out
+
+    def argmax_rows(self, x: Tensor) -> Tensor:
+        """``x.argmax(-1)`` of fp32 or bf16 rows ``x [..., n]`` as int64 ``[...]``: the first largest value's
+        column (the first NaN's where a row holds one), in one pass over each row."""
+        import torch
+
+        rows, bf16 = self._rows(x)
+        idx = torch.empty(rows.shape[0], dtype=torch.int64)
+        self.lib.rl_argmax_rows(
+            rows.data_ptr(), bf16, rows.shape[0], rows.shape[1], idx.data_ptr(), torch.get_num_threads()
+        )
+        return idx.view(x.shape[:-1])
 
     def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor) -> Tensor:
         """An int8 x int8 product's fp32 values, in one pass: ``acc int32 [M, N]`` (contiguous) times ``scale fp32
