@@ -19,18 +19,22 @@
 
 #include "floats.h"
 
+/* The vector type vf of a body and its arithmetic, by the intrinsics' prefix. */
+#define VECTOR_OPS(type, p)                                                   \
+    typedef type vf;                                                          \
+    static inline vf vzero(void) { return p##_setzero_ps(); }                 \
+    static inline vf vset(float a) { return p##_set1_ps(a); }                 \
+    static inline vf vfma(vf a, vf b, vf c) { return p##_fmadd_ps(a, b, c); } \
+    static inline vf vmul(vf a, vf b) { return p##_mul_ps(a, b); }            \
+    static inline vf vadd(vf a, vf b) { return p##_add_ps(a, b); }            \
+    static inline vf vsub(vf a, vf b) { return p##_sub_ps(a, b); }            \
+    static inline vf vmax(vf a, vf b) { return p##_max_ps(a, b); }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VL 16
 #define KB 4 /* keys scored together */
 #define CW 4 /* value vectors (of VL columns) weighed together */
-typedef __m512 vf;
-static inline vf vzero(void) { return _mm512_setzero_ps(); }
-static inline vf vset(float a) { return _mm512_set1_ps(a); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+VECTOR_OPS(__m512, _mm512)
 static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
 static inline float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
@@ -71,14 +75,7 @@ static inline int64_t unpacked_column(int64_t j) {
 #define VL 8
 #define KB 2
 #define CW 2
-typedef __m256 vf;
-static inline vf vzero(void) { return _mm256_setzero_ps(); }
-static inline vf vset(float a) { return _mm256_set1_ps(a); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+VECTOR_OPS(__m256, _mm256)
 static inline float vhmax(vf a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
