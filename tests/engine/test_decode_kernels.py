@@ -23,8 +23,8 @@ from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.machine import cpu_flags
 from robot_llm.llm.store import qhead
-from robot_llm.llm.store.gemv import OUR_INT8_MM_MAX_ROWS, int8_mm_for, kernels
-from robot_llm.llm.store.int8act import int8_dynamic_linear
+from robot_llm.llm.store.gemv import OUR_INT8_MM_MAX_ROWS, int8_kernels_for, kernels
+from robot_llm.llm.store.int8act import int8_dynamic_linear, quantize_activations
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
@@ -280,11 +280,12 @@ def test_our_int8_product_is_torchs_integers_where_it_serves() -> None:
     vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags() and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2"
     assert lib.has_int8_mm == vnni
     if not vnni:  # the AVX2 build: torch's product serves every call
-        assert int8_mm_for(1) is None
+        assert int8_kernels_for(1).matmul is None
         with pytest.raises(RuntimeError, match="no AVX512-VNNI body"):
             lib.int8_mm(torch.zeros(1, 64, dtype=torch.int8), torch.zeros(4, 64, dtype=torch.int8))
         return
-    assert int8_mm_for(OUR_INT8_MM_MAX_ROWS) == lib.int8_mm and int8_mm_for(OUR_INT8_MM_MAX_ROWS + 1) is None
+    assert int8_kernels_for(OUR_INT8_MM_MAX_ROWS).matmul == lib.int8_mm
+    assert int8_kernels_for(OUR_INT8_MM_MAX_ROWS + 1).matmul is None
     g = torch.Generator().manual_seed(9)
     # rows 1 to the largest served, weight rows not a multiple of the tile's 4, a stored matrix's row stride,
     # codes at the int8 extremes (-128 meets the activations' offset of 128)
@@ -300,5 +301,27 @@ def test_our_int8_product_is_torchs_integers_where_it_serves() -> None:
     with pytest.raises(ValueError, match="multiple of 64"):
         lib.int8_mm(torch.zeros(2, 40, dtype=torch.int8), torch.zeros(4, 40, dtype=torch.int8))
     x, w = torch.randn(6, 640, generator=g), PackedInt8(*quantize_int8(torch.randn(300, 640, generator=g)), (300, 640))
-    ours, torchs = int8_dynamic_linear(x, w, int8_mm_for(6)), int8_dynamic_linear(x, w)
+    ours, torchs = int8_dynamic_linear(x, w, int8_kernels_for(6)), int8_dynamic_linear(x, w)
     assert torch.equal(ours, torchs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_our_activation_quantization_is_torchs_to_the_bit(dtype: torch.dtype) -> None:
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(12)
+    # a decode row, a batch of rows with an outlier channel and a zero row, widths past a multiple of 8, padding
+    for m, k, width in ((1, 640, 640), (32, 2048, 2048), (7, 600, 640), (5, 1152, 1216), (3, 13, 64)):
+        x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 50).to(dtype)
+        x[0, k // 2] = 3e4
+        x[-1] = 0
+        want_q, want_scale = quantize_activations(x, width)
+        q, scale = lib.quantize_rows(x, width)
+        assert torch.equal(q, want_q) and torch.equal(scale, want_scale), (m, k, width)
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    x[1, 60], x[2, 3] = float("nan"), float("inf")
+    q, scale = lib.quantize_rows(x, 64)
+    assert torch.isfinite(scale[0]) and scale[1:].isnan().all() and not q[1:].any()  # the product stays non-finite
+    w = PackedInt8(*quantize_int8(torch.randn(300, 64, generator=g)), (300, 64))
+    y = int8_dynamic_linear(x.float(), w, int8_kernels_for(3))
+    assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1:]).any(dim=1).any()

@@ -45,8 +45,8 @@ from robot_llm.llm.store.gemv import (
     gemv_available,
     int4_matmul,
     int8_gemv,
+    int8_kernels_for,
     int8_matmul,
-    int8_mm_for,
     kernels,
     matmul_serves,
 )
@@ -115,7 +115,7 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             # RAM-homed: its rotated int8 copy was made once (a streamed matrix's would cost a pass each time);
             # from 8 rows it beats the fused int4 kernel (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows).
             rotated = weight.int8_copy
-            y = int8_dynamic_linear(rotate_input(x, rotated), rotated, int8_mm_for(rows))
+            y = int8_dynamic_linear(rotate_input(x, rotated), rotated, int8_kernels_for(rows))
         elif kernel and matmul_serves("int4", rows, torch_reads):
             y = int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])
         elif kernel and rows <= FUSED_MAX_ROWS["int4"]:
@@ -132,7 +132,7 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             if weight.rotation:
                 x = rotate_input(x, weight)
             if quantized_rows:  # rotated: rotate_int8_in_place
-                y = int8_dynamic_linear(x, weight, int8_mm_for(rows))
+                y = int8_dynamic_linear(x, weight, int8_kernels_for(rows))
             elif kernel and rows <= FUSED_MAX_ROWS["int8"]:
                 y = int8_linear(x, weight)
             else:

@@ -29,7 +29,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,8 @@ from robot_llm.llm.plan.machine import cpu_flags, cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from robot_llm.llm.store.int8act import Int8Kernels
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class Kernels:
         self.lib.rl_decode_attention.restype = _INT
         self.lib.rl_scale_int32.argtypes = [_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
         self.lib.rl_scale_int32.restype = None
+        self.lib.rl_quantize_rows.argtypes = [_PTR, _INT, _INT64, _INT64, _INT64, _PTR, _PTR, _INT]
+        self.lib.rl_quantize_rows.restype = None
         self.lib.rl_argmax_rows.argtypes = [_PTR, _INT, _INT64, _INT64, _PTR, _INT]
         self.lib.rl_argmax_rows.restype = None
         self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _INT]
@@ -269,6 +272,22 @@ class Kernels:
             raise MemoryError(f"int8_mm: no memory to offset {m} x {k} activations")
         return out
 
+    def quantize_rows(self, x: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        """:func:`~robot_llm.llm.store.int8act.quantize_activations`'s codes ``int8 [M, width]`` and scales
+        ``fp32 [M, 1]`` of the rows of ``x [..., K]`` (fp32 or bf16), the same values in one pass over each row; a
+        row holding a NaN or an infinity gets a NaN scale."""
+        import torch
+
+        rows, bf16 = self._rows(x)
+        m, k = rows.shape
+        if width < k:
+            raise ValueError(f"quantize_rows: {k} columns do not fit a width of {width}")
+        q = torch.empty(m, width, dtype=torch.int8)
+        scale = torch.empty(m, 1, dtype=torch.float32)
+        args = (rows.data_ptr(), bf16, m, k, width, q.data_ptr(), scale.data_ptr())
+        self.lib.rl_quantize_rows(*args, torch.get_num_threads())
+        return q, scale
+
     def argmax_rows(self, x: Tensor) -> Tensor:
         """``x.argmax(-1)`` of fp32 or bf16 rows ``x [..., n]`` as int64 ``[...]``: the first largest value's
         column (the first NaN's where a row holds one), in one pass over each row."""
@@ -392,11 +411,17 @@ def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) ->
     return lib.int8_gemv(x, q, scale, n, rotation)
 
 
-def int8_mm_for(rows: int) -> Callable[[Tensor, Tensor, Tensor | None], Tensor] | None:
-    """The int8 x int8 product (:meth:`Kernels.int8_mm`) for a call of ``rows`` rows where it serves (a VNNI
-    build, up to :data:`OUR_INT8_MM_MAX_ROWS` rows); None: ``torch._int_mm``."""
+def int8_kernels_for(rows: int) -> Int8Kernels | None:
+    """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
+    (:meth:`Kernels.quantize_rows`) and, in a VNNI build up to :data:`OUR_INT8_MM_MAX_ROWS` rows, the int8 x
+    int8 product (:meth:`Kernels.int8_mm`); None: torch's ops."""
+    from robot_llm.llm.store.int8act import Int8Kernels
+
     lib = kernels()
-    return lib.int8_mm if lib is not None and lib.has_int8_mm and rows <= OUR_INT8_MM_MAX_ROWS else None
+    if lib is None:
+        return None
+    few = lib.has_int8_mm and rows <= OUR_INT8_MM_MAX_ROWS
+    return Int8Kernels(quantize=lib.quantize_rows, matmul=lib.int8_mm if few else None)
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:

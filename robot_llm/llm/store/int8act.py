@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
@@ -194,6 +195,16 @@ def quantize_activations(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+@dataclass(frozen=True)
+class Int8Kernels:
+    """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`~robot_llm.llm.store.gemv.
+    int8_kernels_for`): ``quantize(rows, width)`` as :func:`quantize_activations` computes it, and
+    ``matmul(q, codes, acc)`` as ``torch._int_mm`` (None: torch's serves)."""
+
+    quantize: Callable[[Tensor, int], tuple[Tensor, Tensor]]
+    matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+
+
 def int8_activations_for(rows: int, dtype: torch.dtype) -> bool:
     """True when a CPU call of ``rows`` rows in ``dtype`` quantizes its activations: from
     :data:`INT8_ACTIVATION_MIN_ROWS` rows, always under fp32 compute and up to :data:`INT8_ACTIVATION_MAX_ROWS`
@@ -226,15 +237,13 @@ def rotate_input(x: Tensor, w: PackedInt8) -> Tensor:
     return rotated
 
 
-def int8_dynamic_linear(
-    x: Tensor, w: PackedInt8, matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
-) -> Tensor:
+def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = None) -> Tensor:
     """``x @ w.T`` with int8 activations: each row of ``x`` quantized (:func:`quantize_activations`), one int8
-    x int8 -> int32 GEMM over the stored codes (``matmul``'s, as :func:`int8_gemm`), then both scales (the output
-    in ``x``'s dtype)."""
+    x int8 -> int32 GEMM over the stored codes (``ours`` where given, as :func:`int8_gemm`), then both scales (the
+    output in ``x``'s dtype)."""
 
     n, _ = w.shape
-    y = int8_gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale32(), matmul=matmul)
+    y = int8_gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale32(), ours=ours)
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
@@ -244,19 +253,19 @@ def int8_gemm(
     scale: Tensor,
     acc: Tensor | None = None,
     epilogue: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-    matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None,
+    ours: Int8Kernels | None = None,
 ) -> Tensor:
     """``rows [M, K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32, the rows quantized to int8 first
     (:func:`quantize_activations`): one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to
     fp32, then both scales in place (a mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for
     32 x 262,144 logits, 1 thread); or ``epilogue(product, scale, row_scale)`` does that last step (our one-pass
-    kernel, :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`). ``matmul(q, codes, acc)`` (ours for few rows,
-    :func:`~robot_llm.llm.store.gemv.int8_mm_for`) computes the same integers as ``torch._int_mm``."""
+    kernel, :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`). ``ours`` (:func:`~robot_llm.llm.store.gemv.
+    int8_kernels_for`) quantize and multiply as the torch ops do, to the bit."""
     import torch
 
-    q, row_scale = quantize_activations(rows, codes.shape[1])
-    if matmul is not None:
-        product = matmul(q, codes, acc)
+    q, row_scale = (ours.quantize if ours is not None else quantize_activations)(rows, codes.shape[1])
+    if ours is not None and ours.matmul is not None:
+        product = ours.matmul(q, codes, acc)
     else:
         product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
     if epilogue is not None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robot_llm.llm.store.gemv import gemv_available, int8_gemv, int8_matmul, int8_mm_for, kernels, matmul_serves
+from robot_llm.llm.store.gemv import gemv_available, int8_gemv, int8_kernels_for, int8_matmul, kernels, matmul_serves
 from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block, weight_levels
 from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
@@ -179,7 +179,7 @@ class QuantizedTable:
             # Our epilogue: fp32 logits in one pass (the forward pass wants fp32), not rounded to x's dtype and back.
             lib = kernels()
             epilogue = lib.scale_int32 if lib is not None else None
-            y = int8_gemm(flat, self.q, self._scale32, self._acc[:m], epilogue, int8_mm_for(m))
+            y = int8_gemm(flat, self.q, self._scale32, self._acc[:m], epilogue, int8_kernels_for(m))
             if lib is None:
                 y = y.to(x.dtype)
         elif m <= HEAD_FUSED_ROWS:
