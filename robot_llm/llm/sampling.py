@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from robot_llm.llm.store.gemv import kernels
+
 if TYPE_CHECKING:
     from robot_llm.llm.generate import SamplingParams
 
@@ -41,6 +43,7 @@ def kept_tokens(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
         return ids, out[ids]
     top = out.max()
     total = torch.exp(out - top).sum()
+    candidates = int(torch.isfinite(out).sum())  # every token top-k kept
     reach = TOP_P_REACH
     while True:
         ids = (out >= top - reach).nonzero().flatten()
@@ -52,7 +55,7 @@ def kept_tokens(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
         if len(crossed):  # the first rank past p is kept, every later one removed
             last = int(crossed[0])
             return ids[: last + 1], values[: last + 1]
-        if len(ids) == int(torch.isfinite(out).sum()):
+        if len(ids) == candidates:
             return ids, values  # the whole (top-k) set is within p
         reach *= 2
 
@@ -74,8 +77,6 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     """``logits.argmax(-1)`` (the first largest value's index, the first NaN's in a row that holds one) of CPU
     rows ``[..., V]``: ``gemv.c``'s one pass over each row where it is built (torch's took 0.4-0.7 ms a row of
     262k logits), else torch's."""
-    from robot_llm.llm.store.gemv import kernels
-
     lib = kernels()
     if lib is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
         return lib.argmax_rows(logits)

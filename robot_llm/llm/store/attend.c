@@ -85,10 +85,7 @@ static inline float vhsum(vf a) { return hsum8(a); }
 /* A head size is a multiple of 8 (the caller checks), so every load and store of this body is whole. */
 static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
     (void)n;
-    if (dtype == RL_BF16)
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + j))), 16));
-    return _mm256_loadu_ps((const float *)p + j);
+    return load8(p, dtype == RL_BF16, j);
 }
 static inline void vstore(float *p, vf v, int64_t n) {
     (void)n;

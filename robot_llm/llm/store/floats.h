@@ -32,6 +32,14 @@ static inline float load_float(const void *p, int dtype, int64_t i) {
 /* v rounded to bf16 where the tensor is bf16: what a torch op in that dtype stores. */
 static inline float round_to(float v, int dtype) { return dtype == RL_BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
 
+/* Eight values from element j of fp32 or bf16 (bf16: their bits shifted up into an fp32's) as fp32. */
+static inline __m256 load8(const void *p, int bf16, int64_t j) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + j))), 16));
+    return _mm256_loadu_ps((const float *)p + j);
+}
+
 /* The sum of an AVX2 vector's eight floats. */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

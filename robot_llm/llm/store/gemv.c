@@ -113,14 +113,12 @@ void rl_scale_int32(const int32_t *acc, int64_t m, int64_t n, const float *scale
 void rl_argmax_rows(const void *x, int x_bf16, int64_t m, int64_t n, int64_t *idx, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < m; i++) {
-        const float *row = x_bf16 ? NULL : (const float *)x + i * n;
-        const uint16_t *half = x_bf16 ? (const uint16_t *)x + i * n : NULL;
+        const void *row = (const char *)x + (size_t)(i * n) * (x_bf16 ? 2 : 4);
+        int dtype = x_bf16 ? RL_BF16 : RL_FP32;
         __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 8 <= n; j += 8) {
-            __m256 v = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(half + j))), 16))
-                              : _mm256_loadu_ps(row + j);
+            __m256 v = load8(row, x_bf16, j);
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             top = _mm256_max_ps(top, v);
         }
@@ -130,21 +128,19 @@ void rl_argmax_rows(const void *x, int x_bf16, int64_t m, int64_t n, int64_t *id
         for (int l = 1; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
         int any_nan = _mm256_movemask_ps(nan) != 0;
         for (int64_t t = j; t < n; t++) {
-            float v = x_bf16 ? bf16_to_float(half[t]) : row[t];
+            float v = load_float(row, dtype, t);
             if (v != v) any_nan = 1;
             if (v > best) best = v;
         }
         int64_t at = -1;
         __m256 want = _mm256_set1_ps(best);
         for (j = 0; at < 0 && j + 8 <= n; j += 8) {
-            __m256 v = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(half + j))), 16))
-                              : _mm256_loadu_ps(row + j);
+            __m256 v = load8(row, x_bf16, j);
             int hit = _mm256_movemask_ps(any_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
             if (hit) at = j + __builtin_ctz((unsigned)hit);
         }
         for (int64_t t = j; at < 0 && t < n; t++) {
-            float v = x_bf16 ? bf16_to_float(half[t]) : row[t];
+            float v = load_float(row, dtype, t);
             if (any_nan ? v != v : v == best) at = t;
         }
         idx[i] = at < 0 ? 0 : at;
@@ -157,25 +153,17 @@ void rl_argmax_rows(const void *x, int x_bf16, int64_t m, int64_t n, int64_t *id
  * infinity gets a NaN scale (and zero codes), so that the product's output is not finite, as torch's would be.
  * torch's chain (abs, amax, the casts, clamp, divide, reciprocal, multiply, round, the int8 cast, the padding)
  * was 90 us a call for a batch-32 step's rows, 127 calls a step. */
-/* Eight values of a row from element j as fp32 (bf16: their bits shifted up). */
-static inline __m256 row8(const float *row, const uint16_t *half, int64_t j) {
-    if (half != NULL)
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(half + j))), 16));
-    return _mm256_loadu_ps(row + j);
-}
-
 void rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int8_t *q, float *scale,
                       int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < m; i++) {
-        const float *row = x_bf16 ? NULL : (const float *)x + i * k;
-        const uint16_t *half = x_bf16 ? (const uint16_t *)x + i * k : NULL;
+        const void *row = (const char *)x + (size_t)(i * k) * (x_bf16 ? 2 : 4);
+        int dtype = x_bf16 ? RL_BF16 : RL_FP32;
         const __m256 sign = _mm256_set1_ps(-0.f), huge = _mm256_set1_ps(3.4028234663852886e38f);
         __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 8 <= k; j += 8) {
-            __m256 a = _mm256_andnot_ps(sign, row8(row, half, j));
+            __m256 a = _mm256_andnot_ps(sign, load8(row, x_bf16, j));
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, huge, _CMP_NLE_UQ));  /* NaN or infinity */
             top = _mm256_max_ps(top, a);
         }
@@ -184,7 +172,7 @@ void rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t w
         for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
         int finite = _mm256_movemask_ps(bad) == 0;
         for (int64_t t = j; t < k; t++) {
-            float a = fabsf(half != NULL ? bf16_to_float(half[t]) : row[t]);
+            float a = fabsf(load_float(row, dtype, t));
             finite &= a <= 3.4028234663852886e38f;
             most = a > most ? a : most;
         }
@@ -198,22 +186,17 @@ void rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t w
         scale[i] = s;
         const __m256 by = _mm256_set1_ps(inv);
         for (j = 0; j + 8 <= k; j += 8) {
-            __m256 v = _mm256_round_ps(_mm256_mul_ps(row8(row, half, j), by), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m256 v = _mm256_round_ps(_mm256_mul_ps(load8(row, x_bf16, j), by), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             __m256i ints = _mm256_cvtps_epi32(v);
             __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
             _mm_storel_epi64((__m128i *)(out + j), _mm_packs_epi16(words, words));
         }
-        for (int64_t t = j; t < k; t++) out[t] = (int8_t)nearbyintf((half != NULL ? bf16_to_float(half[t]) : row[t]) * inv);
+        for (int64_t t = j; t < k; t++) out[t] = (int8_t)nearbyintf((load_float(row, dtype, t)) * inv);
         memset(out + k, 0, (size_t)(width - k));
     }
 }
 
-/* c [m, n] int32 = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64),
- * exactly: the integer sums of torch._int_mm. For a decode step's few rows (oneDNN's s8s8s32 GEMM, which
- * torch._int_mm calls, read Gemma 3 270M's 262,144 x 640 head at 4-5 GB/s at 8 and 32 rows on a Sapphire
- * Rapids core, 32-39 ms a step). AVX512-VNNI multiplies unsigned by signed bytes, so the activations are
- * offset by 128 and 128 times each weight row's sum taken back off (one more product per weight vector).
- * Returns 0, -1 when the offset rows could not be allocated, or -2 where this build has no VNNI body. */
+/* Whether this build has rl_int8_mm's body (AVX512-VNNI). */
 int rl_int8_mm_available(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 1;
@@ -233,6 +216,12 @@ static inline __m128i hsum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 #endif
 
+/* c [m, n] int32 = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64),
+ * exactly: the integer sums of torch._int_mm, for a decode step's few rows, whose weights oneDNN's s8s8s32 GEMM
+ * (torch._int_mm's) reads at 4-5 GB/s (Gemma 3 270M's 262,144 x 640 head at 8 and 32 rows on a Sapphire
+ * Rapids core: 32-39 ms a step). AVX512-VNNI multiplies unsigned by signed bytes, so the activations are
+ * offset by 128 and 128 times each weight row's sum taken back off (one more product per weight vector).
+ * Returns 0, -1 when the offset rows could not be allocated, or -2 where this build has no VNNI body. */
 int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, int32_t *c,
                int threads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from robot_llm.llm.plan.machine import cpu_flags, cpu_has_native_bf16
+from robot_llm.llm.store.int8act import Int8Kernels
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-    from robot_llm.llm.store.int8act import Int8Kernels
 
 log = logging.getLogger(__name__)
 
@@ -415,13 +414,16 @@ def int8_kernels_for(rows: int) -> Int8Kernels | None:
     """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
     (:meth:`Kernels.quantize_rows`) and, in a VNNI build up to :data:`OUR_INT8_MM_MAX_ROWS` rows, the int8 x
     int8 product (:meth:`Kernels.int8_mm`); None: torch's ops."""
-    from robot_llm.llm.store.int8act import Int8Kernels
-
     lib = kernels()
-    if lib is None:
-        return None
-    few = lib.has_int8_mm and rows <= OUR_INT8_MM_MAX_ROWS
-    return Int8Kernels(quantize=lib.quantize_rows, matmul=lib.int8_mm if few else None)
+    return None if lib is None else _int8_kernels(lib.has_int8_mm and rows <= OUR_INT8_MM_MAX_ROWS)
+
+
+@functools.cache
+def _int8_kernels(with_matmul: bool) -> Int8Kernels:
+    """:func:`int8_kernels_for`'s two answers, made once (a decode step asks about 130 times)."""
+    lib = kernels()
+    assert lib is not None
+    return Int8Kernels(quantize=lib.quantize_rows, matmul=lib.int8_mm if with_matmul else None)
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
