@@ -24,7 +24,7 @@ from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.machine import cpu_flags
 from robot_llm.llm.store import qhead
 from robot_llm.llm.store.gemv import OUR_INT8_MM_MAX_ROWS, int8_kernels_for, kernels
-from robot_llm.llm.store.int8act import int8_dynamic_linear, quantize_activations
+from robot_llm.llm.store.int8act import int8_dynamic_linear, quantize_activations, rotate, rotate_int8_in_place
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
@@ -274,35 +274,38 @@ def test_the_heads_int8_product_comes_out_in_fp32_in_one_pass(monkeypatch: pytes
     assert torch.equal(logits.bfloat16(), rounded)
 
 
-def test_our_int8_product_is_torchs_integers_where_it_serves() -> None:
+def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
     lib = kernels()
     assert lib is not None
     vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags() and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2"
-    assert lib.has_int8_mm == vnni
-    if not vnni:  # the AVX2 build: torch's product serves every call
-        assert int8_kernels_for(1).matmul is None
-        with pytest.raises(RuntimeError, match="no AVX512-VNNI body"):
-            lib.int8_mm(torch.zeros(1, 64, dtype=torch.int8), torch.zeros(4, 64, dtype=torch.int8))
-        return
+    assert lib.int8_mm_body == ("vnni" if vnni else "avx2")
     assert int8_kernels_for(OUR_INT8_MM_MAX_ROWS).matmul == lib.int8_mm
-    assert int8_kernels_for(OUR_INT8_MM_MAX_ROWS + 1).matmul is None
+    # VNNI: oneDNN's AMX/VNNI GEMM past a few rows; AVX2: ours at every size (torch's is a slow or saturating one)
+    assert (int8_kernels_for(OUR_INT8_MM_MAX_ROWS + 1).matmul is None) == vnni
+    assert int8_kernels_for(512).matmul == (None if vnni else lib.int8_mm)
     g = torch.Generator().manual_seed(9)
-    # rows 1 to the largest served, weight rows not a multiple of the tile's 4, a stored matrix's row stride,
-    # codes at the int8 extremes (-128 meets the activations' offset of 128)
-    for m, n, k in ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048)):
-        a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    # rows 1 to past a decode step's, odd row counts (a tile's second row repeated), weight rows not a multiple of
+    # the tile's 4, a stored matrix's row stride, codes at the int8 extremes (-128 in the weights meets the VNNI
+    # offset of 128 or the AVX2 body's |w| of 128); activations as quantized (-127..127, which the AVX2 body needs)
+    low = -128 if vnni else -127
+    for m, n, k in ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048), (33, 130, 192)):
+        a = torch.randint(low, 128, (m, k), dtype=torch.int8, generator=g)
+        a[-1, : k // 2] = low
         stored = torch.randint(-128, 128, (n, k + 64), dtype=torch.int8, generator=g)
         stored[0, :k] = -128
+        stored[-1, :k] = 127
         codes = stored[:, :k]
-        want = torch._int_mm(a, codes.t())
+        want = (a.long() @ codes.long().t()).int()
         assert torch.equal(lib.int8_mm(a, codes), want), (m, n, k)
         out = torch.empty(m, n, dtype=torch.int32)
         assert lib.int8_mm(a, codes, out).data_ptr() == out.data_ptr() and torch.equal(out, want)
     with pytest.raises(ValueError, match="multiple of 64"):
         lib.int8_mm(torch.zeros(2, 40, dtype=torch.int8), torch.zeros(4, 40, dtype=torch.int8))
     x, w = torch.randn(6, 640, generator=g), PackedInt8(*quantize_int8(torch.randn(300, 640, generator=g)), (300, 640))
-    ours, torchs = int8_dynamic_linear(x, w, int8_kernels_for(6)), int8_dynamic_linear(x, w)
-    assert torch.equal(ours, torchs)
+    ours = int8_dynamic_linear(x, w, int8_kernels_for(6))
+    q, row_scale = quantize_activations(x, 640)
+    exact = (q.long() @ w.q.long().t()).float().mul_(w.scale32()).mul_(row_scale)
+    assert torch.equal(ours, exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -325,3 +328,45 @@ def test_our_activation_quantization_is_torchs_to_the_bit(dtype: torch.dtype) ->
     w = PackedInt8(*quantize_int8(torch.randn(300, 64, generator=g)), (300, 64))
     y = int8_dynamic_linear(x.float(), w, int8_kernels_for(3))
     assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1:]).any(dim=1).any()
+
+
+def _butterflies(x: Tensor, block: int) -> Tensor:
+    """Each run of ``block`` columns of fp32 rows times the Sylvester Hadamard matrix, as the fast transform's
+    butterflies in torch ops (u + v, u - v; pairs h apart, h = 1, 2, 4, ...): the C kernel's order of fp32 ops."""
+    y = x.clone()
+    for h in (2**i for i in range(block.bit_length() - 1)):
+        runs = y.reshape(y.shape[0], -1, 2, h)  # within each 2h run: u the first h columns, v the next
+        u, v = runs[:, :, 0].clone(), runs[:, :, 1].clone()
+        runs[:, :, 0], runs[:, :, 1] = u + v, u - v
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotated_quantization_is_the_fast_transform_then_the_rounding(dtype: torch.dtype) -> None:
+    """A rotated matrix's activations, padded, rotated and quantized in one pass: the fp32 butterflies' values to
+    the bit, within rounding of the rotation as torch's matmul computes it, and a rotated int8 product as close to
+    the float one as the rotation makes it."""
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(13)
+    for m, k, width, block in ((1, 640, 640, 128), (32, 2048, 2048, 128), (5, 600, 640, 64), (3, 300, 320, 64)):
+        x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+        x[0, 5] = 400  # one heavy channel, which the rotation spreads
+        padded = torch.nn.functional.pad(x.float(), (0, width - k))
+        q, scale = lib.quantize_rows(x, width, block)
+        want_q, want_scale = quantize_activations(_butterflies(padded, block), width)
+        assert torch.equal(q, want_q) and torch.equal(scale, want_scale), (m, k, width, block)
+        by_matmul = quantize_activations(rotate(padded, block), width)[0]
+        assert (q.int() - by_matmul.int()).abs().max() <= 1
+    with pytest.raises(ValueError, match="rotation"):
+        lib.quantize_rows(torch.zeros(2, 96), 96, 64)
+    # through the linear layer: int8 activations on a rotated int8 matrix
+    w = torch.randn(200, 640, generator=g) * 0.05
+    q, scale = quantize_int8(w)
+    packed = PackedInt8(q, scale, (200, 640), rotation=rotate_int8_in_place(q, scale))
+    x = torch.randn(9, 640, generator=g)
+    x[:, 17] *= 30
+    ours, torchs = int8_dynamic_linear(x, packed, int8_kernels_for(9)), int8_dynamic_linear(x, packed)
+    exact = x @ w.T
+    for y in (ours, torchs):
+        assert float((y - exact).norm() / exact.norm()) < 0.02

@@ -18,7 +18,7 @@ from robot_llm.llm.families.family import Params, Weights, linear, random_weight
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.store import int8act
-from robot_llm.llm.store.gemv import MATMUL_ROWS
+from robot_llm.llm.store.gemv import MATMUL_ROWS, kernels, matmul_serves
 from robot_llm.llm.store.int8act import (
     int8_activations_on_cpu,
     rotate,
@@ -183,14 +183,25 @@ def test_many_rows_of_an_int4_matrix_meet_its_rotated_int8_copy_with_int8_activa
     exact_w = dequantize_int4_into(codes, scales_and_zeros, torch.empty(172, 300))
     packed = PackedInt4(codes, scales_and_zeros, (172, 300), torch.empty(172, 300))
     few = torch.randn(FUSED_MAX_ROWS["int4"], 300)
-    assert torch.equal(linear(few, packed), int4_linear(few, packed).float()) and packed.int8_copy is None
+    # Without native bf16 gemm.c's int4 product serves those calls (its values the dense fp32 GEMM's up to the
+    # order of the sums), with it torch's fused kernel.
+    ours = matmul_serves("int4", few.shape[0])
+    want = torch.nn.functional.linear(few, exact_w) if ours else int4_linear(few, packed).float()
+    got = linear(few, packed)
+    assert (torch.allclose(got, want, rtol=1e-5, atol=1e-5) if ours else torch.equal(got, want))
+    assert packed.int8_copy is None
     many = torch.randn(FUSED_MAX_ROWS["int4"] + 1, 300)
     # One heavy channel per row, as real activations have: without the rotation one int8 scale per row
     # would leave the rest of the row a few levels.
     many[:, 7] *= 40
-    # A streamed matrix (no copy prepared) is made dense, as without int8 activations: a copy per pass costs more.
-    assert torch.equal(linear(many, packed), torch.nn.functional.linear(many, exact_w))
-    assert packed.int8_copy is None and packed._dense is packed.buffer
+    # A streamed matrix (no copy prepared) is made dense (or given to gemm.c, which widens a tile at a time), as
+    # without int8 activations: a copy per pass costs more.
+    got, want = linear(many, packed), torch.nn.functional.linear(many, exact_w)
+    if matmul_serves("int4", many.shape[0]):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want) and packed._dense is packed.buffer
+    assert packed.int8_copy is None
     copy = rotated_int8_copy(packed)  # what the engine prepares once for a RAM-homed matrix
     assert copy.rotation == 64 and copy.shape == (172, 320)  # 300 padded to 320 = 5 x 64
     assert rotated_int8_copy(packed) is copy and packed.int8_copy is copy
@@ -457,10 +468,32 @@ def test_int8_activations_in_ram_stay_as_close_to_the_exact_logits_as_the_weight
     assert base < 0.02 and err < 0.1, (err, base)
 
 
+def test_our_avx2_product_turns_int8_activations_on_at_full_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every int8 x int8 product is gemv.c's AVX2 body (exact, and faster than fp32), torch's own int8 GEMM
+    (slow on an AVX2 EPYC, saturating 8-bit codes on oneDNN's AVX2 kernels) no longer decides: int8 activations are
+    on and rotated weights keep 127 levels."""
+    monkeypatch.setattr(int8act, "_ours_multiply_every_call", lambda: True)
+    monkeypatch.setattr(int8act, "_int8_gemm_exact", lambda: False)
+    monkeypatch.setattr(int8act, "_int8_gemm_fast", lambda: False)
+    int8_activations_on_cpu.cache_clear()
+    try:
+        assert int8_activations_on_cpu() and int8act.weight_levels() == 127
+        monkeypatch.setenv("ROBOT_LLM_INT8_ACTIVATIONS", "0")
+        int8_activations_on_cpu.cache_clear()
+        assert not int8_activations_on_cpu()
+    finally:
+        monkeypatch.undo()
+        int8_activations_on_cpu.cache_clear()
+    lib = kernels()
+    if lib is not None:
+        assert int8act._ours_multiply_every_call() == (lib.int8_mm_body == "avx2")
+
+
 def test_int8_activations_need_an_int8_gemm_faster_than_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """Exact is not enough: an exact but slow int8 GEMM (torch's fallback on an AVX2 EPYC, 20x under fp32) keeps
     the weight-only kernels unless they are asked for."""
     assert isinstance(int8act._int8_gemm_fast(), bool)
+    monkeypatch.setattr(int8act, "_ours_multiply_every_call", lambda: False)  # a VNNI build, or none of ours
     monkeypatch.setattr(int8act, "_int8_gemm_exact", lambda: True)
     monkeypatch.setattr(int8act, "_int8_gemm_fast", lambda: False)
     int8_activations_on_cpu.cache_clear()

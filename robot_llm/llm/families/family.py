@@ -114,8 +114,7 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
         if kernel and weight.int8_copy is not None and int8_activations_for(rows, x.dtype):
             # RAM-homed: its rotated int8 copy was made once (a streamed matrix's would cost a pass each time);
             # from 8 rows it beats the fused int4 kernel (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows).
-            rotated = weight.int8_copy
-            y = int8_dynamic_linear(rotate_input(x, rotated), rotated, int8_kernels_for(rows))
+            y = int8_dynamic_linear(x, weight.int8_copy, int8_kernels_for(rows))  # it rotates x itself
         elif kernel and matmul_serves("int4", rows, torch_reads):
             y = int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])
         elif kernel and rows <= FUSED_MAX_ROWS["int4"]:
@@ -128,15 +127,13 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             y = int8_gemv(x, weight.q, weight.scale, weight.shape[0], weight.rotation)  # it pads and rotates x itself
         elif kernel and not quantized_rows and matmul_serves("int8", rows):
             y = int8_matmul(x, weight.q, weight.scale, weight.shape[0], weight.rotation)
+        elif quantized_rows:  # rotated (rotate_int8_in_place): it rotates x itself
+            y = int8_dynamic_linear(x, weight, int8_kernels_for(rows))
         else:
             if weight.rotation:
                 x = rotate_input(x, weight)
-            if quantized_rows:  # rotated: rotate_int8_in_place
-                y = int8_dynamic_linear(x, weight, int8_kernels_for(rows))
-            elif kernel and rows <= FUSED_MAX_ROWS["int8"]:
-                y = int8_linear(x, weight)
-            else:
-                y = int8_linear_widened(x, weight)
+            fused = kernel and rows <= FUSED_MAX_ROWS["int8"]
+            y = int8_linear(x, weight) if fused else int8_linear_widened(x, weight)
     return y if bias is None else y + bias
 
 

@@ -121,14 +121,23 @@ def gemm_flops(
 def int8_gemm_ops(
     rows: int, inner: int, outer: int, *, threads: int | None = None, seconds: float = PROBE_SECONDS
 ) -> float:
-    """Sustained ops/s of the CPU's int8 x int8 -> int32 GEMM (``torch._int_mm``, what int8 activations meet)
-    of ``rows x inner`` codes with an ``outer x inner`` matrix of codes."""
+    """Sustained ops/s of the int8 x int8 -> int32 GEMM that int8 activations meet in a call of ``rows`` rows
+    (ours where :func:`~robot_llm.llm.store.gemv.int8_kernels_for` gives one, else ``torch._int_mm``) of
+    ``rows x inner`` codes with an ``outer x inner`` matrix of codes."""
     import torch
+
+    from robot_llm.llm.store.gemv import int8_kernels_for
 
     q = torch.ones(rows, inner, dtype=torch.int8)
     w = torch.ones(outer, inner, dtype=torch.int8)
+    ours = int8_kernels_for(rows)
+    matmul = ours.matmul if ours is not None else None
+
+    def call() -> object:
+        return matmul(q, w, None) if matmul is not None else torch._int_mm(q, w.t())
+
     with intra_op_threads(threads):
-        per_s = _calls_per_second(lambda: torch._int_mm(q, w.t()), lambda: None, seconds)
+        per_s = _calls_per_second(call, lambda: None, seconds)
     return 2 * rows * inner * outer * per_s
 
 

@@ -147,61 +147,83 @@ void rl_argmax_rows(const void *x, int x_bf16, int64_t m, int64_t n, int64_t *id
     }
 }
 
-/* Rows of x [m, k] (fp32 or bf16, rows contiguous) as symmetric int8 with one fp32 scale each, exactly as
- * int8act.quantize_activations computes them in torch ops: scale = max(max |x|, 1e-30) / 127, codes =
- * round-half-even(x * (1 / scale)) in fp32, the columns k .. width - 1 zero. A row holding a NaN or an
- * infinity gets a NaN scale (and zero codes), so that the product's output is not finite, as torch's would be.
- * torch's chain (abs, amax, the casts, clamp, divide, reciprocal, multiply, round, the int8 cast, the padding)
- * was 90 us a call for a batch-32 step's rows, 127 calls a step. */
-void rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int8_t *q, float *scale,
-                      int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < m; i++) {
-        const void *row = (const char *)x + (size_t)(i * k) * (x_bf16 ? 2 : 4);
-        int dtype = x_bf16 ? RL_BF16 : RL_FP32;
-        const __m256 sign = _mm256_set1_ps(-0.f), huge = _mm256_set1_ps(3.4028234663852886e38f);
-        __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= k; j += 8) {
-            __m256 a = _mm256_andnot_ps(sign, load8(row, x_bf16, j));
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, huge, _CMP_NLE_UQ));  /* NaN or infinity */
-            top = _mm256_max_ps(top, a);
-        }
-        float lanes[8], most = 0.f;
-        _mm256_storeu_ps(lanes, top);
-        for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
-        int finite = _mm256_movemask_ps(bad) == 0;
-        for (int64_t t = j; t < k; t++) {
-            float a = fabsf(load_float(row, dtype, t));
-            finite &= a <= 3.4028234663852886e38f;
-            most = a > most ? a : most;
-        }
-        int8_t *out = q + i * width;
-        if (!finite) {
-            scale[i] = NAN;
-            memset(out, 0, (size_t)width);
-            continue;
-        }
-        float s = (most > 1e-30f ? most : 1e-30f) / 127.0f, inv = 1.0f / s;
-        scale[i] = s;
-        const __m256 by = _mm256_set1_ps(inv);
-        for (j = 0; j + 8 <= k; j += 8) {
-            __m256 v = _mm256_round_ps(_mm256_mul_ps(load8(row, x_bf16, j), by), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m256i ints = _mm256_cvtps_epi32(v);
-            __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
-            _mm_storel_epi64((__m128i *)(out + j), _mm_packs_epi16(words, words));
-        }
-        for (int64_t t = j; t < k; t++) out[t] = (int8_t)nearbyintf((load_float(row, dtype, t)) * inv);
-        memset(out + k, 0, (size_t)(width - k));
+/* One row of n values (fp32 or bf16) as symmetric int8 with one fp32 scale, exactly as
+ * int8act.quantize_activations computes it in torch ops: scale = max(max |x|, 1e-30) / 127, codes =
+ * round-half-even(x * (1 / scale)) in fp32, the columns n .. width - 1 zero. A row holding a NaN or an infinity gets
+ * a NaN scale (and zero codes), so that the product's output is not finite, as torch's would be. */
+static void quantize_row(const void *row, int x_bf16, int64_t n, int64_t width, int8_t *out, float *scale) {
+    int dtype = x_bf16 ? RL_BF16 : RL_FP32;
+    const __m256 sign = _mm256_set1_ps(-0.f), huge = _mm256_set1_ps(3.4028234663852886e38f);
+    __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 a = _mm256_andnot_ps(sign, load8(row, x_bf16, j));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, huge, _CMP_NLE_UQ));  /* NaN or infinity */
+        top = _mm256_max_ps(top, a);
     }
+    float lanes[8], most = 0.f;
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
+    int finite = _mm256_movemask_ps(bad) == 0;
+    for (int64_t t = j; t < n; t++) {
+        float a = fabsf(load_float(row, dtype, t));
+        finite &= a <= 3.4028234663852886e38f;
+        most = a > most ? a : most;
+    }
+    if (!finite) {
+        *scale = NAN;
+        memset(out, 0, (size_t)width);
+        return;
+    }
+    float s = (most > 1e-30f ? most : 1e-30f) / 127.0f, inv = 1.0f / s;
+    *scale = s;
+    const __m256 by = _mm256_set1_ps(inv);
+    for (j = 0; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(load8(row, x_bf16, j), by), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i ints = _mm256_cvtps_epi32(v);
+        __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+        _mm_storel_epi64((__m128i *)(out + j), _mm_packs_epi16(words, words));
+    }
+    for (int64_t t = j; t < n; t++) out[t] = (int8_t)nearbyintf((load_float(row, dtype, t)) * inv);
+    memset(out + n, 0, (size_t)(width - n));
 }
 
-/* Whether this build has rl_int8_mm's body (AVX512-VNNI). */
-int rl_int8_mm_available(void) {
+/* Rows of x [m, k] (fp32 or bf16, rows contiguous) as int8 rows [m, width] with one fp32 scale each (quantize_row).
+ * rotation 0: the rows as they are, the torch chain's codes and scales to the bit. rotation > 0 (a power of two
+ * dividing width): each row zero-padded to width and every run of `rotation` columns Hadamard-rotated in fp32 first
+ * (stage_rows' fast transform, int8act.rotate's matrix), then quantized: what a rotated matrix multiplies. torch's
+ * chain (the rotation as a matmul of the +-1 matrix, abs, amax, casts, clamp, divide, reciprocal, multiply, round,
+ * the int8 cast, the padding) was 90 us a call for a batch-32 step's rows without the rotation, 127 calls a step;
+ * its rotation alone 0.4 ms a batch-32 call on an AVX2 EPYC. Returns 0, or -1 when a row buffer was not allocated. */
+int rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int64_t rotation, int8_t *q,
+                     float *scale, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *staged = rotation ? aligned_alloc(64, (size_t)((width * sizeof(float) + 63) / 64 * 64)) : NULL;
+        if (rotation && staged == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            const void *row = (const char *)x + (size_t)(i * k) * (x_bf16 ? 2 : 4);
+            if (!rotation) {
+                quantize_row(row, x_bf16, k, width, q + i * width, scale + i);
+            } else if (staged != NULL) {
+                stage_rows(row, x_bf16, 1, k, width, rotation, staged);
+                quantize_row(staged, 0, width, width, q + i * width, scale + i);
+            }
+        }
+        free(staged);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Which body of rl_int8_mm this build has: 2 AVX512-VNNI, 1 AVX2 (exact for activation codes in -127..127, which
+ * rl_quantize_rows and int8act.quantize_activations produce), 0 none. */
+int rl_int8_mm_body(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return 1;
+    return 2;
 #else
-    return 0;
+    return 1;
 #endif
 }
 
@@ -214,21 +236,85 @@ static inline __m128i hsum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
     __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
     return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
+#else
+/* The sums of four vectors' 8 lanes. */
+static inline __m128i hsum4_epi32(__m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+/* Activation rows an AVX2 tile takes at once against RT weight rows: 8 running sums, the 4 rows' |w|, 2 activation
+ * vectors, the ones and a product (the 16 registers AVX2 has). */
+#define MT2 2
+/* Weight rows a thread's block holds: its sums for every row of the call are buffered and written out together. */
+#define NB 64
+/* Activation rows that meet a block's tiles before the next rows do. */
+#define MC 64
 #endif
 
-/* c [m, n] int32 = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64),
- * exactly: the integer sums of torch._int_mm, for a decode step's few rows, whose weights oneDNN's s8s8s32 GEMM
- * (torch._int_mm's) reads at 4-5 GB/s (Gemma 3 270M's 262,144 x 640 head at 8 and 32 rows on a Sapphire
- * Rapids core: 32-39 ms a step). AVX512-VNNI multiplies unsigned by signed bytes, so the activations are
- * offset by 128 and 128 times each weight row's sum taken back off (one more product per weight vector).
- * Returns 0, -1 when the offset rows could not be allocated, or -2 where this build has no VNNI body. */
-int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, int32_t *c,
-               int threads) {
+/* The value a product's sum is stored as: the int32 itself, or with scales (scale non-NULL) the fp32 the torch epilogue
+ * computes, (float)sum * scale[col] * row_scale[row] in that order (int8act.int8_gemm). */
+static inline void store_sum(void *c, int64_t at, int32_t sum, const float *scale, const float *row_scale, int64_t row,
+                             int64_t col) {
+    if (scale == NULL)
+        ((int32_t *)c)[at] = sum;
+    else
+        ((float *)c)[at] = (float)sum * scale[col] * row_scale[row];
+}
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* The sums of mi (1 or MT2) activation rows ar against RT weight rows wr over k columns, into out [mi, RT]
+ * (rows ldo apart); prefetch: fetch the next tile's weight rows (ldw apart) meanwhile. */
+static inline __attribute__((always_inline)) void avx2_tile(int mi, const int8_t *const *ar, const int8_t *const *wr,
+                                                            int64_t k, int64_t ldw, int prefetch, int32_t *out,
+                                                            int64_t ldo) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[MT2][RT];
+    for (int i = 0; i < mi; i++)
+        for (int r = 0; r < RT; r++) acc[i][r] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < k; j += 32) {
+        __m256i wabs[RT];
+        if (prefetch)
+            for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(wr[r] + RT * ldw + j), _MM_HINT_T0);
+        for (int r = 0; r < RT; r++) wabs[r] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(wr[r] + j)));
+        for (int i = 0; i < mi; i++) {
+            __m256i av = _mm256_loadu_si256((const __m256i *)(ar[i] + j));
+            for (int r = 0; r < RT; r++) {
+                __m256i signed_a = _mm256_sign_epi8(av, _mm256_loadu_si256((const __m256i *)(wr[r] + j)));
+                __m256i pairs = _mm256_maddubs_epi16(wabs[r], signed_a);
+                acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+    }
+    for (int i = 0; i < mi; i++)
+        _mm_storeu_si128((__m128i *)(out + i * ldo), hsum4_epi32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+}
+#endif
+
+/* c [m, n] = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64), exactly:
+ * the integer sums of torch._int_mm, as int32; or, with scale [n] and row_scale [m] (fp32), the fp32 values of its
+ * epilogue (store_sum), without the int32 matrix (for the head's 32 x 262,144 logits a 33 MB pass and the page faults
+ * of a fresh buffer each step).
+ *
+ * AVX512-VNNI (a decode step's few rows, whose weights oneDNN's s8s8s32 GEMM, torch._int_mm's, reads at 4-5 GB/s:
+ * Gemma 3 270M's 262,144 x 640 head at 8 and 32 rows on a Sapphire Rapids core, 32-39 ms a step): VNNI multiplies
+ * unsigned by signed bytes, so the activations are offset by 128 and 128 times each weight row's sum taken back off
+ * (one more product per weight vector).
+ *
+ * AVX2 (any number of rows: on an AVX2 CPU torch 2.13's int8 GEMM is a fallback of 1-2 G ops/s, or oneDNN's, which
+ * saturates full-range codes): as llama.cpp multiplies its blocks, each activation vector is given the signs of the
+ * weights (vpsignb) and multiplied by |w| (vpmaddubsw, unsigned by signed bytes, pairs summed into int16), the pairs
+ * widened to int32 sums (vpmaddwd by ones). A pair is at most 2 x 128 x 127 = 32,512, within int16, so the sums are
+ * exact for any weight code and activation codes in -127..127 (a code of -128 would lose its sign). On an AVX2 EPYC
+ * (Zen 3) core: 95-110 G ops/s from 8 rows, against 50-75 GFLOP/s for the fp32 GEMM at the same shapes.
+ * Returns 0, or -1 when a buffer could not be allocated. */
+int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
+               const float *scale, const float *row_scale, int threads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    int64_t tiles = (n + RT - 1) / RT;
     uint8_t *au = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
     if (au == NULL) return -1;
     for (int64_t i = 0; i < m * k; i++) au[i] = (uint8_t)(a[i] ^ 0x80); /* a + 128 as an unsigned byte */
-    int64_t tiles = (n + RT - 1) / RT;
     const __m512i ones = _mm512_set1_epi8(1);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
@@ -265,14 +351,53 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
             for (int64_t i = 0; i < mi; i++) {
                 int32_t s[4];
                 _mm_storeu_si128((__m128i *)s, hsum4_epi32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-                for (int64_t r = 0; r < nr; r++) c[(i0 + i) * n + r0 + r] = s[r] - offset[r];
+                for (int64_t r = 0; r < nr; r++)
+                    store_sum(c, (i0 + i) * n + r0 + r, s[r] - offset[r], scale, row_scale, i0 + i, r0 + r);
             }
         }
     }
     free(au);
     return 0;
 #else
-    (void)a, (void)m, (void)k, (void)w, (void)ldw, (void)n, (void)c, (void)threads;
-    return -2;
+    /* The sums of a block of NB weight rows go to a buffer first and out a row at a time: written straight into c,
+     * a tile's few sums for each row land a row of c apart (n x 4 bytes), the same cache set in every row, and
+     * evict each other (the head's 262,144 x 640 at 32 rows: 200 ms, not 120). */
+    int64_t blocks = (n + NB - 1) / NB;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int32_t *buf = aligned_alloc(64, (size_t)(m * NB * sizeof(int32_t)));
+        if (buf == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (buf == NULL) continue;
+            int64_t b0 = b * NB, nb = n - b0 < NB ? n - b0 : NB;
+            /* MC rows at a time meet the block's tiles: both stay in L2 at a prefill's thousands of rows */
+            for (int64_t c0 = 0; c0 < m; c0 += MC) {
+                int64_t c1 = m - c0 < MC ? m : c0 + MC;
+                for (int64_t r0 = b0; r0 < b0 + nb; r0 += RT) {
+                    int64_t nr = b0 + nb - r0 < RT ? b0 + nb - r0 : RT;
+                    const int8_t *wr[RT];
+                    for (int r = 0; r < RT; r++) wr[r] = w + (r0 + (r < nr ? r : 0)) * ldw;  /* a short tile repeats a row */
+                    for (int64_t i0 = c0; i0 < c1; i0 += MT2) {
+                        const int8_t *ar[MT2] = {a + i0 * k, a + (i0 + 1 < m ? i0 + 1 : i0) * k};
+                        int32_t *out = buf + i0 * NB + (r0 - b0);
+                        if (c1 - i0 >= 2)  /* the next tile's rows fetched during the first rows' pass */
+                            avx2_tile(2, ar, wr, k, ldw, i0 == 0, out, NB);
+                        else
+                            avx2_tile(1, ar, wr, k, ldw, i0 == 0, out, NB);
+                    }
+                }
+            }
+            for (int64_t i = 0; i < m; i++) {
+                if (scale == NULL)
+                    memcpy((int32_t *)c + i * n + b0, buf + i * NB, (size_t)nb * sizeof(int32_t));
+                else
+                    for (int64_t j = 0; j < nb; j++) store_sum(c, i * n + b0 + j, buf[i * NB + j], scale, row_scale, i, b0 + j);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 #endif
 }

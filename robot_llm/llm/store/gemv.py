@@ -138,15 +138,16 @@ class Kernels:
         self.lib.rl_decode_attention.restype = _INT
         self.lib.rl_scale_int32.argtypes = [_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
         self.lib.rl_scale_int32.restype = None
-        self.lib.rl_quantize_rows.argtypes = [_PTR, _INT, _INT64, _INT64, _INT64, _PTR, _PTR, _INT]
-        self.lib.rl_quantize_rows.restype = None
+        self.lib.rl_quantize_rows.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, _PTR, _INT]
+        self.lib.rl_quantize_rows.restype = _INT
         self.lib.rl_argmax_rows.argtypes = [_PTR, _INT, _INT64, _INT64, _PTR, _INT]
         self.lib.rl_argmax_rows.restype = None
-        self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _INT]
+        self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
         self.lib.rl_int8_mm.restype = _INT
-        self.lib.rl_int8_mm_available.restype = _INT
-        #: Whether this build has the int8 x int8 product (:meth:`int8_mm`; AVX512-VNNI).
-        self.has_int8_mm = bool(self.lib.rl_int8_mm_available())
+        self.lib.rl_int8_mm_body.restype = _INT
+        #: The body of this build's int8 x int8 product (:meth:`int8_mm`): ``"vnni"`` (AVX512-VNNI, a decode
+        #: step's few rows) or ``"avx2"`` (every call: torch's int8 GEMM is no match without VNNI).
+        self.int8_mm_body = "vnni" if self.lib.rl_int8_mm_body() == 2 else "avx2"
         self.dtype_codes = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
@@ -246,14 +247,20 @@ class Kernels:
             raise MemoryError(f"decode_attention: no memory for the scores of {S} keys")
         return out
 
-    def int8_mm(self, a: Tensor, codes: Tensor, out: Tensor | None = None) -> Tensor:
+    def int8_mm(
+        self,
+        a: Tensor,
+        codes: Tensor,
+        out: Tensor | None = None,
+        scale: Tensor | None = None,
+        row_scale: Tensor | None = None,
+    ) -> Tensor:
         """``a int8 [M, Kp] @ codes int8 [N, Kp].T`` as int32 ``[M, N]`` (into ``out`` when given), exactly
-        ``torch._int_mm(a, codes.t())``: ``gemv.c``'s one pass over the codes for a decode step's rows (only
-        where :attr:`has_int8_mm`)."""
+        ``torch._int_mm(a, codes.t())`` (the AVX2 body: for activation codes in -127..127, as quantized here); with
+        ``scale fp32 [N]`` and ``row_scale fp32 [M, 1]``, fp32 ``[M, N]`` as ``product.float().mul_(scale)
+        .mul_(row_scale)`` computes it, in the same pass (:meth:`scale_int32`'s values, without the int32 matrix)."""
         import torch
 
-        if not self.has_int8_mm:
-            raise RuntimeError("int8_mm: this build of gemv.c has no AVX512-VNNI body (check has_int8_mm)")
         m, k = a.shape
         n = codes.shape[0]
         if not a.is_contiguous() or codes.stride(1) != 1 or codes.shape[1] != k or k % 64:
@@ -261,30 +268,43 @@ class Kernels:
                 f"int8_mm needs contiguous int8 rows and row-contiguous codes of one width, a multiple of 64; got "
                 f"{tuple(a.shape)} and codes {tuple(codes.shape)} strides {codes.stride()}"
             )
-        out = torch.empty(m, n, dtype=torch.int32) if out is None else out
-        if out.shape != (m, n) or not out.is_contiguous() or out.dtype != torch.int32:
-            raise ValueError(f"int8_mm: the output must be contiguous int32 {(m, n)}, got {tuple(out.shape)}")
+        scaled = scale is not None
+        if scaled != (row_scale is not None):
+            raise ValueError("int8_mm: give both scales (the weight's and the rows') or neither")
+        dtype = torch.float32 if scaled else torch.int32
+        out = torch.empty(m, n, dtype=dtype) if out is None else out
+        if out.shape != (m, n) or not out.is_contiguous() or out.dtype != dtype:
+            got = f"{out.dtype} {tuple(out.shape)}"
+            raise ValueError(f"int8_mm: the output must be contiguous {dtype} {(m, n)}, got {got}")
+        if scaled:
+            scale, row_scale = scale.float().contiguous(), row_scale.float().contiguous()
+            if scale.numel() != n or row_scale.numel() != m:
+                raise ValueError(f"int8_mm: {scale.numel()} and {row_scale.numel()} scales for {(m, n)} products")
         failed = self.lib.rl_int8_mm(
-            a.data_ptr(), m, k, codes.data_ptr(), codes.stride(0), n, out.data_ptr(), torch.get_num_threads()
-        )
+            a.data_ptr(), m, k, codes.data_ptr(), codes.stride(0), n, out.data_ptr(),
+            scale.data_ptr() if scaled else None, row_scale.data_ptr() if scaled else None, torch.get_num_threads(),
+        )  # fmt: skip
         if failed:
-            raise MemoryError(f"int8_mm: no memory to offset {m} x {k} activations")
+            raise MemoryError(f"int8_mm: no memory for the buffers of {m} x {k} activations")
         return out
 
-    def quantize_rows(self, x: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    def quantize_rows(self, x: Tensor, width: int, rotation: int = 0) -> tuple[Tensor, Tensor]:
         """:func:`~robot_llm.llm.store.int8act.quantize_activations`'s codes ``int8 [M, width]`` and scales
         ``fp32 [M, 1]`` of the rows of ``x [..., K]`` (fp32 or bf16), the same values in one pass over each row; a
-        row holding a NaN or an infinity gets a NaN scale."""
+        row holding a NaN or an infinity gets a NaN scale. ``rotation``: each row zero-padded to ``width`` and
+        every run of that many columns Hadamard-rotated in fp32 first (the fast transform of
+        :func:`~robot_llm.llm.store.int8act.rotate`'s matrix), as a rotated matrix multiplies it."""
         import torch
 
         rows, bf16 = self._rows(x)
         m, k = rows.shape
-        if width < k:
-            raise ValueError(f"quantize_rows: {k} columns do not fit a width of {width}")
+        if width < k or (rotation and (width % rotation or rotation & (rotation - 1))):
+            raise ValueError(f"quantize_rows: {k} columns, rotation {rotation}, do not fit a width of {width}")
         q = torch.empty(m, width, dtype=torch.int8)
         scale = torch.empty(m, 1, dtype=torch.float32)
-        args = (rows.data_ptr(), bf16, m, k, width, q.data_ptr(), scale.data_ptr())
-        self.lib.rl_quantize_rows(*args, torch.get_num_threads())
+        args = (rows.data_ptr(), bf16, m, k, width, rotation, q.data_ptr(), scale.data_ptr())
+        if self.lib.rl_quantize_rows(*args, torch.get_num_threads()):
+            raise MemoryError(f"quantize_rows: no memory for a row of {width}")
         return q, scale
 
     def argmax_rows(self, x: Tensor) -> Tensor:
@@ -396,8 +416,10 @@ def describe() -> str:
     if matmul_available():
         (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
         many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
-    if built.has_int8_mm:
+    if built.int8_mm_body == "vnni":
         many += f"; int8 x int8 products of up to {OUR_INT8_MM_MAX_ROWS} rows ours (AVX512-VNNI)"
+    else:
+        many += "; int8 x int8 products ours at every size (AVX2: sign trick, exact)"
     return (
         f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours (norm.c, attend.c)"
     )
@@ -412,10 +434,10 @@ def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) ->
 
 def int8_kernels_for(rows: int) -> Int8Kernels | None:
     """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
-    (:meth:`Kernels.quantize_rows`) and, in a VNNI build up to :data:`OUR_INT8_MM_MAX_ROWS` rows, the int8 x
-    int8 product (:meth:`Kernels.int8_mm`); None: torch's ops."""
+    (:meth:`Kernels.quantize_rows`) and the int8 x int8 product (:meth:`Kernels.int8_mm`): an AVX2 build's at every
+    row count, a VNNI build's up to :data:`OUR_INT8_MM_MAX_ROWS` rows (oneDNN's past them); None: torch's ops."""
     lib = kernels()
-    return None if lib is None else _int8_kernels(lib.has_int8_mm and rows <= OUR_INT8_MM_MAX_ROWS)
+    return None if lib is None else _int8_kernels(lib.int8_mm_body == "avx2" or rows <= OUR_INT8_MM_MAX_ROWS)
 
 
 @functools.cache

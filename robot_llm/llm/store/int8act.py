@@ -57,6 +57,8 @@ def int8_activations_on_cpu() -> bool:
     asked = os.environ.get("ROBOT_LLM_INT8_ACTIVATIONS", "auto").strip().lower()
     if asked in ("0", "false", "no", "off"):
         return False
+    if _ours_multiply_every_call():
+        return True
     exact = _int8_gemm_exact()
     if exact is None:
         return False
@@ -69,7 +71,18 @@ def weight_levels() -> int:
     by signed bytes) and sums pairs of products into a saturating int16: 255 x 127 x 2 overflows it (measured
     on the AVX2 kernels: products off by up to 24 % of their range on random codes, and Gemma 3 270M's
     perplexity +2.0 % ru), 255 x 63 x 2 does not."""
-    return 127 if _int8_gemm_exact() else 63
+    return 127 if _ours_multiply_every_call() or _int8_gemm_exact() else 63
+
+
+def _ours_multiply_every_call() -> bool:
+    """Whether every int8 x int8 product of this process is ``gemv.c``'s AVX2 body (exact for the codes quantized
+    here, at every row count, :func:`~robot_llm.llm.store.gemv.int8_kernels_for`): then neither torch's kernel's
+    exactness nor its speed matters. On an AVX2 EPYC (Zen 3, 1 thread) it runs 70-110 G ops/s against the fp32
+    GEMM's 40-60 GFLOP/s at a batched decode step's shapes."""
+    from robot_llm.llm.store.gemv import kernels
+
+    lib = kernels()
+    return lib is not None and lib.int8_mm_body == "avx2"
 
 
 @functools.cache
@@ -198,11 +211,12 @@ def quantize_activations(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
 @dataclass(frozen=True)
 class Int8Kernels:
     """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`~robot_llm.llm.store.gemv.
-    int8_kernels_for`): ``quantize(rows, width)`` as :func:`quantize_activations` computes it, and
-    ``matmul(q, codes, acc)`` as ``torch._int_mm`` (None: torch's serves)."""
+    int8_kernels_for`): ``quantize(rows, width, rotation)`` as :func:`quantize_input` computes it, and
+    ``matmul(q, codes, out, scale, row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as
+    :func:`int8_gemm`'s epilogue computes it; None: torch's serves)."""
 
-    quantize: Callable[[Tensor, int], tuple[Tensor, Tensor]]
-    matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+    quantize: Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
+    matmul: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], Tensor] | None = None
 
 
 def int8_activations_for(rows: int, dtype: torch.dtype) -> bool:
@@ -237,37 +251,67 @@ def rotate_input(x: Tensor, w: PackedInt8) -> Tensor:
     return rotated
 
 
+#: The last :func:`quantize_input`: ``(x, width, block, ours, (q, scale))``, shared as :func:`rotate_input`'s
+#: rotation is (q, k and v; gate and up meet one input).
+_last_quantized: list[tuple[Tensor, int, int, bool, tuple[Tensor, Tensor]]] = []
+
+
+def quantize_input(x: Tensor, width: int, block: int, ours: Int8Kernels | None = None) -> tuple[Tensor, Tensor]:
+    """The rows of ``x [..., K]`` as a matrix ``width`` columns wide, its input columns rotated by ``block`` (0:
+    none), multiplies them with int8 activations: zero-padded, rotated and quantized (:func:`quantize_activations`),
+    ``(q int8 [M, width], scale fp32 [M, 1])``. ``ours``: in one C pass per row, the rotation as the fast transform in
+    fp32 (torch's rotation is a matmul, :func:`rotate`: 0.4 ms a batch-32 call on an AVX2 EPYC); else torch's ops.
+    The last answer is reused for the same ``x``."""
+    import torch.nn.functional as F
+
+    if _last_quantized:
+        last, last_width, last_block, last_ours, answer = _last_quantized[0]
+        if last is x and (last_width, last_block, last_ours) == (width, block, ours is not None):
+            return answer
+    rows = x.reshape(-1, x.shape[-1])
+    if ours is not None:
+        answer = ours.quantize(rows, width, block)
+    else:
+        padded = F.pad(rows, (0, width - rows.shape[1])) if width != rows.shape[1] else rows
+        answer = quantize_activations(rotate(padded, block) if block else padded, width)
+    _last_quantized[:] = [(x, width, block, ours is not None, answer)]
+    return answer
+
+
 def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = None) -> Tensor:
-    """``x @ w.T`` with int8 activations: each row of ``x`` quantized (:func:`quantize_activations`), one int8
-    x int8 -> int32 GEMM over the stored codes (``ours`` where given, as :func:`int8_gemm`), then both scales (the
-    output in ``x``'s dtype)."""
+    """``x @ w.T`` with int8 activations: the rows of ``x [..., K]`` (not rotated: a rotated ``w`` rotates them)
+    quantized (:func:`quantize_input`), one int8 x int8 -> int32 GEMM over the stored codes (``ours`` where given,
+    as :func:`int8_gemm`), then both scales (the output in ``x``'s dtype)."""
 
     n, _ = w.shape
-    y = int8_gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale32(), ours=ours)
+    y = int8_gemm(x, w.q, w.scale32(), w.rotation, ours=ours)
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
 def int8_gemm(
-    rows: Tensor,
+    x: Tensor,
     codes: Tensor,
     scale: Tensor,
+    rotation: int = 0,
     acc: Tensor | None = None,
     epilogue: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
     ours: Int8Kernels | None = None,
 ) -> Tensor:
-    """``rows [M, K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32, the rows quantized to int8 first
-    (:func:`quantize_activations`): one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to
-    fp32, then both scales in place (a mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for
-    32 x 262,144 logits, 1 thread); or ``epilogue(product, scale, row_scale)`` does that last step (our one-pass
-    kernel, :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`). ``ours`` (:func:`~robot_llm.llm.store.gemv.
-    int8_kernels_for`) quantize and multiply as the torch ops do, to the bit."""
+    """``x [..., K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32 ``[M, N]``, where ``codes``' input columns were
+    rotated by ``rotation`` (0: none): the rows padded, rotated and quantized to int8 first (:func:`quantize_input`),
+    one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to fp32, then both scales in place (a
+    mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for 32 x 262,144 logits, 1 thread); or
+    ``epilogue(product, scale, row_scale)`` does that last step (our one-pass kernel,
+    :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`). ``ours`` (:func:`~robot_llm.llm.store.gemv.
+    int8_kernels_for`) quantize and multiply as the torch ops do (the rotation as its fast transform); where ours
+    multiplies, the scales are applied in the product's own pass (the same values; ``acc`` and ``epilogue`` are not
+    needed)."""
     import torch
 
-    q, row_scale = (ours.quantize if ours is not None else quantize_activations)(rows, codes.shape[1])
+    q, row_scale = quantize_input(x, codes.shape[1], rotation, ours)
     if ours is not None and ours.matmul is not None:
-        product = ours.matmul(q, codes, acc)
-    else:
-        product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
+        return ours.matmul(q, codes, None, scale, row_scale)  # the epilogue's values in the product's own pass
+    product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
     if epilogue is not None:
         return epilogue(product, scale, row_scale)
     return product.float().mul_(scale).mul_(row_scale)

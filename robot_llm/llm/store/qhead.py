@@ -168,21 +168,26 @@ class QuantizedTable:
             product = int8_gemv if few else int8_matmul  # ours, few rows or many: they pad and rotate x themselves
             y = product(x, self.q, self.scale, v, self.rotation)
             return (y if bias is None else y + bias).reshape(*lead, v)
-        if self.rotation:
-            x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
-        flat = x.reshape(-1, k)
         if quantized_rows:
             if self._scale32 is None:
                 self._scale32 = self.scale.float()
-            if self._acc is None or self._acc.shape[0] < m:
-                self._acc = torch.empty(m, v, dtype=torch.int32)
+            ours = int8_kernels_for(m)
+            acc = None
+            if ours is None or ours.matmul is None:  # torch's product: its int32 sums into a buffer kept
+                if self._acc is None or self._acc.shape[0] < m:
+                    self._acc = torch.empty(m, v, dtype=torch.int32)
+                acc = self._acc[:m]
             # Our epilogue: fp32 logits in one pass (the forward pass wants fp32), not rounded to x's dtype and back.
             lib = kernels()
             epilogue = lib.scale_int32 if lib is not None else None
-            y = int8_gemm(flat, self.q, self._scale32, self._acc[:m], epilogue, int8_kernels_for(m))
+            y = int8_gemm(x, self.q, self._scale32, self.rotation, acc, epilogue, ours)
             if lib is None:
                 y = y.to(x.dtype)
-        elif m <= HEAD_FUSED_ROWS:
+            return (y if bias is None else y + bias).reshape(*lead, v)
+        if self.rotation:
+            x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
+        flat = x.reshape(-1, k)
+        if m <= HEAD_FUSED_ROWS:
             rows = flat.to(torch.bfloat16)
             if self.q.shape[1] != k:
                 rows = F.pad(rows, (0, self.q.shape[1] - k))
