@@ -48,22 +48,66 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* One butterfly stage within 8-lane vectors (h = 1, 2 or 4): lane j below its partner (j & h == 0) gets u + v, the
+ * partner u - v, u the lower lane's value and v the upper's, as the scalar butterfly computes them. */
+static inline __m256 butterfly8(__m256 x, int h) {
+    __m256 partner;
+    int upper;
+    if (h == 1) {
+        partner = _mm256_permute_ps(x, 0xB1), upper = 0xAA;
+    } else if (h == 2) {
+        partner = _mm256_permute_ps(x, 0x4E), upper = 0xCC;
+    } else {
+        partner = _mm256_permute2f128_ps(x, x, 0x01), upper = 0xF0;
+    }
+    /* lower lanes: x (u) + partner (v); upper lanes: partner (u) - x (v) */
+    __m256 sum = _mm256_add_ps(x, partner), diff = _mm256_sub_ps(partner, x);
+    switch (upper) {
+    case 0xAA: return _mm256_blend_ps(sum, diff, 0xAA);
+    case 0xCC: return _mm256_blend_ps(sum, diff, 0xCC);
+    default: return _mm256_blend_ps(sum, diff, 0xF0);
+    }
+}
+
+/* row [n] (fp32) times the Sylvester Hadamard matrix of +-1 entries in every run of `block` columns (a power of two;
+ * n a multiple of it): the fast transform, stage h = 1, 2, 4, ... pairing each column j (j & h == 0) with j + h into
+ * (u + v, u - v), each op rounded in fp32. The stages below 8 run within vectors, the rest between them. */
+static inline void hadamard_rows(float *row, int64_t n, int64_t block) {
+    if (block >= 8) {
+        for (int64_t j = 0; j < n; j += 8) {
+            __m256 x = _mm256_loadu_ps(row + j);
+            x = butterfly8(butterfly8(butterfly8(x, 1), 2), 4);
+            _mm256_storeu_ps(row + j, x);
+        }
+    }
+    for (int64_t h = block >= 8 ? 8 : 1; h < block; h *= 2)
+        for (int64_t b = 0; b < n; b += block)
+            for (int64_t a = b; a < b + block; a += 2 * h) {
+                if (h >= 8) {
+                    for (int64_t j = a; j < a + h; j += 8) {
+                        __m256 u = _mm256_loadu_ps(row + j), v = _mm256_loadu_ps(row + j + h);
+                        _mm256_storeu_ps(row + j, _mm256_add_ps(u, v));
+                        _mm256_storeu_ps(row + j + h, _mm256_sub_ps(u, v));
+                    }
+                } else {
+                    for (int64_t j = a; j < a + h; j++) {
+                        float u = row[j], v = row[j + h];
+                        row[j] = u + v;
+                        row[j + h] = u - v;
+                    }
+                }
+            }
+}
+
 /* x [m, kx] (fp32, or bf16 where x_bf16) into fp32 [m, k], zero-padded, each run of `rotation` columns
- * (0: none) times the Sylvester Hadamard matrix of +-1 entries (the fast transform; int8act.rotate's matrix). */
+ * (0: none) times the Sylvester Hadamard matrix of +-1 entries (hadamard_rows; int8act.rotate's matrix). */
 static inline void stage_rows(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, int64_t rotation, float *out) {
     for (int64_t i = 0; i < m; i++) {
         float *row = out + i * k;
         for (int64_t j = 0; j < kx; j++)
             row[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i * kx + j]) : ((const float *)x)[i * kx + j];
         for (int64_t j = kx; j < k; j++) row[j] = 0.f;
-        for (int64_t b = 0; rotation && b < k; b += rotation)
-            for (int64_t h = 1; h < rotation; h *= 2)
-                for (int64_t a = b; a < b + rotation; a += 2 * h)
-                    for (int64_t j = a; j < a + h; j++) {
-                        float u = row[j], v = row[j + h];
-                        row[j] = u + v;
-                        row[j + h] = u - v;
-                    }
+        if (rotation) hadamard_rows(row, k, rotation);
     }
 }
 
