@@ -299,6 +299,12 @@ def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
         assert torch.equal(lib.int8_mm(a, codes), want), (m, n, k)
         out = torch.empty(m, n, dtype=torch.int32)
         assert lib.int8_mm(a, codes, out).data_ptr() == out.data_ptr() and torch.equal(out, want)
+        # with the scales: the torch epilogue's fp32 values, in the product's own pass
+        scale, row_scale = torch.rand(n, generator=g), torch.rand(m, 1, generator=g)
+        scaled = lib.int8_mm(a, codes, None, scale, row_scale)
+        assert scaled.dtype == torch.float32 and torch.equal(scaled, want.float().mul_(scale).mul_(row_scale))
+    with pytest.raises(ValueError, match="both scales"):
+        lib.int8_mm(a, codes, None, torch.ones(codes.shape[0]))
     with pytest.raises(ValueError, match="multiple of 64"):
         lib.int8_mm(torch.zeros(2, 40, dtype=torch.int8), torch.zeros(4, 40, dtype=torch.int8))
     x, w = torch.randn(6, 640, generator=g), PackedInt8(*quantize_int8(torch.randn(300, 640, generator=g)), (300, 640))
