@@ -69,7 +69,7 @@ def log(msg: str) -> None:
 def cpu_features() -> dict[str, Any]:
     """The CPU's model name and the flags that decide the fast paths (AVX2, AVX512, AVX512-BF16, AMX), as
     our engine sees them (``ROBOT_LLM_HIDE_CPU_FLAGS`` hides some), and torch's and oneDNN's kernel levels."""
-    from robot_llm.llm.plan.machine import cpu_flags
+    from robot_llm.llm.plan.cpu import cpu_flags
 
     name = "unknown CPU"
     try:
@@ -243,7 +243,7 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
     import torch
 
     from robot_llm.llm.model import Model, ModelSettings, Policy
-    from robot_llm.llm.plan.machine import cpu_has_native_bf16
+    from robot_llm.llm.plan.cpu import cpu_has_native_bf16
     from robot_llm.llm.plan.planner import cpu_kv_dtype
     from robot_llm.llm.sampling import greedy_tokens
     from robot_llm.llm.store.reader import read_manifest

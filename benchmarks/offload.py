@@ -64,7 +64,8 @@ from robot_llm.llm.families.config import ModuleKind, module_plan
 from robot_llm.llm.families.family import Params
 from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.model import Model, ModelSettings, Policy
-from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine
+from robot_llm.llm.plan.cpu import cpu_has_native_bf16
+from robot_llm.llm.plan.machine import Machine, detect_machine
 from robot_llm.llm.plan.planner import HEADROOM, Work, plan
 from robot_llm.llm.plan.rates import gemm_flops
 from robot_llm.llm.plan.sizes import layer_bytes, layer_params

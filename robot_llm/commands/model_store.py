@@ -144,7 +144,8 @@ def _plan(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from robot_llm.llm.engine.runtime import GPU_RATES_ASSUMED
-    from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine
+    from robot_llm.llm.plan.cpu import cpu_has_native_bf16
+    from robot_llm.llm.plan.machine import Machine, detect_machine
     from robot_llm.llm.plan.planner import PlanError, Work, plan
     from robot_llm.llm.plan.rates import describe_rates, measure_rates
 

@@ -21,7 +21,7 @@ from robot_llm.llm.families import family, norm
 from robot_llm.llm.families.family import apply_rotary, grouped_attention, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
-from robot_llm.llm.plan.machine import cpu_flags
+from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store import qhead
 from robot_llm.llm.store.gemv import OUR_INT8_MM_MAX_ROWS, int8_kernels_for, kernels
 from robot_llm.llm.store.int8act import int8_dynamic_linear, quantize_activations, rotate, rotate_int8_in_place

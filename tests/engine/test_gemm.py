@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.families import family
-from robot_llm.llm.plan.machine import cpu_flags
+from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store import gemv, qhead
 from robot_llm.llm.store.int8act import rotate
 from robot_llm.llm.store.qhead import QuantizedTable

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.families.family import linear
-from robot_llm.llm.plan.machine import cpu_flags
+from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store import gemv
 from robot_llm.llm.store.int8act import rotate
 from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable

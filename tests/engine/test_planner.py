@@ -10,7 +10,8 @@ import pytest
 
 from robot_llm.llm.families import gemma3, llama
 from robot_llm.llm.families.yalm import PRESETS
-from robot_llm.llm.plan.machine import Machine, cpu_has_native_bf16, detect_machine, free_cores, gpu_has_native_bf16
+from robot_llm.llm.plan.cpu import cpu_has_native_bf16
+from robot_llm.llm.plan.machine import Machine, detect_machine, free_cores, gpu_has_native_bf16
 from robot_llm.llm.plan.planner import (
     GB,
     PlanError,
@@ -407,13 +408,13 @@ def test_a_mixed_store_may_take_batches_within_int8s_row_limit() -> None:
 
 
 def test_hidden_cpu_flags_make_this_machine_the_avx2_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    from robot_llm.llm.plan import machine
+    from robot_llm.llm.plan import cpu
 
-    monkeypatch.setenv(machine.HIDE_FLAGS_ENV, "avx512_bf16, amx_bf16")
-    machine._this_cpu_flags.cache_clear()
+    monkeypatch.setenv(cpu.HIDE_FLAGS_ENV, "avx512_bf16, amx_bf16")
+    cpu._this_cpu_flags.cache_clear()
     try:
         assert not cpu_has_native_bf16()
-        assert machine.cpu_flags() == machine.cpu_flags("/proc/cpuinfo") - {"avx512_bf16", "amx_bf16"}
+        assert cpu.cpu_flags() == cpu.cpu_flags("/proc/cpuinfo") - {"avx512_bf16", "amx_bf16"}
     finally:
-        monkeypatch.delenv(machine.HIDE_FLAGS_ENV)
-        machine._this_cpu_flags.cache_clear()
+        monkeypatch.delenv(cpu.HIDE_FLAGS_ENV)
+        cpu._this_cpu_flags.cache_clear()

@@ -15,7 +15,8 @@ from robot_llm.errors import RobotLLMError
 from robot_llm.llm.engine.runtime import ModelSettings, machine_for, night_machine
 from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.plan import rates
-from robot_llm.llm.plan.machine import GPUError, Machine, cpu_has_native_bf16, usable_gpu_bytes
+from robot_llm.llm.plan.cpu import cpu_has_native_bf16
+from robot_llm.llm.plan.machine import GPUError, Machine, usable_gpu_bytes
 from robot_llm.llm.plan.planner import Work, plan
 from robot_llm.llm.plan.sizes import layer_bytes, layer_params
 from robot_llm.llm.store.int8act import int8_activations_on_cpu

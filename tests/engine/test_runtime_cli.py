@@ -12,7 +12,7 @@ from robot_llm.commands.model import main
 from robot_llm.llm.generate import SamplingParams
 from robot_llm.llm.model import Model, ModelSettings
 from robot_llm.llm.plan import rates
-from robot_llm.llm.plan.machine import cpu_has_native_bf16
+from robot_llm.llm.plan.cpu import cpu_has_native_bf16
 from robot_llm.llm.plan.planner import PlanError
 
 PROMPTS = ["Акции выросли", "The index fell after the report", "Нефть"]

@@ -40,7 +40,7 @@ from torch import Tensor
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
-from robot_llm.llm.plan.machine import cpu_has_native_bf16
+from robot_llm.llm.plan.cpu import cpu_has_native_bf16
 from robot_llm.llm.store.gemv import (
     gemv_available,
     int4_matmul,

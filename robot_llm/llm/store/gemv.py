@@ -29,11 +29,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from robot_llm.llm.plan.machine import cpu_flags, cpu_has_native_bf16
-from robot_llm.llm.store.int8act import Int8Kernels
+from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -430,6 +431,17 @@ def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) ->
     lib = kernels()
     assert lib is not None, "int8_gemv called without the kernel (check gemv_available)"
     return lib.int8_gemv(x, q, scale, n, rotation)
+
+
+@dataclass(frozen=True)
+class Int8Kernels:
+    """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`int8_kernels_for`):
+    ``quantize(rows, width, rotation)`` as :func:`~robot_llm.llm.store.int8act.quantize_input` computes it, and
+    ``matmul(q, codes, out, scale, row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as
+    :func:`~robot_llm.llm.store.int8act.int8_gemm`'s epilogue computes it; None: torch's serves)."""
+
+    quantize: Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
+    matmul: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], Tensor] | None = None
 
 
 def int8_kernels_for(rows: int) -> Int8Kernels | None:

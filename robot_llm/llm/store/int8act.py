@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
@@ -20,6 +19,8 @@ from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width,
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
+
+    from robot_llm.llm.store.gemv import Int8Kernels
 
 #: Rows of a call from which an int8 matrix (rotated, on the CPU) meets int8 activations instead of the fused
 #: kernel, where the CPU multiplies int8 by int8 (:func:`int8_activations_on_cpu`). Against the int8 kernel,
@@ -206,17 +207,6 @@ def quantize_activations(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
     q = torch.zeros(rows.shape[0], width, dtype=torch.int8)
     q[:, :k] = codes
     return q, scale
-
-
-@dataclass(frozen=True)
-class Int8Kernels:
-    """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`~robot_llm.llm.store.gemv.
-    int8_kernels_for`): ``quantize(rows, width, rotation)`` as :func:`quantize_input` computes it, and
-    ``matmul(q, codes, out, scale, row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as
-    :func:`int8_gemm`'s epilogue computes it; None: torch's serves)."""
-
-    quantize: Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
-    matmul: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], Tensor] | None = None
 
 
 def int8_activations_for(rows: int, dtype: torch.dtype) -> bool:
