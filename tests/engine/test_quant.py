@@ -509,3 +509,20 @@ def test_int8_activations_need_an_int8_gemm_faster_than_fp32(monkeypatch: pytest
     finally:
         monkeypatch.undo()
         int8_activations_on_cpu.cache_clear()
+
+
+def test_only_amx_caps_the_rows_that_take_int8_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX's bf16 tiles outrun the int8 path at prefill sizes, so there a bf16 call of many rows stays bf16;
+    without AMX (a Zen 4 EPYC's AVX512-BF16, any fp32 CPU) the int8 GEMM wins at every size measured, and a
+    prefill's calls quantize too."""
+    from robot_llm.llm.plan.timing import INT8_ACTIVATION_MIN_ROWS
+
+    monkeypatch.setattr(int8act, "int8_activations_on_cpu", lambda: True)
+    for flags, cap in [({"avx512_bf16", "amx_bf16", "amx_tile"}, 128), ({"avx512_bf16", "avx512_vnni"}, None)]:
+        monkeypatch.setattr(int8act, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert int8act.int8_activation_max_rows("bf16") == cap
+        assert int8act.int8_activation_max_rows("fp32") is None
+        assert int8act.int8_activations_for(2048, torch.float32)
+        assert int8act.int8_activations_for(128, torch.bfloat16)
+        assert int8act.int8_activations_for(129, torch.bfloat16) == (cap is None)
+        assert not int8act.int8_activations_for(INT8_ACTIVATION_MIN_ROWS - 1, torch.bfloat16)

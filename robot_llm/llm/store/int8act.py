@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
 
 if TYPE_CHECKING:
@@ -32,12 +33,11 @@ if TYPE_CHECKING:
 #: / 1.40 / 2.11 fused, 0.22 / 0.31 / 0.34 / 0.45 quantized; 4096x1024 1.24 / 2.35 / 4.51 / 7.68 against 0.71 /
 #: 0.60 / 1.20 / 1.56.
 INT8_ACTIVATION_MIN_ROWS = 8
-#: Rows of a call up to which int8 activations are used, by compute dtype (no entry: every row count). With native
-#: bf16 (AVX512-BF16) the dense bf16 GEMM over widened codes overtakes them between 128 and 256 rows (1 thread,
-#: ms at 32 / 256 / 2,048 rows: 2048x640 0.45 / 3.5 / 33 against 1.4 / 3.1 / 16; 640x2048 0.29 / 1.5 / 36
-#: against 0.40 / 1.6 / 13), so a prefill stays bf16; on AVX2 (fp32 compute) they win at every size
-#: (2048x640: 0.59 / 3.9 / 32 against 0.98 / 7.6 / 60; 640x2048: 0.74 / 4.5 / 54 against 0.98 / 6.3 / 53).
-INT8_ACTIVATION_MAX_ROWS = {"bf16": 128}
+#: Rows of a call up to which int8 activations are used under bf16 compute on an AMX CPU
+#: (:func:`int8_activation_max_rows`). There the dense bf16 GEMM over widened codes (AMX tiles) overtakes them
+#: between 128 and 256 rows (Sapphire Rapids, 1 thread, ms at 32 / 256 / 2,048 rows: 2048x640 0.45 / 3.5 / 33
+#: against 1.4 / 3.1 / 16; 640x2048 0.29 / 1.5 / 36 against 0.40 / 1.6 / 13), so a prefill stays bf16.
+INT8_ACTIVATION_MAX_ROWS_AMX = 128
 
 
 @functools.cache
@@ -209,15 +209,28 @@ def quantize_activations(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+def int8_activation_max_rows(dtype: str) -> int | None:
+    """The most rows of a call that quantizes its activations under ``dtype`` compute (None: every row count):
+    :data:`INT8_ACTIVATION_MAX_ROWS_AMX` under bf16 on an AMX CPU, whose bf16 tiles win at prefill sizes. Without
+    AMX the int8 GEMM wins at every size: under AVX512-BF16 on a Zen 4 EPYC (1 thread, the whole call, ms at 256 /
+    512 / 2,048 rows, bf16 over widened codes against int8 activations: 2048x640 4.5 / 8.4 / 33 against 2.6 /
+    4.8 / 32; 640x2048 4.3 / 8.8 / 35 against 2.8 / 5.3 / 20; 1024x640 2.2 / 4.7 / 17 against 1.3 / 2.7 / 10),
+    and under fp32 on AVX2 (2048x640: 0.59 / 3.9 / 32 against 0.98 / 7.6 / 60 at 32 / 256 / 2,048 rows)."""
+    if dtype == "bf16" and cpu_flags() & {"amx_bf16", "amx_int8", "amx_tile"}:
+        return INT8_ACTIVATION_MAX_ROWS_AMX
+    return None
+
+
 def int8_activations_for(rows: int, dtype: torch.dtype) -> bool:
     """True when a CPU call of ``rows`` rows in ``dtype`` quantizes its activations: from
-    :data:`INT8_ACTIVATION_MIN_ROWS` rows, always under fp32 compute and up to :data:`INT8_ACTIVATION_MAX_ROWS`
-    rows under bf16, where the CPU's own bf16 GEMM wins at prefill sizes."""
+    :data:`INT8_ACTIVATION_MIN_ROWS` rows up to :func:`int8_activation_max_rows`, where the CPU can
+    (:func:`int8_activations_on_cpu`)."""
     import torch
 
     if rows < INT8_ACTIVATION_MIN_ROWS or not int8_activations_on_cpu():
         return False
-    return dtype != torch.bfloat16 or rows <= INT8_ACTIVATION_MAX_ROWS["bf16"]
+    most = int8_activation_max_rows("bf16" if dtype == torch.bfloat16 else "fp32")
+    return most is None or rows <= most
 
 
 #: The last :func:`rotate_input`: ``(x, width, block, rotated)``. A layer multiplies one input by several
