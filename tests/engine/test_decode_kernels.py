@@ -23,7 +23,7 @@ from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store import qhead
-from robot_llm.llm.store.gemv import OUR_INT8_MM_MAX_ROWS, int8_kernels_for, kernels
+from robot_llm.llm.store.gemv import int8_kernels_for, kernels, our_int8_mm_max_rows
 from robot_llm.llm.store.int8act import int8_dynamic_linear, quantize_activations, rotate, rotate_int8_in_place
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
@@ -279,16 +279,19 @@ def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
     assert lib is not None
     vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags() and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2"
     assert lib.int8_mm_body == ("vnni" if vnni else "avx2")
-    assert int8_kernels_for(OUR_INT8_MM_MAX_ROWS).matmul == lib.int8_mm
+    most = our_int8_mm_max_rows()
+    assert most == (15 if "amx_int8" in cpu_flags() else 32)
+    assert int8_kernels_for(most).matmul == lib.int8_mm
     # VNNI: oneDNN's AMX/VNNI GEMM past a few rows; AVX2: ours at every size (torch's is a slow or saturating one)
-    assert (int8_kernels_for(OUR_INT8_MM_MAX_ROWS + 1).matmul is None) == vnni
+    assert (int8_kernels_for(most + 1).matmul is None) == vnni
     assert int8_kernels_for(512).matmul == (None if vnni else lib.int8_mm)
     g = torch.Generator().manual_seed(9)
-    # rows 1 to past a decode step's, odd row counts (a tile's second row repeated), weight rows not a multiple of
-    # the tile's 4, a stored matrix's row stride, codes at the int8 extremes (-128 in the weights meets the VNNI
-    # offset of 128 or the AVX2 body's |w| of 128); activations as quantized (-127..127, which the AVX2 body needs)
+    # rows 1 to past a decode step's and past a chunk of 64, odd row counts (a tile's second row repeated), weight
+    # rows not a multiple of the tile's 4 nor of a block's 64, a stored matrix's row stride, codes at the int8
+    # extremes (-128 in the weights meets the VNNI offset of 128 or the AVX2 body's |w| of 128); activations as
+    # quantized (-127..127, which the AVX2 body needs)
     low = -128 if vnni else -127
-    for m, n, k in ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048), (33, 130, 192)):
+    for m, n, k in ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048), (33, 130, 192), (70, 67, 128)):
         a = torch.randint(low, 128, (m, k), dtype=torch.int8, generator=g)
         a[-1, : k // 2] = low
         stored = torch.randint(-128, 128, (n, k + 64), dtype=torch.int8, generator=g)

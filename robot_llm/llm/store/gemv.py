@@ -65,10 +65,15 @@ MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
 #: 0.73; 4096 x 1024 0.54 / 0.75 / 1.5 / 3.1 against 0.75 / 0.90 / 1.4 / 2.5).
 INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
 #: Rows up to which an int8 x int8 product is ``gemv.c``'s (AVX512-VNNI, one pass over the codes; the same
-#: integers) rather than ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly. Sapphire Rapids, 1
-#: thread, ms at 8 / 16 / 32 rows: 262,144 x 640 ours 18 / 26 / 41, oneDNN 32 / 33 / 40; 2048 x 640 0.066 /
-#: 0.13 / 0.25 against 0.11 / 0.12 / 0.15 (oneDNN's AMX kernels win from 16 rows where the matrix is in cache).
-OUR_INT8_MM_MAX_ROWS = 15
+#: integers) rather than ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly
+#: (:func:`our_int8_mm_max_rows`), with AMX and without. Sapphire Rapids (AMX), 1 thread, ms at 8 / 16 / 32 rows:
+#: 262,144 x 640 ours 18 / 26 / 41, oneDNN 32 / 33 / 40; 2048 x 640 0.066 / 0.13 / 0.25 against 0.11 / 0.12 / 0.15
+#: (oneDNN's AMX kernels win from 16 rows where the matrix is in cache; measured before ours fetched every line of
+#: its tiles ahead). Zen 4 (AVX512-VNNI, no AMX), 1 thread, ms at 8 / 16 / 32 / 64 rows, ours with the scales
+#: against oneDNN's int32 (the scales cost it another pass): 262,144 x 640 14 / 28 / 63 / 146 against 34 / 40 / 67
+#: / 112; 2048 x 640 0.087 / 0.15 / 0.29 / 0.59 against 0.10 / 0.15 / 0.25 / 0.43; 640 x 2048 0.10 / 0.12 / 0.23 /
+#: 0.57 against 0.35 / 0.32 / 0.41 / 0.70.
+OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -418,7 +423,7 @@ def describe() -> str:
         (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
         many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
     if built.int8_mm_body == "vnni":
-        many += f"; int8 x int8 products of up to {OUR_INT8_MM_MAX_ROWS} rows ours (AVX512-VNNI)"
+        many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
     else:
         many += "; int8 x int8 products ours at every size (AVX2: sign trick, exact)"
     return (
@@ -447,9 +452,15 @@ class Int8Kernels:
 def int8_kernels_for(rows: int) -> Int8Kernels | None:
     """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
     (:meth:`Kernels.quantize_rows`) and the int8 x int8 product (:meth:`Kernels.int8_mm`): an AVX2 build's at every
-    row count, a VNNI build's up to :data:`OUR_INT8_MM_MAX_ROWS` rows (oneDNN's past them); None: torch's ops."""
+    row count, a VNNI build's up to :func:`our_int8_mm_max_rows` rows (oneDNN's past them); None: torch's ops."""
     lib = kernels()
-    return None if lib is None else _int8_kernels(lib.int8_mm_body == "avx2" or rows <= OUR_INT8_MM_MAX_ROWS)
+    return None if lib is None else _int8_kernels(lib.int8_mm_body == "avx2" or rows <= our_int8_mm_max_rows())
+
+
+def our_int8_mm_max_rows() -> int:
+    """The most rows of an int8 x int8 product a VNNI build of ours takes (:data:`OUR_INT8_MM_MAX_ROWS`: fewer
+    where oneDNN has AMX tiles)."""
+    return OUR_INT8_MM_MAX_ROWS["amx" if "amx_int8" in cpu_flags() else "vnni"]
 
 
 @functools.cache
