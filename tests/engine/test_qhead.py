@@ -186,4 +186,7 @@ def test_doctor_says_which_matrix_path_a_cpu_night_runs(tmp_path: Path) -> None:
     info.write_text("processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n")
     native = cpu_compute_path("int8", "bf16", str(info))
     assert "AMX yes" in native and "cast to bf16" not in native
+    # AMX's bf16 tiles keep a prefill's calls bf16: int8 activations up to 128 rows there, every row count elsewhere
+    assert "int8 activations from 8 to 128 rows" in cpu_compute_path("int8", "bf16", str(info), int8_activations=True)
+    assert "from 8 rows" in cpu_compute_path("int8", "fp32", str(info), int8_activations=True)
     assert cpu_compute_path("fp32", "fp32", str(info)).endswith("fp32 matrices computed in fp32")
