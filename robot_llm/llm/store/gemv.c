@@ -306,6 +306,63 @@ static inline __attribute__((always_inline)) void avx2_tile(int mi, const int8_t
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Activation rows c0..c1 of au (the codes + 128, k wide) against the RT weight rows wr (nr of them real) into out
+ * [rows, NB] (its columns for this tile); the tile's first pass (row 0) also sums each weight row into offset and
+ * fetches the next tile. */
+static inline void vnni_rows(const uint8_t *au, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr, int64_t nr,
+                             int32_t *out, int32_t *offset) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t i0 = c0; i0 < c1; i0 += MT) {
+        int64_t mi = c1 - i0 < MT ? c1 - i0 : MT;
+        int first = i0 == 0;
+        __m512i acc[MT][RT], sums[RT];
+        for (int r = 0; r < RT; r++) {
+            sums[r] = _mm512_setzero_si512();
+            for (int i = 0; i < MT; i++) acc[i][r] = _mm512_setzero_si512();
+        }
+        for (int64_t j = 0; j < k; j += 64) {
+            __m512i wv[RT];
+            /* Contiguous rows: the RT lines a step consumes, PREFETCH bytes ahead (one line a step, a quarter of
+             * them, read the head at 5 GB/s) */
+            if (first)
+                for (int r = 0; r < RT; r++) _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT + 64 * r, _MM_HINT_T0);
+            for (int r = 0; r < RT; r++) wv[r] = _mm512_loadu_si512(wr[r] + j);
+            if (first)
+                for (int r = 0; r < RT; r++) sums[r] = _mm512_dpbusd_epi32(sums[r], ones, wv[r]);
+            for (int i = 0; i < MT; i++) {
+                if (i < mi) {
+                    __m512i av = _mm512_loadu_si512(au + (i0 + i) * k + j);
+                    for (int r = 0; r < RT; r++) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], av, wv[r]);
+                }
+            }
+        }
+        if (first) {
+            int32_t s[4];
+            _mm_storeu_si128((__m128i *)s, hsum4_epi32(sums[0], sums[1], sums[2], sums[3]));
+            for (int r = 0; r < RT; r++) offset[r] = 128 * s[r];
+        }
+        for (int64_t i = 0; i < mi; i++) {
+            int32_t s[4];
+            _mm_storeu_si128((__m128i *)s, hsum4_epi32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+            for (int64_t r = 0; r < nr; r++) out[(i0 + i) * NB + r] = s[r] - offset[r];
+        }
+    }
+}
+#else
+/* Activation rows c0..c1 of a (m rows, k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time. */
+static inline void avx2_rows(const int8_t *a, int64_t m, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr,
+                             int64_t ldw, int32_t *out) {
+    for (int64_t i0 = c0; i0 < c1; i0 += MT2) {
+        const int8_t *ar[MT2] = {a + i0 * k, a + (i0 + 1 < m ? i0 + 1 : i0) * k};
+        if (c1 - i0 >= 2)  /* the next tile's rows fetched during the first rows' pass */
+            avx2_tile(2, ar, wr, k, ldw, i0 == 0, out + i0 * NB, NB);
+        else
+            avx2_tile(1, ar, wr, k, ldw, i0 == 0, out + i0 * NB, NB);
+    }
+}
+#endif
+
 /* c [m, n] = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64), exactly:
  * the integer sums of torch._int_mm, as int32; or, with scale [n] and row_scale [m] (fp32), the fp32 values of its
  * epilogue (store_sum), without the int32 matrix (for the head's 32 x 262,144 logits a 33 MB pass and the page faults
@@ -331,7 +388,7 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
     uint8_t *au = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
     if (au == NULL) return -1;
     for (int64_t i = 0; i < m * k; i++) au[i] = (uint8_t)(a[i] ^ 0x80); /* a + 128 as an unsigned byte */
-    const __m512i ones = _mm512_set1_epi8(1);
+#endif
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int32_t *buf = aligned_alloc(64, (size_t)(m * NB * sizeof(int32_t)));
@@ -340,65 +397,7 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
         for (int64_t b = 0; b < blocks; b++) {
             if (buf == NULL) continue;
             int64_t b0 = b * NB, nb = n - b0 < NB ? n - b0 : NB;
-            int32_t offset[NB]; /* 128 times each weight row's sum, taken off its products with the offset codes */
-            for (int64_t c0 = 0; c0 < m; c0 += MC) {
-                int64_t c1 = m - c0 < MC ? m : c0 + MC;
-                for (int64_t r0 = b0; r0 < b0 + nb; r0 += RT) {
-                    int64_t nr = b0 + nb - r0 < RT ? b0 + nb - r0 : RT;
-                    const int8_t *wr[RT];
-                    for (int r = 0; r < RT; r++) wr[r] = w + (r0 + (r < nr ? r : 0)) * ldw;
-                    for (int64_t i0 = c0; i0 < c1; i0 += MT) {
-                        int64_t mi = c1 - i0 < MT ? c1 - i0 : MT;
-                        int first = i0 == 0; /* the tile's first pass: its row sums too, the next tile fetched */
-                        __m512i acc[MT][RT], sums[RT];
-                        for (int r = 0; r < RT; r++) {
-                            sums[r] = _mm512_setzero_si512();
-                            for (int i = 0; i < MT; i++) acc[i][r] = _mm512_setzero_si512();
-                        }
-                        for (int64_t j = 0; j < k; j += 64) {
-                            __m512i wv[RT];
-                            /* Contiguous rows: the RT lines a step consumes, PREFETCH bytes ahead (one line a step,
-                             * a quarter of them, read the head at 5 GB/s) */
-                            if (first)
-                                for (int r = 0; r < RT; r++)
-                                    _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT + 64 * r, _MM_HINT_T0);
-                            for (int r = 0; r < RT; r++) wv[r] = _mm512_loadu_si512(wr[r] + j);
-                            if (first)
-                                for (int r = 0; r < RT; r++) sums[r] = _mm512_dpbusd_epi32(sums[r], ones, wv[r]);
-                            for (int i = 0; i < MT; i++) {
-                                if (i < mi) {
-                                    __m512i av = _mm512_loadu_si512(au + (i0 + i) * k + j);
-                                    for (int r = 0; r < RT; r++) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], av, wv[r]);
-                                }
-                            }
-                        }
-                        if (first) {
-                            int32_t s[4];
-                            _mm_storeu_si128((__m128i *)s, hsum4_epi32(sums[0], sums[1], sums[2], sums[3]));
-                            for (int r = 0; r < RT; r++) offset[r0 - b0 + r] = 128 * s[r];
-                        }
-                        for (int64_t i = 0; i < mi; i++) {
-                            int32_t s[4];
-                            _mm_storeu_si128((__m128i *)s, hsum4_epi32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-                            for (int64_t r = 0; r < nr; r++) buf[(i0 + i) * NB + r0 - b0 + r] = s[r] - offset[r0 - b0 + r];
-                        }
-                    }
-                }
-            }
-            flush_block(c, buf, m, n, b0, nb, scale, row_scale);
-        }
-        free(buf);
-    }
-    free(au);
-#else
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        int32_t *buf = aligned_alloc(64, (size_t)(m * NB * sizeof(int32_t)));
-        if (buf == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            if (buf == NULL) continue;
-            int64_t b0 = b * NB, nb = n - b0 < NB ? n - b0 : NB;
+            int32_t offset[NB]; /* VNNI: 128 times each weight row's sum, taken off its products with the offset codes */
             /* MC rows at a time meet the block's tiles: both stay in L2 at a prefill's thousands of rows */
             for (int64_t c0 = 0; c0 < m; c0 += MC) {
                 int64_t c1 = m - c0 < MC ? m : c0 + MC;
@@ -406,20 +405,20 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
                     int64_t nr = b0 + nb - r0 < RT ? b0 + nb - r0 : RT;
                     const int8_t *wr[RT];
                     for (int r = 0; r < RT; r++) wr[r] = w + (r0 + (r < nr ? r : 0)) * ldw;  /* a short tile repeats a row */
-                    for (int64_t i0 = c0; i0 < c1; i0 += MT2) {
-                        const int8_t *ar[MT2] = {a + i0 * k, a + (i0 + 1 < m ? i0 + 1 : i0) * k};
-                        int32_t *out = buf + i0 * NB + (r0 - b0);
-                        if (c1 - i0 >= 2)  /* the next tile's rows fetched during the first rows' pass */
-                            avx2_tile(2, ar, wr, k, ldw, i0 == 0, out, NB);
-                        else
-                            avx2_tile(1, ar, wr, k, ldw, i0 == 0, out, NB);
-                    }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                    vnni_rows(au, k, c0, c1, wr, nr, buf + r0 - b0, offset + r0 - b0);
+#else
+                    (void)offset;
+                    avx2_rows(a, m, k, c0, c1, wr, ldw, buf + r0 - b0);
+#endif
                 }
             }
             flush_block(c, buf, m, n, b0, nb, scale, row_scale);
         }
         free(buf);
     }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    free(au);
 #endif
     return failed ? -1 : 0;
 }
