@@ -209,18 +209,25 @@ def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch
     lib = kernels()
     assert lib is not None
     g = torch.Generator().manual_seed(5)
-    # (B, query heads, KV heads, head size, keys, softcap): Gemma 3 270M at batch 1 and 32, a group of 8 (two
-    # blocks of heads), a head size of 8 (no 16-wide step), multi-head attention with a softcap.
-    cases = [(1, 4, 1, 256, 600, None), (32, 4, 1, 256, 45, None), (3, 16, 2, 64, 37, None), (2, 4, 2, 8, 9, None)]
-    cases.append((2, 4, 4, 16, 9, 30.0))
-    for B, n, kv, hd, S, softcap in cases:
+    # (B, query heads, KV heads, head size, keys, softcap, threads): Gemma 3 270M at batch 1 and 32, a group of 8
+    # (two blocks of heads), a head size of 8 (no 16-wide step), multi-head attention with a softcap; and with more
+    # threads than (row, KV head) pairs, each pair's keys split between threads and merged (a part may get no live key).
+    cases = [(1, 4, 1, 256, 600, None, 1), (32, 4, 1, 256, 45, None, 1), (3, 16, 2, 64, 37, None, 1)]
+    cases += [(2, 4, 2, 8, 9, None, 1), (2, 4, 4, 16, 9, 30.0, 1)]
+    cases += [(1, 4, 1, 256, 600, None, 2), (1, 16, 2, 64, 37, 30.0, 3), (2, 4, 1, 32, 5, None, 7)]
+    for B, n, kv, hd, S, softcap, threads in cases:
         cache = [torch.randn(B, S + 20, kv, hd, generator=g).to(dtype) for _ in range(2)]
         k, v = cache[0][:, :S], cache[1][:, :S]  # views of a longer cache, as the engine's
         q = torch.randn(B, 1, n, hd, generator=g).to(dtype)
         mask = torch.rand(B, 1, 1, S, generator=g) < 0.3
         if B > 1:
             mask[-1] = True  # a pad row: every key forbidden
-        got = lib.decode_attention(q, k, v, mask, hd**-0.5, softcap)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = lib.decode_attention(q, k, v, mask, hd**-0.5, softcap)
+        finally:
+            torch.set_num_threads(before)
         want = _attention_in_fp64(q, k, v, mask, hd**-0.5, softcap)
         assert got.shape == (B, 1, n * hd) and got.dtype == dtype
         tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-6  # bf16: its one rounding of the output

@@ -245,8 +245,10 @@ static inline __attribute__((always_inline)) void weigh_block(const float *p, in
     }
 }
 
-/* The softmax of each head's scores over its `count` live keys, in place (every key masked: nothing to do). */
-static void softmax_rows(float *scores, int64_t nb, int64_t S, int64_t count, float softcap) {
+/* The softmax of each head's scores over its `count` live keys, in place (every key masked: nothing to do); with
+ * `stats` (a part of the keys), left unnormalized: each head's largest score and its sum of exponentials go to
+ * stats[2h], stats[2h + 1] for merge_parts. */
+static void softmax_rows(float *scores, int64_t nb, int64_t S, int64_t count, float softcap, float *stats) {
     for (int64_t h = 0; h < nb; h++) {
         float *row = scores + h * S;
         if (softcap > 0.f)
@@ -264,6 +266,11 @@ static void softmax_rows(float *scores, int64_t nb, int64_t S, int64_t count, fl
         }
         float total = vhsum(sum);
         for (; i < count; i++) total += row[i] = expf(row[i] - most);
+        if (stats != NULL) {
+            stats[2 * h] = count ? most : -INFINITY;
+            stats[2 * h + 1] = count ? total : 0.f;
+            continue;
+        }
         float inv = count ? 1.f / total : 0.f;
         vf scale = vset(inv);
         for (i = 0; i + VL <= count; i += VL) vstore(row + i, vmul(vload(row, RL_FP32, i, VL), scale), VL);
@@ -302,6 +309,40 @@ static void weights_for(const float *p, int64_t hd, const char *values, int64_t 
     }
 }
 
+/* The softmax-weighted sums of `parts` parts of the same keys, each unnormalized with its own largest score
+ * (acc [parts, group, hd], stats [parts, group, 2]), into out [group, hd]: every part rescaled to the largest of
+ * all and divided by the common sum (every key masked: zeros). */
+static void merge_parts(const float *acc, const float *stats, int64_t parts, int64_t group, int64_t hd, float *out) {
+    for (int64_t h = 0; h < group; h++) {
+        float most = -INFINITY, total = 0.f;
+        for (int64_t c = 0; c < parts; c++) most = stats[(c * group + h) * 2] > most ? stats[(c * group + h) * 2] : most;
+        for (int64_t j = 0; j < hd; j++) out[h * hd + j] = 0.f;
+        if (most == -INFINITY) continue;
+        for (int64_t c = 0; c < parts; c++) {
+            const float *st = stats + (c * group + h) * 2;
+            if (st[0] == -INFINITY) continue;
+            float w = expf(st[0] - most);
+            total += w * st[1];
+            for (int64_t j = 0; j < hd; j++) out[h * hd + j] += w * acc[(c * group + h) * hd + j];
+        }
+        float inv = 1.f / total;
+        for (int64_t j = 0; j < hd; j++) out[h * hd + j] *= inv;
+    }
+}
+
+/* `group` heads' outputs acc [group, hd] (columns in the weighing's order: unpacked_column where pairs) into out at
+ * element `at`, in q's dtype. */
+static void write_heads(void *out, int q_dtype, const float *acc, int64_t at, int64_t group, int64_t hd, int pairs) {
+    for (int64_t h = 0; h < group; h++)
+        for (int64_t j = 0; j < hd; j++) {
+            float value = acc[h * hd + (pairs ? unpacked_column(j) : j)];
+            if (q_dtype == RL_BF16)
+                ((uint16_t *)out)[at + h * hd + j] = float_to_bf16(value);
+            else
+                ((float *)out)[at + h * hd + j] = value;
+        }
+}
+
 /* q [B, n_heads, hd] (q_dtype, contiguous); k, v [B, S, kv_heads, hd] at element strides (sb, ss, sh), the
  * head dimension contiguous (kv_dtype); mask [B, S] bool at byte strides (mb, ms), true where forbidden;
  * query head h uses KV head h / (n_heads / kv_heads). out [B, n_heads * hd] in q_dtype. softcap 0: none, else
@@ -311,26 +352,32 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
                         const uint8_t *mask, int64_t mb, int64_t ms, int64_t S, float scale, float softcap,
                         void *out, int threads) {
     int64_t group = n_heads / kv_heads;
-    int per_head = B * kv_heads < threads;                /* a few rows: one query head per work item */
-    int64_t width = per_head ? 1 : group;                  /* query heads per item */
-    int64_t items = B * kv_heads * (group / width);
+    /* Fewer (row, KV head) pairs than threads (batch 1): each pair's live keys are split into parts, one a work
+     * item with all the pair's query heads, merged afterwards (every key read once, by one thread), instead of one
+     * query head an item (each thread reading every key). */
+    int64_t parts = B * kv_heads < threads ? threads / (B * kv_heads) : 1;
+    int64_t items = B * kv_heads * parts;
     size_t esize = kv_dtype == RL_BF16 ? 2 : 4;
     int dot = DOT_SERVES(q_dtype, kv_dtype, hd), pairs = PAIRS_SERVE(kv_dtype, hd);
     int failed = 0;
+    /* With parts: each item's unnormalized outputs [group, hd] and its heads' (largest score, sum) pairs. */
+    float *part_acc = parts > 1 ? malloc((size_t)(items * group * hd) * sizeof(float)) : NULL;
+    float *part_stats = parts > 1 ? malloc((size_t)(items * group * 2) * sizeof(float)) : NULL;
+    if (parts > 1 && (part_acc == NULL || part_stats == NULL)) failed = 1;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         /* Per thread: the item's queries, their scores (then probabilities) over the live keys, their outputs,
          * and the live keys' positions. */
-        float *qs = malloc((size_t)(width * (hd + S + hd)) * sizeof(float));
+        float *qs = malloc((size_t)(group * (hd + S + hd)) * sizeof(float));
         int32_t *live = malloc((size_t)S * sizeof(int32_t));
         if (qs == NULL || live == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            if (qs == NULL || live == NULL) continue;
-            int64_t per_row = kv_heads * (group / width), b = it / per_row, rest = it % per_row;
-            int64_t g = rest / (group / width), h0 = g * group + (rest % (group / width)) * width;
-            float *scores = qs + width * hd, *acc = scores + width * S;
-            for (int64_t h = 0; h < width; h++)
+            if (qs == NULL || live == NULL || (parts > 1 && part_acc == NULL) || (parts > 1 && part_stats == NULL))
+                continue;
+            int64_t pair = it / parts, part = it % parts, b = pair / kv_heads, g = pair % kv_heads, h0 = g * group;
+            float *scores = qs + group * hd, *acc = parts > 1 ? part_acc + it * group * hd : scores + group * S;
+            for (int64_t h = 0; h < group; h++)
                 for (int64_t j = 0; j < hd; j++)
                     qs[h * hd + j] = load_float(q, q_dtype, (b * n_heads + h0 + h) * hd + j);
             const char *kb = (const char *)k + (size_t)(b * sb + g * sh) * esize;
@@ -338,27 +385,33 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
             int64_t count = 0;
             for (int64_t s = 0; s < S; s++)
                 if (!mask[b * mb + s * ms]) live[count++] = (int32_t)s;
+            int64_t first = count * part / parts, last = count * (part + 1) / parts; /* this item's live keys */
+            const int32_t *mine = live + first;
+            count = last - first;
             const uint16_t *qb = (const uint16_t *)q + (b * n_heads + h0) * hd;  /* the bf16 query, where dot */
-            for (int64_t h = 0; h < width; h += HB)
-                scores_for(dot ? (const void *)(qb + h * hd) : qs + h * hd, hd, kb, ss * esize, kv_dtype, live, count,
-                           scale, scores + h * S, S, width - h < HB ? width - h : HB, dot);
-            softmax_rows(scores, width, S, count, softcap);
-            for (int64_t h = 0; h < width; h += HB)
-                weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, live, count, acc + h * hd, S,
-                            width - h < HB ? width - h : HB, pairs);
-            for (int64_t h = 0; h < width; h++) {
-                int64_t at = (b * n_heads + h0 + h) * hd;
-                for (int64_t j = 0; j < hd; j++) {
-                    float value = acc[h * hd + (pairs ? unpacked_column(j) : j)];
-                    if (q_dtype == RL_BF16)
-                        ((uint16_t *)out)[at + j] = float_to_bf16(value);
-                    else
-                        ((float *)out)[at + j] = value;
-                }
+            for (int64_t h = 0; h < group; h += HB)
+                scores_for(dot ? (const void *)(qb + h * hd) : qs + h * hd, hd, kb, ss * esize, kv_dtype, mine, count,
+                           scale, scores + h * S, S, group - h < HB ? group - h : HB, dot);
+            softmax_rows(scores, group, S, count, softcap, parts > 1 ? part_stats + it * group * 2 : NULL);
+            for (int64_t h = 0; h < group; h += HB)
+                weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, mine, count, acc + h * hd, S,
+                            group - h < HB ? group - h : HB, pairs);
+            if (parts == 1) write_heads(out, q_dtype, acc, (b * n_heads + h0) * hd, group, hd, pairs);
+        }
+        if (parts > 1) {  /* after the parts' loop and its barrier */
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < B * kv_heads; pair++) {
+                if (qs == NULL || part_acc == NULL || part_stats == NULL) continue;
+                merge_parts(part_acc + pair * parts * group * hd, part_stats + pair * parts * group * 2, parts, group,
+                            hd, qs);
+                int64_t b = pair / kv_heads, g = pair % kv_heads;
+                write_heads(out, q_dtype, qs, (b * n_heads + g * group) * hd, group, hd, pairs);
             }
         }
         free(live);
         free(qs);
     }
+    free(part_acc);
+    free(part_stats);
     return failed ? -1 : 0;
 }
