@@ -4,9 +4,10 @@
  * torch's fused attention takes 150-190 us a layer for one row of Gemma 3 270M (4 query heads on one KV
  * head, 256 wide, 600 keys: 0.6 MB of bf16 keys and values, which one core reads in 60 us), and its eager
  * form (two matmuls and a softmax) as much at batch 32. Here each work item is one row's KV head with its
- * query heads (every key read once for all of them) or, with fewer such items than threads, one query head
- * (a row at batch 1 still spreads over the threads). Scores, softmax and the weighted sum are fp32; the
- * output is rounded once to the query's dtype. A fully masked row comes out zero, as torch's fused kernel's.
+ * query heads (every key read once for all of them) or, with fewer such items than threads, a part of its
+ * keys (a row at batch 1 still spreads over the threads), the parts merged after. Scores, softmax and the
+ * weighted sum are fp32; the output is rounded once to the query's dtype. A fully masked row comes out zero,
+ * as torch's fused kernel's.
  *
  * At batch 32 a step's caches (18 layers x 32 rows x 512 keys) are larger than the CPU's caches, so the
  * kernel must compute faster than the memory delivers: the AVX512 body where the compiler may use it, the
