@@ -21,7 +21,7 @@ from robot_llm.llm.families import family, norm
 from robot_llm.llm.families.family import apply_rotary, grouped_attention, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
-from robot_llm.llm.plan.cpu import cpu_flags
+from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx
 from robot_llm.llm.store import qhead
 from robot_llm.llm.store.gemv import int8_kernels_for, kernels, our_int8_mm_max_rows
 from robot_llm.llm.store.int8act import int8_dynamic_linear, quantize_activations, rotate, rotate_int8_in_place
@@ -287,7 +287,7 @@ def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
     vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags() and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2"
     assert lib.int8_mm_body == ("vnni" if vnni else "avx2")
     most = our_int8_mm_max_rows()
-    assert most == (15 if "amx_int8" in cpu_flags() else 32)
+    assert most == (15 if cpu_has_amx() else 32)
     assert int8_kernels_for(most).matmul == lib.int8_mm
     # VNNI: oneDNN's AMX/VNNI GEMM past a few rows; AVX2: ours at every size (torch's is a slow or saturating one)
     assert (int8_kernels_for(most + 1).matmul is None) == vnni

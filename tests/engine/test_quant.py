@@ -188,7 +188,7 @@ def test_many_rows_of_an_int4_matrix_meet_its_rotated_int8_copy_with_int8_activa
     ours = matmul_serves("int4", few.shape[0])
     want = torch.nn.functional.linear(few, exact_w) if ours else int4_linear(few, packed).float()
     got = linear(few, packed)
-    assert (torch.allclose(got, want, rtol=1e-5, atol=1e-5) if ours else torch.equal(got, want))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5) if ours else torch.equal(got, want)
     assert packed.int8_copy is None
     many = torch.randn(FUSED_MAX_ROWS["int4"] + 1, 300)
     # One heavy channel per row, as real activations have: without the rotation one int8 scale per row
@@ -515,11 +515,12 @@ def test_only_amx_caps_the_rows_that_take_int8_activations(monkeypatch: pytest.M
     """AMX's bf16 tiles outrun the int8 path at prefill sizes, so there a bf16 call of many rows stays bf16;
     without AMX (a Zen 4 EPYC's AVX512-BF16, any fp32 CPU) the int8 GEMM wins at every size measured, and a
     prefill's calls quantize too."""
+    from robot_llm.llm.plan import cpu
     from robot_llm.llm.plan.timing import INT8_ACTIVATION_MIN_ROWS
 
     monkeypatch.setattr(int8act, "int8_activations_on_cpu", lambda: True)
     for flags, cap in [({"avx512_bf16", "amx_bf16", "amx_tile"}, 128), ({"avx512_bf16", "avx512_vnni"}, None)]:
-        monkeypatch.setattr(int8act, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(cpu, "_this_cpu_flags", lambda flags=flags: frozenset(flags))
         assert int8act.int8_activation_max_rows("bf16") == cap
         assert int8act.int8_activation_max_rows("fp32") is None
         assert int8act.int8_activations_for(2048, torch.float32)

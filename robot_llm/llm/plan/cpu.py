@@ -39,3 +39,9 @@ def _this_cpu_flags() -> frozenset[str]:
 def cpu_has_native_bf16(cpuinfo: str | Path | None = None) -> bool:
     """True when the CPU flags list AVX512-BF16 or AMX-BF16 (bf16 GEMMs then beat fp32 several times)."""
     return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_amx(flags: frozenset[str] | None = None) -> bool:
+    """True when ``flags`` (default: this CPU's) list AMX tiles, whose int8 and bf16 GEMMs (oneDNN's) outrun our
+    VNNI and int8-activation paths at some sizes."""
+    return bool((cpu_flags() if flags is None else flags) & {"amx_tile", "amx_int8", "amx_bf16"})

@@ -372,10 +372,10 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
         float *qs = malloc((size_t)(group * (hd + S + hd)) * sizeof(float));
         int32_t *live = malloc((size_t)S * sizeof(int32_t));
         if (qs == NULL || live == NULL) failed = 1;
+        int ready = qs != NULL && live != NULL && (parts == 1 || (part_acc != NULL && part_stats != NULL));
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            if (qs == NULL || live == NULL || (parts > 1 && part_acc == NULL) || (parts > 1 && part_stats == NULL))
-                continue;
+            if (!ready) continue;
             int64_t pair = it / parts, part = it % parts, b = pair / kv_heads, g = pair % kv_heads, h0 = g * group;
             float *scores = qs + group * hd, *acc = parts > 1 ? part_acc + it * group * hd : scores + group * S;
             for (int64_t h = 0; h < group; h++)
@@ -402,7 +402,7 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
         if (parts > 1) {  /* after the parts' loop and its barrier */
 #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < B * kv_heads; pair++) {
-                if (qs == NULL || part_acc == NULL || part_stats == NULL) continue;
+                if (!ready) continue;
                 merge_parts(part_acc + pair * parts * group * hd, part_stats + pair * parts * group * 2, parts, group,
                             hd, qs);
                 int64_t b = pair / kv_heads, g = pair % kv_heads;

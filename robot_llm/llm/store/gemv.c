@@ -397,7 +397,9 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
         for (int64_t b = 0; b < blocks; b++) {
             if (buf == NULL) continue;
             int64_t b0 = b * NB, nb = n - b0 < NB ? n - b0 : NB;
-            int32_t offset[NB]; /* VNNI: 128 times each weight row's sum, taken off its products with the offset codes */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            int32_t offset[NB]; /* 128 times each weight row's sum, taken off its products with the offset codes */
+#endif
             /* MC rows at a time meet the block's tiles: both stay in L2 at a prefill's thousands of rows */
             for (int64_t c0 = 0; c0 < m; c0 += MC) {
                 int64_t c1 = m - c0 < MC ? m : c0 + MC;
@@ -408,7 +410,6 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
                     vnni_rows(au, k, c0, c1, wr, nr, buf + r0 - b0, offset + r0 - b0);
 #else
-                    (void)offset;
                     avx2_rows(a, m, k, c0, c1, wr, ldw, buf + r0 - b0);
 #endif
                 }

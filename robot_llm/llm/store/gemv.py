@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_native_bf16
+from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx, cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -460,7 +460,7 @@ def int8_kernels_for(rows: int) -> Int8Kernels | None:
 def our_int8_mm_max_rows() -> int:
     """The most rows of an int8 x int8 product a VNNI build of ours takes (:data:`OUR_INT8_MM_MAX_ROWS`: fewer
     where oneDNN has AMX tiles)."""
-    return OUR_INT8_MM_MAX_ROWS["amx" if "amx_int8" in cpu_flags() else "vnni"]
+    return OUR_INT8_MM_MAX_ROWS["amx" if cpu_has_amx() else "vnni"]
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from robot_llm.llm.plan.cpu import cpu_flags
+from robot_llm.llm.plan.cpu import cpu_has_amx
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
 
 if TYPE_CHECKING:
@@ -210,14 +210,14 @@ def quantize_activations(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
 
 
 def int8_activation_max_rows(dtype: str, flags: frozenset[str] | None = None) -> int | None:
-    """The most rows of a call that quantizes its activations under ``dtype`` compute on a CPU with ``flags`` (default:
-    this one's; None: every row count):
-    :data:`INT8_ACTIVATION_MAX_ROWS_AMX` under bf16 on an AMX CPU, whose bf16 tiles win at prefill sizes. Without
-    AMX the int8 GEMM wins at every size: under AVX512-BF16 on a Zen 4 EPYC (1 thread, the whole call, ms at 256 /
-    512 / 2,048 rows, bf16 over widened codes against int8 activations: 2048x640 4.5 / 8.4 / 33 against 2.6 /
-    4.8 / 32; 640x2048 4.3 / 8.8 / 35 against 2.8 / 5.3 / 20; 1024x640 2.2 / 4.7 / 17 against 1.3 / 2.7 / 10),
-    and under fp32 on AVX2 (2048x640: 0.59 / 3.9 / 32 against 0.98 / 7.6 / 60 at 32 / 256 / 2,048 rows)."""
-    if dtype == "bf16" and (cpu_flags() if flags is None else flags) & {"amx_bf16", "amx_int8", "amx_tile"}:
+    """The most rows of a call that quantizes its activations under ``dtype`` compute on a CPU with ``flags``
+    (default: this one's), None for every row count: :data:`INT8_ACTIVATION_MAX_ROWS_AMX` under bf16 on an AMX
+    CPU, whose bf16 tiles win at prefill sizes. Without AMX the int8 GEMM wins at every size: under AVX512-BF16 on
+    a Zen 4 EPYC (1 thread, the whole call, ms at 256 / 512 / 2,048 rows, bf16 over widened codes against int8
+    activations: 2048x640 4.5 / 8.4 / 33 against 2.6 / 4.8 / 32; 640x2048 4.3 / 8.8 / 35 against 2.8 / 5.3 / 20;
+    1024x640 2.2 / 4.7 / 17 against 1.3 / 2.7 / 10), and under fp32 on AVX2 (2048x640: 0.59 / 3.9 / 32 against
+    0.98 / 7.6 / 60 at 32 / 256 / 2,048 rows)."""
+    if dtype == "bf16" and cpu_has_amx(flags):
         return INT8_ACTIVATION_MAX_ROWS_AMX
     return None
 
