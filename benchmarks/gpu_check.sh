@@ -2,6 +2,7 @@
 # GPU checks of the offload engine (needs one CUDA GPU; CPU-only CI cannot run these).
 #
 #   benchmarks/gpu_check.sh [WORK_DIR]
+#   KEEP_GOING=1 benchmarks/gpu_check.sh [WORK_DIR]   # run every check, list the failures at the end
 #
 # 1. the yalm-tiny fixture through every engine on CUDA: fp32 (<= 1e-4), fp16 (fp16 tolerance,
 #    docs/yalm-model.md §11), the int8 store, RAM and disk homes (pinned host slots, copy stream);
@@ -12,21 +13,27 @@
 #    home with an int8 KV cache) generates and scores like the CPU's fp32 reference;
 # 5. benchmarks/offload.py --quick on this machine: its engine rows pin device=cpu (they do not compute on
 #    the GPU); its DeepSpeed rows run on DeepSpeed's CUDA accelerator.
-# Budget: under 8 minutes on one GPU. Exits non-zero at the first failure.
+# Budget: under 8 minutes on one GPU. Exits non-zero at the first failure, or with KEEP_GOING=1 (a lease's
+# minutes are few: one run should show every breakage) after the last check, naming each failed command.
 set -euo pipefail
+failures=()
+if [ "${KEEP_GOING:-0}" = 1 ]; then
+  set +e
+  trap 'failures+=("line $LINENO (${step_name:-?}): ${BASH_COMMAND%%$'"'"'\n'"'"'*}")' ERR
+fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:-$PWD}"
 PY="${PYTHON:-python}"
 FIXTURE=tests/fixtures/yalm-tiny
 WORK="${1:-$(mktemp -d)}"
 mkdir -p "$WORK"
-step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
+step() { step_name="$*"; printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
 
 step "environment"
 "$PY" -c 'import torch, deepspeed; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.__version__, deepspeed.__version__, torch.cuda.get_device_name(0))'
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
 
-model() { "$PY" -m robot_llm.commands.model model "$@"; }
+model() { echo "+ model $*"; "$PY" -m robot_llm.commands.model model "$@"; }
 
 step "fixture: memory engine on cuda, fp32 and fp16"
 model check-fixture "$FIXTURE" --engine memory --device cuda --dtype fp32
@@ -150,4 +157,9 @@ step "throughput: benchmarks/offload.py --quick"
 step "plan for this machine"
 model plan --preset yalm-100b
 
+if [ "${#failures[@]}" -gt 0 ]; then
+  printf '\n%s GPU check(s) failed in %ss:\n' "${#failures[@]}" "$SECONDS"
+  printf '  %s\n' "${failures[@]}"
+  exit 1
+fi
 printf '\nall GPU checks passed in %ss\n' "$SECONDS"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from robot_llm.commands.model import check_fixture
-from robot_llm.llm.engine.deepspeed import DeepSpeedModel
+from robot_llm.llm.engine.deepspeed import DeepSpeedModel, deepspeed_arch_list, prepare_ops
 from robot_llm.llm.engine.memory import Yalm
 from robot_llm.llm.families.family import random_weights
 from robot_llm.llm.families.yalm import YalmConfig
@@ -37,6 +37,37 @@ def test_fixture_passes_with_cpu_offload(tiny_dir: Path) -> None:
     result = check_fixture(tiny_dir, "deepspeed", dtype="fp32", device="cpu", offload="cpu")
     assert result["max_abs_diff"] <= 1e-4
     assert result["greedy_match"] == result["greedy_total"] == 4 and result["tokens_match"]
+
+
+@pytest.mark.parametrize(
+    ("given", "read"),
+    [
+        ("9.0a", "9.0"),
+        ("9.0a;10.0f+PTX", "9.0;10.0+PTX"),
+        ("8.6 9.0a  12.0+PTX", "8.6;9.0;12.0+PTX"),
+        ("7.5;8.0", "7.5;8.0"),
+    ],
+)
+def test_suffixed_cuda_archs_are_read_as_deepspeed_can(given: str, read: str) -> None:
+    assert deepspeed_arch_list(given) == read
+
+
+def test_prepare_ops_hands_deepspeed_an_arch_list_its_builder_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An H200's CUDA image sets TORCH_CUDA_ARCH_LIST=9.0a: DeepSpeed's JIT build of async_io then failed
+    # before compiling anything (benchmarks/gpu_check.sh, NVMe offload).
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder  # the CUDA builder, whatever this machine has
+
+    def capability_args(arch_list: str) -> list[str]:
+        builder = AsyncIOBuilder()
+        builder.jit_mode, builder._jit_arch_list = True, arch_list
+        return builder.compute_capability_args()
+
+    with pytest.raises(ValueError):  # when this stops raising, deepspeed_arch_list can go
+        capability_args("9.0a")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a;10.0f+PTX")
+    prepare_ops("cpu")
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0;10.0+PTX"
+    capability_args(os.environ["TORCH_CUDA_ARCH_LIST"])
 
 
 def test_nvme_offload_writes_swap_files_and_matches_the_model(tmp_path: Path) -> None:

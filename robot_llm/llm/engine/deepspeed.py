@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -72,11 +73,31 @@ def needed_builders(offload: Literal["cpu", "nvme"]) -> list[Any]:
     return [b for b in (accel.create_op_builder(n) for n in names) if b is not None]
 
 
+#: One entry of TORCH_CUDA_ARCH_LIST with an architecture-specific suffix: ``9.0a``, ``10.0f+PTX``.
+_SUFFIXED_ARCH = re.compile(r"(\d+\.\d+)[a-z]+(\+PTX)?")
+
+
+def deepspeed_arch_list(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed 0.19.8's JIT builder can read it: each entry's suffix dropped
+    (``9.0a;10.0f+PTX`` -> ``9.0;10.0+PTX``), other entries kept, ``;``-separated. That builder parses every
+    part of every entry as an integer and fails on ``9.0a``, which CUDA images for Hopper set (seen on an H200,
+    CUDA 13). The ops it builds here (async I/O, shared-memory comm) run no arch-specific GPU code."""
+    entries = arch_list.replace(" ", ";").split(";")
+    return ";".join(_SUFFIXED_ARCH.sub(r"\1\2", e.strip()) for e in entries if e.strip())
+
+
 def prepare_ops(offload: Literal["cpu", "nvme"]) -> None:
     """Load (compiling if need be) the ops this run needs, logging a compile and its duration."""
     import deepspeed.ops
     from deepspeed.git_version_info import installed_ops
 
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch_list and deepspeed_arch_list(arch_list) != arch_list:
+        # For the whole process: DeepSpeed loads the same ops again, reading this list each time.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(arch_list)
+        log.info(
+            "TORCH_CUDA_ARCH_LIST %r read as %r for DeepSpeed's ops", arch_list, os.environ["TORCH_CUDA_ARCH_LIST"]
+        )
     for builder in needed_builders(offload):
         name = builder.NAME
         if installed_ops.get(name) or not deepspeed.ops.__compatible_ops__.get(name, False):
@@ -92,6 +113,7 @@ def prepare_ops(offload: Literal["cpu", "nvme"]) -> None:
         started = time.monotonic()
         builder.load(verbose=False)
         log.warning("compiled DeepSpeed's %s op in %.0f s (cached for the next runs)", name, time.monotonic() - started)
+
 
 Offload = Literal["cpu", "nvme"]
 
