@@ -285,20 +285,23 @@ def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
     lib = kernels()
     assert lib is not None
     vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags() and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2"
-    assert lib.int8_mm_body == ("vnni" if vnni else "avx2")
+    amx = vnni and {"amx_tile", "amx_int8"} <= cpu_flags()
+    assert lib.int8_mm_body == ("amx" if amx else "vnni" if vnni else "avx2")
     most = our_int8_mm_max_rows()
     assert most == (15 if cpu_has_amx() else 32)
     assert int8_kernels_for(most).matmul == lib.int8_mm
-    # VNNI: oneDNN's AMX/VNNI GEMM past a few rows; AVX2: ours at every size (torch's is a slow or saturating one)
-    assert (int8_kernels_for(most + 1).matmul is None) == vnni
-    assert int8_kernels_for(512).matmul == (None if vnni else lib.int8_mm)
+    # VNNI: oneDNN's AMX/VNNI GEMM past a few rows; AMX tiles and AVX2: ours at every size (torch's is slower, or
+    # on AVX2 a slow or saturating one)
+    assert (int8_kernels_for(most + 1).matmul is None) == (vnni and not amx)
+    assert int8_kernels_for(512).matmul == (None if vnni and not amx else lib.int8_mm)
     g = torch.Generator().manual_seed(9)
-    # rows 1 to past a decode step's and past a chunk of 64, odd row counts (a tile's second row repeated), weight
-    # rows not a multiple of the tile's 4 nor of a block's 64, a stored matrix's row stride, codes at the int8
-    # extremes (-128 in the weights meets the VNNI offset of 128 or the AVX2 body's |w| of 128); activations as
-    # quantized (-127..127, which the AVX2 body needs)
+    # rows 1 to past a decode step's and past a chunk of 64, odd row counts (a tile's second row repeated; an odd
+    # number of AMX activation tiles), weight rows not a multiple of the tile's 4, of AMX's 16 nor of a block's 64,
+    # fewer than 16, a stored matrix's row stride, codes at the int8 extremes (-128 in the weights meets the VNNI
+    # offset of 128 or the AVX2 body's |w| of 128); activations as quantized (-127..127, which the AVX2 body needs)
     low = -128 if vnni else -127
-    for m, n, k in ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048), (33, 130, 192), (70, 67, 128)):
+    shapes = ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048), (16, 33, 64), (33, 130, 192))
+    for m, n, k in (*shapes, (48, 100, 256), (70, 67, 128), (130, 40, 64)):
         a = torch.randint(low, 128, (m, k), dtype=torch.int8, generator=g)
         a[-1, : k // 2] = low
         stored = torch.randint(-128, 128, (n, k + 64), dtype=torch.int8, generator=g)

@@ -84,6 +84,16 @@ def test_the_avx2_kind_builds_the_avx2_body(monkeypatch: pytest.MonkeyPatch) -> 
     assert "-march=native" in gemv.compile_flags()
 
 
+def test_hidden_amx_tiles_build_the_vnni_body(monkeypatch: pytest.MonkeyPatch, fresh_kernel_cache: Path) -> None:
+    # ROBOT_LLM_HIDE_CPU_FLAGS=amx_tile,amx_int8 on an AMX machine measures a Zen 4's int8 path beside its own
+    real, tiles = cpu_flags("/proc/cpuinfo"), {"amx_tile", "amx_int8"}
+    monkeypatch.setattr(gemv, "cpu_flags", lambda cpuinfo=None: real if cpuinfo else real - tiles)
+    flags = gemv.compile_flags()
+    assert ("-mno-amx-tile" in flags and "-mno-amx-int8" in flags) == (tiles <= real)
+    body = gemv.Kernels(gemv.build(flags)).int8_mm_body
+    assert body == ("vnni" if {"avx512_vnni", "avx512bw"} <= real else "avx2")
+
+
 def test_bad_operands_are_refused_with_what_was_given(kernel_cache: Path) -> None:
     kernels = gemv.Kernels(gemv.build())
     q = torch.zeros(8, 100, dtype=torch.int8)

@@ -217,13 +217,37 @@ int rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t wi
     return failed ? -1 : 0;
 }
 
-/* Which body of rl_int8_mm this build has: 2 AVX512-VNNI, 1 AVX2 (exact for activation codes in -127..127, which
- * rl_quantize_rows and int8act.quantize_activations produce), 0 none. */
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define RL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Whether Linux lets this process use the tiles' data (rl_amx_init). */
+static int amx_ready = 0;
+#endif
+
+/* Which body of rl_int8_mm this build has: 3 AMX tiles (rl_amx_init said yes; else the VNNI body runs), 2
+ * AVX512-VNNI, 1 AVX2 (exact for activation codes in -127..127, which rl_quantize_rows and
+ * int8act.quantize_activations produce), 0 none. */
 int rl_int8_mm_body(void) {
+#if defined(RL_AMX)
+    if (amx_ready) return 3;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 2;
 #else
     return 1;
+#endif
+}
+
+/* Ask Linux for the AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; Linux 5.16 on): a
+ * thread that touches the tiles without it is killed. Once per process, before the first call; idempotent.
+ * Returns 1 when rl_int8_mm now takes the tiles, 0 where it cannot (no AMX build, or the kernel said no). */
+int rl_amx_init(void) {
+#if defined(RL_AMX)
+    if (!amx_ready) amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_ready;
+#else
+    return 0;
 #endif
 }
 
@@ -270,10 +294,18 @@ static inline void store_sum(void *c, int64_t at, int32_t sum, const float *scal
 static void flush_block(void *c, const int32_t *buf, int64_t m, int64_t n, int64_t b0, int64_t nb, const float *scale,
                         const float *row_scale) {
     for (int64_t i = 0; i < m; i++) {
-        if (scale == NULL)
+        if (scale == NULL) {
             memcpy((int32_t *)c + i * n + b0, buf + i * NB, (size_t)nb * sizeof(int32_t));
-        else
-            for (int64_t j = 0; j < nb; j++) store_sum(c, i * n + b0 + j, buf[i * NB + j], scale, row_scale, i, b0 + j);
+            continue;
+        }
+        const __m256 by_row = _mm256_set1_ps(row_scale[i]);
+        int64_t j = 0;
+        for (; j + 8 <= nb; j += 8) { /* store_sum's ops, 8 at a time */
+            __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(buf + i * NB + j)));
+            v = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(scale + b0 + j)), by_row);
+            _mm256_storeu_ps((float *)c + i * n + b0 + j, v);
+        }
+        for (; j < nb; j++) store_sum(c, i * n + b0 + j, buf[i * NB + j], scale, row_scale, i, b0 + j);
     }
 }
 
@@ -363,6 +395,163 @@ static inline void avx2_rows(const int8_t *a, int64_t m, int64_t k, int64_t c0, 
 }
 #endif
 
+#if defined(RL_AMX)
+/* AMX (Sapphire Rapids on): c = a @ w^T as w @ a^T tile by tile, so that the weights are the tiles' A operand, loaded
+ * as stored (16 rows, 64 bytes each, ldw apart) with no repacking, and the activations, few and reused by every weight
+ * row, are the B operand, packed once a call into the tiles' layout (ap: per 16 activation rows and 64 columns, a
+ * 1 KB tile whose row r holds each activation row's bytes 4r..4r+3). tdpbssd multiplies signed by signed bytes into
+ * int32 sums: torch._int_mm's integers. Each tile of sums (16 weight rows x 16 activation rows) is stored and written
+ * transposed into the block's buffer. Tiles: 0-3 sums, 4-5 two weight tiles, 6-7 two activation tiles. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void amx_configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* a [m, k] as B tiles: ap [ceil(m / 16)][k / 64][16][64], rows past m zero. */
+static void amx_pack(const int8_t *a, int64_t m, int64_t k, int8_t *ap) {
+    int64_t kb = k / 64, mt = (m + 15) / 16;
+    for (int64_t t = 0; t < mt; t++)
+        for (int64_t b = 0; b < kb; b++) {
+            int8_t *tile = ap + (t * kb + b) * 1024;
+            for (int i = 0; i < 16; i++) {
+                int64_t row = t * 16 + i;
+                for (int r = 0; r < 16; r++) {
+                    int32_t word = 0;
+                    if (row < m) memcpy(&word, a + row * k + b * 64 + 4 * r, 4);
+                    memcpy(tile + r * 64 + i * 4, &word, 4);
+                }
+            }
+        }
+}
+
+/* The sums of weight tiles w0, w1 (16 rows each, ld0 and ld1 apart; w1 may repeat w0) against activation tiles t and
+ * t + 1 (two: whether t + 1 is real) over kb blocks of 64 columns, stored as int32 [16][16] each into s[4] (w0 t,
+ * w0 t+1, w1 t, w1 t+1). */
+static inline void amx_tiles(const int8_t *w0, int64_t ld0, const int8_t *w1, int64_t ld1, const int8_t *ap, int64_t t,
+                             int two, int64_t kb, int32_t s[4][256]) {
+    const int8_t *b0 = ap + t * kb * 1024, *b1 = b0 + kb * 1024;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < kb; b++) {
+        _tile_loadd(4, w0 + b * 64, ld0);
+        _tile_loadd(5, w1 + b * 64, ld1);
+        _tile_loadd(6, b0 + b * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, b1 + b * 1024, 64);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbssd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, s[0], 64);
+    _tile_stored(2, s[2], 64);
+    if (two) {
+        _tile_stored(1, s[1], 64);
+        _tile_stored(3, s[3], 64);
+    }
+}
+
+/* The columns of a 16 x 16 int32 tile (rows 64 bytes apart) as 16 vectors: col[i][r] = tile[r][i]. */
+static inline void transpose16(const int32_t *tile, __m512i col[16]) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(tile + 16 * i);
+    for (int i = 0; i < 8; i++) { /* per 128-bit lane L: rows 2i, 2i+1 at columns 4L, 4L+1 / 4L+2, 4L+3 */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) { /* r[4g + j], lane L: rows 4g..4g+3 at column 4L + j */
+        r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* the 4 x 4 lanes of r[j], r[4 + j], r[8 + j], r[12 + j] transposed */
+        __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+        __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+        col[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        col[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        col[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        col[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+static int amx_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
+                  const float *scale, const float *row_scale, int threads) {
+    int64_t kb = k / 64, mt = (m + 15) / 16, blocks = (n + NB - 1) / NB;
+    int8_t *ap = aligned_alloc(64, (size_t)(mt * kb * 1024));
+    if (ap == NULL) return -1;
+    amx_pack(a, m, k, ap);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int32_t *buf = aligned_alloc(64, (size_t)(mt * 16 * NB * sizeof(int32_t)));
+        int8_t *tail = aligned_alloc(64, (size_t)(16 * k)); /* the last rows, when fewer than 16, zero-padded */
+        int32_t (*s)[256] = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
+        if (buf == NULL || tail == NULL || s == NULL) failed = 1;
+        if (!failed) amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            if (failed) continue;
+            int64_t b0 = blk * NB, nb = n - b0 < NB ? n - b0 : NB;
+            for (int64_t r0 = b0; r0 < b0 + nb; r0 += 32) {
+                /* Weight tiles of 16 rows; a short last one is read from the zero-padded copy. */
+                const int8_t *wt[2];
+                int64_t ld[2], rows[2];
+                for (int h = 0; h < 2; h++) {
+                    int64_t first = r0 + 16 * h;
+                    rows[h] = first >= b0 + nb ? 0 : (b0 + nb - first < 16 ? b0 + nb - first : 16);
+                    wt[h] = w + first * ldw;
+                    ld[h] = ldw;
+                    if (rows[h] > 0 && rows[h] < 16) {
+                        memset(tail, 0, (size_t)(16 * k));
+                        for (int64_t r = 0; r < rows[h]; r++) memcpy(tail + r * k, w + (first + r) * ldw, (size_t)k);
+                        wt[h] = tail;
+                        ld[h] = k;
+                    }
+                }
+                if (rows[1] == 0) wt[1] = wt[0], ld[1] = ld[0];
+                /* The two weight tiles of the next step, fetched while these multiply. */
+                for (int64_t r = r0 + 32; r < r0 + 64 && r < b0 + nb; r++)
+                    for (int64_t j = 0; j < k; j += 64) _mm_prefetch((const char *)(w + r * ldw + j), _MM_HINT_T0);
+                for (int64_t t = 0; t < mt; t += 2) {
+                    int two = t + 1 < mt;
+                    amx_tiles(wt[0], ld[0], wt[1], ld[1], ap, t, two, kb, s);
+                    for (int h = 0; h < 2 && rows[h] > 0; h++)
+                        for (int u = 0; u < 1 + two; u++) {
+                            __m512i col[16];
+                            transpose16(s[2 * h + u], col);
+                            for (int64_t i = 0; i < 16 && (t + u) * 16 + i < m; i++)
+                                _mm512_store_si512(buf + ((t + u) * 16 + i) * NB + r0 - b0 + 16 * h, col[i]);
+                        }
+                }
+            }
+            flush_block(c, buf, m, n, b0, nb, scale, row_scale);
+        }
+        if (!failed) _tile_release();
+        free(buf);
+        free(tail);
+        free(s);
+    }
+    free(ap);
+    return failed ? -1 : 0;
+}
+#endif
+
 /* c [m, n] = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64), exactly:
  * the integer sums of torch._int_mm, as int32; or, with scale [n] and row_scale [m] (fp32), the fp32 values of its
  * epilogue (store_sum), without the int32 matrix (for the head's 32 x 262,144 logits a 33 MB pass and the page faults
@@ -382,6 +571,9 @@ static inline void avx2_rows(const int8_t *a, int64_t m, int64_t k, int64_t c0, 
  * Returns 0, or -1 when a buffer could not be allocated. */
 int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
                const float *scale, const float *row_scale, int threads) {
+#if defined(RL_AMX)
+    if (amx_ready) return amx_mm(a, m, k, w, ldw, n, c, scale, row_scale, threads);
+#endif
     int64_t blocks = (n + NB - 1) / NB;
     int failed = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

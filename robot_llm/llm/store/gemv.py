@@ -72,15 +72,21 @@ INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
 #: its tiles ahead). Zen 4 (AVX512-VNNI, no AMX), 1 thread, ms at 8 / 16 / 32 / 64 rows, ours with the scales
 #: against oneDNN's int32 (the scales cost it another pass): 262,144 x 640 14 / 28 / 63 / 146 against 34 / 40 / 67
 #: / 112; 2048 x 640 0.087 / 0.15 / 0.29 / 0.59 against 0.10 / 0.15 / 0.25 / 0.43; 640 x 2048 0.10 / 0.12 / 0.23 /
-#: 0.57 against 0.35 / 0.32 / 0.41 / 0.70.
+#: 0.57 against 0.35 / 0.32 / 0.41 / 0.70. A build with AMX tiles takes every call: the same Sapphire Rapids core, ms
+#: at 8 / 16 / 32 / 64 / 128 rows with the scales, ours 16 / 18 / 24 / 33 / 56 against oneDNN's 55 / 85 / 159 from
+#: 32 rows on the head; 2048 x 640 0.036 / 0.046 / 0.069 / - / 0.21 against 0.17 / 0.19 / 0.36.
 OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def compile_flags() -> list[str]:
-    """The compiler flags: this CPU's own instruction set, or AVX2's where torch was told to stay on the AVX2
-    kind (``ATEN_CPU_CAPABILITY=avx2``, which the benchmarks use to measure that kind on a newer CPU)."""
+    """The compiler flags: this CPU's own instruction set (less the AMX tiles where they are hidden), or AVX2's
+    where torch was told to stay on the AVX2 kind (``ATEN_CPU_CAPABILITY=avx2``, which the benchmarks use to
+    measure that kind on a newer CPU)."""
     isa = ["-mavx2", "-mfma", "-mf16c"] if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2" else ["-march=native"]
+    tiles = {"amx_tile", "amx_int8"}
+    if isa == ["-march=native"] and tiles <= cpu_flags("/proc/cpuinfo") and not tiles <= cpu_flags():
+        isa += ["-mno-amx-tile", "-mno-amx-int8"]  # AMX hidden (HIDE_FLAGS_ENV): the VNNI body, as on a Zen 4
     return ["-O3", *isa, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -151,9 +157,12 @@ class Kernels:
         self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
         self.lib.rl_int8_mm.restype = _INT
         self.lib.rl_int8_mm_body.restype = _INT
-        #: The body of this build's int8 x int8 product (:meth:`int8_mm`): ``"vnni"`` (AVX512-VNNI, a decode
-        #: step's few rows) or ``"avx2"`` (every call: torch's int8 GEMM is no match without VNNI).
-        self.int8_mm_body = "vnni" if self.lib.rl_int8_mm_body() == 2 else "avx2"
+        self.lib.rl_amx_init.restype = _INT
+        self.lib.rl_amx_init()  # the AMX tiles, where built and Linux grants them (else the VNNI body serves)
+        #: The body of this build's int8 x int8 product (:meth:`int8_mm`): ``"amx"`` (AMX tiles), ``"vnni"``
+        #: (AVX512-VNNI, a decode step's few rows) or ``"avx2"`` (every call: torch's int8 GEMM is no match
+        #: without VNNI).
+        self.int8_mm_body = {3: "amx", 2: "vnni"}.get(self.lib.rl_int8_mm_body(), "avx2")
         self.dtype_codes = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
@@ -422,7 +431,9 @@ def describe() -> str:
     if matmul_available():
         (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
         many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
-    if built.int8_mm_body == "vnni":
+    if built.int8_mm_body == "amx":
+        many += "; int8 x int8 products ours at every size (AMX tiles)"
+    elif built.int8_mm_body == "vnni":
         many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
     else:
         many += "; int8 x int8 products ours at every size (AVX2: sign trick, exact)"
@@ -451,15 +462,16 @@ class Int8Kernels:
 
 def int8_kernels_for(rows: int) -> Int8Kernels | None:
     """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
-    (:meth:`Kernels.quantize_rows`) and the int8 x int8 product (:meth:`Kernels.int8_mm`): an AVX2 build's at every
-    row count, a VNNI build's up to :func:`our_int8_mm_max_rows` rows (oneDNN's past them); None: torch's ops."""
+    (:meth:`Kernels.quantize_rows`) and the int8 x int8 product (:meth:`Kernels.int8_mm`): an AMX or AVX2 build's at
+    every row count, a VNNI build's up to :func:`our_int8_mm_max_rows` rows (oneDNN's past them); None: torch's ops."""
     lib = kernels()
-    return None if lib is None else _int8_kernels(lib.int8_mm_body == "avx2" or rows <= our_int8_mm_max_rows())
+    every = lib is not None and lib.int8_mm_body in ("amx", "avx2")
+    return None if lib is None else _int8_kernels(every or rows <= our_int8_mm_max_rows())
 
 
 def our_int8_mm_max_rows() -> int:
     """The most rows of an int8 x int8 product a VNNI build of ours takes (:data:`OUR_INT8_MM_MAX_ROWS`: fewer
-    where oneDNN has AMX tiles)."""
+    where oneDNN has AMX tiles and ours has not, e.g. where Linux refused them)."""
     return OUR_INT8_MM_MAX_ROWS["amx" if cpu_has_amx() else "vnni"]
 
 
