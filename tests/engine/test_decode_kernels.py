@@ -15,10 +15,12 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.engine import stream_slots
+from robot_llm.llm.engine.kvquant import QuantKV
 from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families import family, norm
-from robot_llm.llm.families.family import apply_rotary, grouped_attention, random_weights
+from robot_llm.llm.families import attention, norm
+from robot_llm.llm.families.attention import grouped_attention
+from robot_llm.llm.families.family import apply_rotary, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx
@@ -147,7 +149,7 @@ def test_a_bf16_model_computes_as_with_torchs_ops(make: type, monkeypatch: pytes
     ours = night("bf16")
     assert calls  # the kernels served
     monkeypatch.setattr(norm, "kernels", lambda: None)
-    monkeypatch.setattr(family, "kernels", lambda: None)
+    monkeypatch.setattr(attention, "kernels", lambda: None)
     torchs, exact = night("bf16"), night("fp32")
     # The norms are torch's to the bit on the CPUs measured, the attention fp32 throughout (torch's eager decode
     # attention rounds its scores to bf16): as close to the fp32 model as torch's ops in bf16 come.
@@ -204,8 +206,9 @@ def _attention_in_fp64(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
     return torch.einsum("bgjts,bsgd->btgjd", probs, v.double()).reshape(B, T, n * hd)
 
 
+@pytest.mark.parametrize("cache", ["float", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch.dtype) -> None:
+def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch.dtype, cache: str) -> None:
     lib = kernels()
     assert lib is not None
     g = torch.Generator().manual_seed(5)
@@ -216,8 +219,18 @@ def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch
     cases += [(2, 4, 2, 8, 9, None, 1), (2, 4, 4, 16, 9, 30.0, 1)]
     cases += [(1, 4, 1, 256, 600, None, 2), (1, 16, 2, 64, 37, 30.0, 3), (2, 4, 1, 32, 5, None, 7)]
     for B, n, kv, hd, S, softcap, threads in cases:
-        cache = [torch.randn(B, S + 20, kv, hd, generator=g).to(dtype) for _ in range(2)]
-        k, v = cache[0][:, :S], cache[1][:, :S]  # views of a longer cache, as the engine's
+        # views of a longer cache, as the engine's: float values in the query's dtype, or int8 codes with their scales
+        stored = [torch.randn(B, S + 20, kv, hd, generator=g) for _ in range(2)]
+        if cache == "int8":
+            quant = [QuantKV.empty((B, S + 20, kv, hd), "int8", "cpu") for _ in range(2)]
+            for c, x in zip(quant, stored, strict=True):
+                c.write(0, x)
+            k, v = (c.head(S) for c in quant)
+            operands, scales = (k.codes, v.codes), (k.scale, v.scale)
+            exact = k.read(S, "cpu", torch.float64), v.read(S, "cpu", torch.float64)  # what the codes mean
+        else:
+            operands = exact = stored[0].to(dtype)[:, :S], stored[1].to(dtype)[:, :S]
+            scales = None
         q = torch.randn(B, 1, n, hd, generator=g).to(dtype)
         mask = torch.rand(B, 1, 1, S, generator=g) < 0.3
         if B > 1:
@@ -225,12 +238,13 @@ def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            got = lib.decode_attention(q, k, v, mask, hd**-0.5, softcap)
+            got = lib.decode_attention(q, *operands, mask, hd**-0.5, softcap, scales)
         finally:
             torch.set_num_threads(before)
-        want = _attention_in_fp64(q, k, v, mask, hd**-0.5, softcap)
+        want = _attention_in_fp64(q, *exact, mask, hd**-0.5, softcap)
         assert got.shape == (B, 1, n * hd) and got.dtype == dtype
-        tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-6  # bf16: its one rounding of the output
+        # bf16: its one rounding of the output; int8: the codes' products in fp32, then times their scales
+        tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-6 if cache == "float" else 4e-6
         assert (got.double() - want).abs().max() <= tolerance * want.abs().max() + 1e-7, (B, n, kv, hd, S)
         if B > 1:
             assert not got[-1].any()
@@ -249,14 +263,23 @@ def test_grouped_attention_takes_the_kernel_for_decode_steps_only(monkeypatch: p
     out = grouped_attention(decode, k, v, mask, 0.2)
     assert calls == [1]
     # The same step through torch (the kernel off) agrees to fp32 rounding.
-    monkeypatch.setattr(family, "kernels", lambda: None)
+    monkeypatch.setattr(attention, "kernels", lambda: None)
     assert (grouped_attention(decode, k, v, mask, 0.2) - out).abs().max() <= 1e-6
-    monkeypatch.setattr(family, "kernels", lambda: lib)
+    monkeypatch.setattr(attention, "kernels", lambda: lib)
     # A prefill (several query positions), an fp16 cache and a head size that is not a multiple of 8 stay torch's.
     grouped_attention(torch.randn(2, 7, 4, 32, generator=g), k, v, torch.zeros(2, 1, 7, 7, dtype=torch.bool), 0.2)
     grouped_attention(decode.half(), k.half(), v.half(), mask, 0.2)
     grouped_attention(decode[..., :12], k[..., :12], v[..., :12], mask, 0.2)
     assert calls == [1]
+    # An int8 cache (LayerKV.update hands it over as stored at a decode step): read in place by the kernel; with
+    # the kernel off, dequantized and attended by torch, to the same numbers within fp32 rounding.
+    quant = [QuantKV.empty((2, 7, 1, 32), "int8", "cpu") for _ in range(2)]
+    for c, x in zip(quant, (k, v), strict=True):
+        c.write(0, x)
+    out8 = grouped_attention(decode, *quant, mask, 0.2)
+    assert calls == [1, 1] and (out8 - out).abs().max() <= 0.05  # int8's own error against the float cache
+    monkeypatch.setattr(attention, "kernels", lambda: None)
+    assert (grouped_attention(decode, *quant, mask, 0.2) - out8).abs().max() <= 1e-5
 
 
 def test_the_heads_int8_product_comes_out_in_fp32_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:

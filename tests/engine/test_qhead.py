@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families.attention import grouped_attention
 from robot_llm.llm.families.config import module_plan
-from robot_llm.llm.families.family import embedding, grouped_attention, linear, random_weights
+from robot_llm.llm.families.family import embedding, linear, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.plan.machine import cpu_compute_path
 from robot_llm.llm.store.gemv import gemv_available

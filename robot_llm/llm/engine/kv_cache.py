@@ -143,10 +143,13 @@ class LayerKV:
         k, v = _rows(self.k, a, b), _rows(self.v, a, b)
         return LayerKV(k, v, self.start, self.prefix_k, self.prefix_v, self.attend_where_stored)
 
-    def update(self, k: Tensor, v: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
+    def update(self, k: Tensor, v: Tensor, fused: bool = False) -> tuple[Tensor | QuantKV, Tensor | QuantKV]:
         """Write this step's ``k``/``v`` ``[B, T, kv, hd]`` into the cache; return every key/value to attend.
 
-        ``fused``: the caller's attention reads a bf16 cache as stored (see :func:`reads_in_place`).
+        ``fused``: the caller's attention reads a bf16 cache as stored (see :func:`reads_in_place`), and an int8
+        CPU cache too at a decode step: its codes and scales come back as they are (views), and
+        :func:`~robot_llm.llm.families.attention.grouped_attention` reads them in place, or dequantizes them where
+        its kernel cannot.
 
         With a shared prefix, its slots come first, broadcast to every row for this step only.
         The keys come back where attention runs (:func:`attend_with`): on ``k``'s device in its
@@ -161,6 +164,8 @@ class LayerKV:
             device, dtype = self.k.device, torch.float32
         elif fused and k.shape[1] == 1 and reads_in_place(self.k, k):
             dtype = self.k.dtype
+        elif fused and k.shape[1] == 1 and self.prefix_k is None and int8_on_cpu(self.k, k):
+            return _head(self.k, end), _head(self.v, end)
         keys, values = materialize(self.k, end, device, dtype), materialize(self.v, end, device, dtype)
         if self.prefix_k is None or self.prefix_v is None:
             return keys, values
@@ -189,8 +194,17 @@ def reads_in_place(cache: Tensor | QuantKV, k: Tensor) -> bool:
     )
 
 
-def attend_with(q: Tensor, mask: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-    """``q`` and ``mask`` moved to where ``keys`` are (:meth:`LayerKV.update`); a no-op when they are there."""
+def int8_on_cpu(cache: Tensor | QuantKV, k: Tensor) -> bool:
+    """True when a decode step's ``k`` goes into an int8 cache on the CPU, whose codes and scales the attention then
+    reads as stored (a batch-32 step over 580 keys had dequantized every layer's live slots: a copy per layer)."""
+    return isinstance(cache, QuantKV) and cache.low is None and cache.device.type == k.device.type == "cpu"
+
+
+def attend_with(q: Tensor, mask: Tensor, keys: Tensor | QuantKV) -> tuple[Tensor, Tensor]:
+    """``q`` and ``mask`` moved to where ``keys`` are (:meth:`LayerKV.update`); a no-op when they are there (an int8
+    cache read as stored: where q already is, in q's dtype)."""
+    if isinstance(keys, QuantKV):
+        return q, mask
     return q.to(keys.device, keys.dtype), mask.to(keys.device)
 
 

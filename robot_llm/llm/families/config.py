@@ -24,7 +24,7 @@ class ModelConfig(Protocol):
     #: The compute dtype on a GPU under ``dtype: auto``: where the GPU has native bf16, and where it has not.
     gpu_dtypes: ClassVar[tuple[str, str]]
     #: Whether a decode step attends a bf16 KV cache as stored under fp32 compute on the CPU (the families of
-    #: :func:`~robot_llm.llm.families.family.grouped_attention`; YaLM's own attention casts it up each step).
+    #: :func:`~robot_llm.llm.families.attention.grouped_attention`; YaLM's own attention casts it up each step).
     kv_read_as_stored: ClassVar[bool]
     #: The importer's names for the family: GGUF ``general.architecture`` values, Hugging Face
     #: ``config.json`` ``model_type`` values, GGUF norm tensor names (after ``blk.N.``) -> store keys,

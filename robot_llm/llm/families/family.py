@@ -28,7 +28,6 @@ and what a layer sees of it are :mod:`robot_llm.llm.engine.kv_cache`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,14 +39,12 @@ from torch import Tensor
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
-from robot_llm.llm.plan.cpu import cpu_has_native_bf16
 from robot_llm.llm.store.gemv import (
     gemv_available,
     int4_matmul,
     int8_gemv,
     int8_kernels_for,
     int8_matmul,
-    kernels,
     matmul_serves,
 )
 from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input
@@ -406,92 +403,3 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype: to
 def rope_inv_freq(base: float, dim: int) -> Tensor:
     """Default rotary inverse frequencies ``1 / base^(2i/dim)`` in float32, as transformers computes them."""
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-
-
-#: Scores (elements) above which :func:`grouped_attention` keeps torch's fused attention even for many
-#: query rows: its eager path writes the scores out (in fp32 for the softmax), 64 MiB at this bound.
-EAGER_MAX_SCORES = 1 << 24
-
-
-#: Per thread, the buffer :func:`grouped_attention`'s eager path packs a step's keys, then its values, into.
-_packed = threading.local()
-
-
-def _contiguous(x: Tensor) -> Tensor:
-    """``x`` (a view of the cache) as a contiguous tensor in this thread's reused buffer, where torch's bf16
-    matmul would copy it itself: that copy (9.4 MB a layer at batch 32 over 580 keys) grows by a few KB every
-    decode step, so glibc's heap never reuses the last step's hole and grows (17.7 MB a step, a 512 + 128
-    night at batch 32 peaking at 3.4 GiB against 1.2), and it is slower (5.5 against 7.2 s, 88 steps x 18
-    layers). fp32 is multiplied in place; a copy over 32 MiB is left to torch: glibc maps those whatever its
-    threshold, and a buffer that size would stay resident."""
-    if x.is_contiguous() or x.dtype == torch.float32 or x.device.type != "cpu" or x.nbytes > 1 << 25:
-        return x
-    buffer = getattr(_packed, "buffer", None)
-    if buffer is None or buffer.dtype != x.dtype or buffer.numel() < x.numel():
-        buffer = _packed.buffer = torch.empty(x.numel() + x.numel() // 4, dtype=x.dtype)  # room to grow
-    return buffer[: x.numel()].view(x.shape).copy_(x)
-
-
-def _fast_matmul(q: Tensor) -> bool:
-    """Whether plain matmuls in ``q``'s dtype are fast here: not for bf16/fp16 on a CPU without native bf16
-    (a bf16 cache read in place under fp32 compute, :func:`~robot_llm.llm.engine.kv_cache.reads_in_place`:
-    the eager decode path then takes 21 ms a layer against the fused kernel's 2.7, AVX2 kernels)."""
-    return q.dtype == torch.float32 or q.device.type != "cpu" or cpu_has_native_bf16()
-
-
-def _attention_kernel_serves(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
-    """Whether ``attend.c`` reads these operands: CPU, fp32 or bf16, the query contiguous, the keys and values
-    alike in layout with their head dimension contiguous (a multiple of 8 wide), a bool mask of one query position."""
-    kinds = (torch.float32, torch.bfloat16)
-    return (
-        q.device.type == k.device.type == v.device.type == mask.device.type == "cpu"
-        and q.dtype in kinds
-        and k.dtype == v.dtype
-        and k.dtype in kinds
-        and q.is_contiguous()
-        and k.stride() == v.stride()
-        and k.stride(-1) == 1
-        and q.shape[-1] % 8 == 0
-        and mask.dtype == torch.bool
-        and mask.shape == (q.shape[0], 1, 1, k.shape[1])
-    )
-
-
-def grouped_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
-) -> Tensor:
-    """Attention of ``q [B, T, n, hd]`` over ``k``/``v`` ``[B, S, kv, hd]``, query head ``j`` using KV head
-    ``j // (n / kv)``; ``mask [B, 1, T, S]`` True where forbidden. Returns ``[B, T, n * hd]``.
-
-    The keys and values are read where and as they are (views of the cache, never a copy per query head). A
-    decode step our kernel reads (:func:`_attention_kernel_serves`) is ``attend.c``'s. Otherwise the ``n / kv``
-    query heads of a KV head are folded into its query rows (one product serves ``n / kv * T`` rows); a decode
-    step of several rows whose scores fit in :data:`EAGER_MAX_SCORES`, and every soft-capped layer, runs as
-    transformers' eager attention (scores scaled after the first matmul, tanh-capped where the family caps,
-    softmax in float32, probabilities cast back, masked scores the dtype's minimum so that a fully masked row
-    stays finite: 1.5 ms against 2.9 for torch 2.13's CPU flash kernel at batch 32 over 580 keys, bf16), and
-    the rest (a prefill) torch's fused attention, where a fully masked row (a pad slot) comes out zero.
-    """
-    B, T, n, hd = q.shape
-    kv = k.shape[2]
-    group = n // kv
-    if T == 1 and _attention_kernel_serves(q, k, v, mask) and (lib := kernels()) is not None:
-        return lib.decode_attention(q, k, v, mask, scale, softcap)
-    # [B, T, kv, group, hd] -> [B, kv, group * T, hd]: the rows of one KV head's query heads, head-major.
-    rows = q.view(B, T, kv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, kv, group * T, hd)
-    keys, values = k.transpose(1, 2), v.transpose(1, 2)
-    forbidden = mask if group == 1 else mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(B, 1, group * T, -1)
-    eager = T == 1 < B and B * n * keys.shape[2] <= EAGER_MAX_SCORES and _fast_matmul(q)
-    if softcap is None and not eager:
-        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=~forbidden, scale=scale)
-    else:
-        # keys @ rows^T, read transposed: the keys are a view of the cache (rows strided by its length),
-        # which torch's CPU bmm copies whole when it is the transposed operand (5.1 against 0.6 ms for a
-        # batch-32 decode step's 580 keys), not when it is the plain one.
-        scores = torch.matmul(_contiguous(keys), rows.transpose(2, 3)).transpose(2, 3) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(forbidden, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, _contiguous(values))  # the keys' buffer, free again
-    return out.view(B, kv, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, n * hd)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
+from robot_llm.llm.families.attention import grouped_attention
 from robot_llm.llm.families.config import (
     HF_SIZES,
     ModuleKind,
@@ -41,7 +42,6 @@ from robot_llm.llm.families.family import (
     Resident,
     StepInfo,
     embedding,
-    grouped_attention,
     linear,
     rope_inv_freq,
 )

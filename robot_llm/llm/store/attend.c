@@ -1,5 +1,8 @@
 /* Decode-step attention on the CPU: one new query position per row over the keys and values of the cache,
- * read where and as they are stored (bf16 or fp32, any row/position/head strides), the masked keys skipped.
+ * read where and as they are stored (bf16 or fp32, or int8 codes with an fp16 scale per row, position and head;
+ * any row/position/head strides), the masked keys skipped. An int8 key's score is its codes' dot product with the
+ * query times its scale, an int8 value's weight its probability times its scale: the dequantized cache's products
+ * in another order of fp32 roundings, at half a bf16 cache's bytes.
  *
  * torch's fused attention takes 150-190 us a layer for one row of Gemma 3 270M (4 query heads on one KV
  * head, 256 wide, 600 keys: 0.6 MB of bf16 keys and values, which one core reads in 60 us), and its eager
@@ -44,6 +47,8 @@ static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
     if (dtype == RL_BF16)
         return _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first(n), (const uint16_t *)p + j)), 16));
+    if (dtype == RL_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first(n), (const int8_t *)p + j)));
     return _mm512_maskz_loadu_ps(first(n), (const float *)p + j);
 }
 static inline void vstore(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
@@ -86,6 +91,7 @@ static inline float vhsum(vf a) { return hsum8(a); }
 /* A head size is a multiple of 8 (the caller checks), so every load and store of this body is whole. */
 static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
     (void)n;
+    if (dtype == RL_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + j))));
     return load8(p, dtype == RL_BF16, j);
 }
 static inline void vstore(float *p, vf v, int64_t n) {
@@ -113,6 +119,14 @@ static inline int64_t unpacked_column(int64_t j) { return j; }
 #define DOT_SERVES(q_dtype, kv_dtype, hd) 0
 #endif
 
+/* Bytes of one element of a cache stored in `dtype`. */
+static inline size_t element_size(int dtype) { return dtype == RL_BF16 ? 2 : dtype == RL_INT8 ? 1 : 4; }
+
+/* The scale of an int8 cache's position `s` (fp16, positions `stride` elements apart); 1 for a float cache. */
+static inline float scale_at(const uint16_t *scales, int64_t stride, int32_t s) {
+    return scales == NULL ? 1.f : _cvtsh_ss(scales[(int64_t)s * stride]);
+}
+
 /* Query heads handled together: every key and value vector loaded once for HB heads' products. */
 #define HB 4
 /* Keys whose values are weighed together: 32 bf16 rows of 256 are 16 KB, in L1 for every column block. */
@@ -139,14 +153,15 @@ static inline vf vexp(vf x) {
     return vscale2(y, n);
 }
 
-/* scores[h * S + i] = (q_h . k[live[i]]) * scale for NB heads, KB keys at a time; q fp32 [NB, hd], or with
- * `dot` (DOT_SERVES) the query's own bf16 [NB, hd] multiplied by the bf16 keys as they are, 32 products an
- * instruction (exact products, summed in fp32 as the FMAs do, but in pairs and with subnormals flushed). */
+/* scores[h * S + i] = (q_h . k[live[i]]) * scale for NB heads, KB keys at a time (int8 keys: times each key's
+ * own scale from kscales, kstride apart, too); q fp32 [NB, hd], or with `dot` (DOT_SERVES) the query's own bf16
+ * [NB, hd] multiplied by the bf16 keys as they are, 32 products an instruction (exact products, summed in fp32 as
+ * the FMAs do, but in pairs and with subnormals flushed). */
 static inline __attribute__((always_inline)) void score_block(const void *q, int nb, int64_t hd, const char *keys,
-                                                              int64_t stride, int dtype, const int32_t *live,
-                                                              int64_t count, float scale, float *scores, int64_t S,
-                                                              int dot) {
-    size_t esize = dtype == RL_BF16 ? 2 : 4;
+                                                              int64_t stride, int dtype, const uint16_t *kscales,
+                                                              int64_t kstride, const int32_t *live, int64_t count,
+                                                              float scale, float *scores, int64_t S, int dot) {
+    size_t esize = element_size(dtype);
     for (int64_t i = 0; i < count; i += KB) {
         int64_t kn = count - i < KB ? count - i : KB;
         const void *key[KB];
@@ -186,21 +201,23 @@ static inline __attribute__((always_inline)) void score_block(const void *q, int
             _mm_storeu_ps(sums, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
             for (int b = 0; b < 4; b++) {
                 int h = (a + b) / KB, c = (a + b) % KB;
-                if (h < nb && c < kn) scores[h * S + i + c] = sums[b] * scale;
+                if (h < nb && c < kn) scores[h * S + i + c] = sums[b] * scale_at(kscales, kstride, live[i + c]) * scale;
             }
         }
     }
 }
 
-/* out_h = sum_i p[h * S + i] * v[live[i]] for NB heads (fp32 [NB, hd]): KBLK keys at a time, and over each
- * block CW vectors of columns at a time, the running sums kept in out between blocks. With `pairs`
- * (PAIRS_SERVE), 32 bf16 values are widened by two unpacks instead of two widenings and two shifts, which leaves
- * them in the order of unpacked_column(), the order out is then written in. */
+/* out_h = sum_i p[h * S + i] * v[live[i]] for NB heads (fp32 [NB, hd]; int8 values: p times each value's scale
+ * from vscales, vstride apart): KBLK keys at a time, and over each block CW vectors of columns at a time, the
+ * running sums kept in out between blocks. With `pairs` (PAIRS_SERVE), 32 bf16 values are widened by two unpacks
+ * instead of two widenings and two shifts, which leaves them in the order of unpacked_column(), the order out is
+ * then written in. */
 static inline __attribute__((always_inline)) void weigh_block(const float *p, int nb, int64_t hd, const char *values,
-                                                              int64_t stride, int dtype, const int32_t *live,
-                                                              int64_t count, float *out, int64_t S, int pairs) {
+                                                              int64_t stride, int dtype, const uint16_t *vscales,
+                                                              int64_t vstride, const int32_t *live, int64_t count,
+                                                              float *out, int64_t S, int pairs) {
     (void)pairs;  /* the AVX2 body has no unpacking mode */
-    size_t esize = dtype == RL_BF16 ? 2 : 4;
+    size_t esize = element_size(dtype);
     if (count == 0) {
         memset(out, 0, (size_t)(nb * hd) * sizeof(float));
         return;
@@ -234,8 +251,9 @@ static inline __attribute__((always_inline)) void weigh_block(const float *p, in
                 } else
 #endif
                     for (int c = 0; c < CW; c++) v[c] = n[c] ? vload(value, dtype, j + c * VL, n[c]) : vzero();
+                float vs = scale_at(vscales, vstride, live[i]);
                 for (int h = 0; h < nb; h++) {
-                    vf w = vset(p[h * S + i]);
+                    vf w = vset(vscales == NULL ? p[h * S + i] : p[h * S + i] * vs);
                     for (int c = 0; c < CW; c++) acc[h][c] = vfma(w, v[c], acc[h][c]);
                 }
             }
@@ -288,25 +306,27 @@ static void softmax_rows(float *scores, int64_t nb, int64_t S, int64_t count, fl
         default: call(__VA_ARGS__, 4); break;                             \
     }
 
-static void scores_for(const void *q, int64_t hd, const char *keys, int64_t stride, int dtype, const int32_t *live,
-                       int64_t count, float scale, float *scores, int64_t S, int64_t nb, int dot) {
-#define SCORE(q, hd, keys, stride, dtype, live, count, scale, scores, S, mode, n) \
-    score_block(q, n, hd, keys, stride, dtype, live, count, scale, scores, S, mode)
+static void scores_for(const void *q, int64_t hd, const char *keys, int64_t stride, int dtype, const uint16_t *ks,
+                       int64_t kstride, const int32_t *live, int64_t count, float scale, float *scores, int64_t S,
+                       int64_t nb, int dot) {
+#define SCORE(q, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, mode, n) \
+    score_block(q, n, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, mode)
     if (dot) {
-        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, live, count, scale, scores, S, 1)
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, 1)
     } else {
-        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, live, count, scale, scores, S, 0)
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, 0)
     }
 }
 
-static void weights_for(const float *p, int64_t hd, const char *values, int64_t stride, int dtype, const int32_t *live,
-                        int64_t count, float *out, int64_t S, int64_t nb, int pairs) {
-#define WEIGH(p, hd, values, stride, dtype, live, count, out, S, mode, n) \
-    weigh_block(p, n, hd, values, stride, dtype, live, count, out, S, mode)
+static void weights_for(const float *p, int64_t hd, const char *values, int64_t stride, int dtype, const uint16_t *vs,
+                        int64_t vstride, const int32_t *live, int64_t count, float *out, int64_t S, int64_t nb,
+                        int pairs) {
+#define WEIGH(p, hd, values, stride, dtype, vs, vstride, live, count, out, S, mode, n) \
+    weigh_block(p, n, hd, values, stride, dtype, vs, vstride, live, count, out, S, mode)
     if (pairs) {
-        BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, live, count, out, S, 1)
+        BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, vs, vstride, live, count, out, S, 1)
     } else {
-        BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, live, count, out, S, 0)
+        BY_HEADS(WEIGH, nb, p, hd, values, stride, dtype, vs, vstride, live, count, out, S, 0)
     }
 }
 
@@ -345,12 +365,13 @@ static void write_heads(void *out, int q_dtype, const float *acc, int64_t at, in
 }
 
 /* q [B, n_heads, hd] (q_dtype, contiguous); k, v [B, S, kv_heads, hd] at element strides (sb, ss, sh), the
- * head dimension contiguous (kv_dtype); mask [B, S] bool at byte strides (mb, ms), true where forbidden;
+ * head dimension contiguous (kv_dtype); for int8 codes, ks, vs their fp16 scales [B, S, kv_heads] at element strides
+ * (tb, ts, th) (NULL for a float cache); mask [B, S] bool at byte strides (mb, ms), true where forbidden;
  * query head h uses KV head h / (n_heads / kv_heads). out [B, n_heads * hd] in q_dtype. softcap 0: none, else
  * scores are tanh(s / softcap) * softcap after the scale. Returns 0, or -1 when a work buffer could not be had. */
 int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, int64_t kv_heads, int64_t hd,
                         const void *k, const void *v, int kv_dtype, int64_t sb, int64_t ss, int64_t sh,
-                        const uint8_t *mask, int64_t mb, int64_t ms, int64_t S, float scale, float softcap,
+                        const uint16_t *ks, const uint16_t *vs, int64_t tb, int64_t ts, int64_t th, const uint8_t *mask, int64_t mb, int64_t ms, int64_t S, float scale, float softcap,
                         void *out, int threads) {
     int64_t group = n_heads / kv_heads;
     /* Fewer (row, KV head) pairs than threads (batch 1): each pair's live keys are split into parts, one a work
@@ -358,7 +379,7 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
      * query head an item (each thread reading every key). */
     int64_t parts = B * kv_heads < threads ? threads / (B * kv_heads) : 1;
     int64_t items = B * kv_heads * parts;
-    size_t esize = kv_dtype == RL_BF16 ? 2 : 4;
+    size_t esize = element_size(kv_dtype);
     int dot = DOT_SERVES(q_dtype, kv_dtype, hd), pairs = PAIRS_SERVE(kv_dtype, hd);
     int failed = 0;
     /* With parts: each item's unnormalized outputs [group, hd] and its heads' (largest score, sum) pairs. */
@@ -383,6 +404,7 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
                     qs[h * hd + j] = load_float(q, q_dtype, (b * n_heads + h0 + h) * hd + j);
             const char *kb = (const char *)k + (size_t)(b * sb + g * sh) * esize;
             const char *vb = (const char *)v + (size_t)(b * sb + g * sh) * esize;
+            const uint16_t *ksb = ks == NULL ? NULL : ks + b * tb + g * th, *vsb = vs == NULL ? NULL : vs + b * tb + g * th;
             int64_t count = 0;
             for (int64_t s = 0; s < S; s++)
                 if (!mask[b * mb + s * ms]) live[count++] = (int32_t)s;
@@ -391,11 +413,11 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
             count = last - first;
             const uint16_t *qb = (const uint16_t *)q + (b * n_heads + h0) * hd;  /* the bf16 query, where dot */
             for (int64_t h = 0; h < group; h += HB)
-                scores_for(dot ? (const void *)(qb + h * hd) : qs + h * hd, hd, kb, ss * esize, kv_dtype, mine, count,
-                           scale, scores + h * S, S, group - h < HB ? group - h : HB, dot);
+                scores_for(dot ? (const void *)(qb + h * hd) : qs + h * hd, hd, kb, ss * esize, kv_dtype, ksb, ts, mine,
+                           count, scale, scores + h * S, S, group - h < HB ? group - h : HB, dot);
             softmax_rows(scores, group, S, count, softcap, parts > 1 ? part_stats + it * group * 2 : NULL);
             for (int64_t h = 0; h < group; h += HB)
-                weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, mine, count, acc + h * hd, S,
+                weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, vsb, ts, mine, count, acc + h * hd, S,
                             group - h < HB ? group - h : HB, pairs);
             if (parts == 1) write_heads(out, q_dtype, acc, (b * n_heads + h0) * hd, group, hd, pairs);
         }

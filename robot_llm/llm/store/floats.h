@@ -21,7 +21,7 @@ static inline uint16_t float_to_bf16(float f) {
 }
 
 /* The dtypes a tensor crosses the boundary in (gemv.py's DTYPE_CODES). */
-enum { RL_FP32 = 0, RL_BF16 = 1, RL_FP16 = 2 };
+enum { RL_FP32 = 0, RL_BF16 = 1, RL_FP16 = 2, RL_INT8 = 3 };
 
 static inline float load_float(const void *p, int dtype, int64_t i) {
     if (dtype == RL_BF16) return bf16_to_float(((const uint16_t *)p)[i]);

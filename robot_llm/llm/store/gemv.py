@@ -1,22 +1,18 @@
-"""Our own kernel for the few-row products of a CPU decode step over int8 codes (``gemv.c``), compiled once per
-machine with the C compiler and loaded with :mod:`ctypes`.
+"""Our own kernels for a CPU decode step (``gemv.c`` and :data:`SOURCES`), compiled once per machine with the C
+compiler and loaded with :mod:`ctypes`.
 
-A decode step at batch 1 is a pass over every matrix, so it runs at the speed one core reads its codes.
-torch's fused int8 kernel (``_weight_int8pack_mm``, bf16 activations) does not read them at that speed:
-Gemma 3 270M's 262,144 x 640 head, 1 thread, one row, 28.6 ms on a Sapphire Rapids core (AMX; 5.9 GB/s,
-where an fp32 matrix-vector product reads 18 GB/s) and 10-12 ms on an AVX512-VNNI EPYC. ``gemv.c`` widens the
-codes to fp32 in registers (AVX512 or AVX2), multiplies fp32 activations (no activation rounding) and reads
-the codes once for all of a call's rows. It serves every call torch's fused int8 kernel would (up to
-:data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows of a layer's int8 matrix, up to
-:data:`~robot_llm.llm.store.qhead.HEAD_FUSED_ROWS` of the head), faster at every row count measured
-(1 / 4 / 8 / 10 rows, both bodies, 1 and 2 threads; the head at one row, 1 thread: 16-20 ms against 29-44).
+A decode step at batch 1 is a pass over every matrix, so it runs at the speed one core reads its codes; torch's
+fused int8 kernel (``_weight_int8pack_mm``) reads Gemma 3 270M's 262,144 x 640 head at 5.9 GB/s on a Sapphire
+Rapids core (28.6 ms, 1 thread; 10-12 ms on a VNNI EPYC). ``gemv.c`` widens the codes to fp32 in registers,
+multiplies fp32 activations (no activation rounding) and reads the codes once for all of a call's rows; it serves
+every call torch's fused int8 kernel would, faster at every row count measured (the head at one row: 16-20 ms).
+Its int8 x int8 product (AMX tiles, AVX512-VNNI or AVX2) serves the calls whose activations are quantized.
 
-The same shared object holds a decode step's other kernels (:data:`SOURCES`): the families' RMSNorm with its
-rotary or residual add (``norm.c``), the attention of one new position (``attend.c``) and the int8 head's
-epilogue. Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available`
-is False and the callers keep torch's kernels and ops. The shared object is cached under
-``~/.cache/robot-llm/kernels`` (``XDG_CACHE_HOME``), named by a hash of the sources, the flags, the compiler and
-the CPU's features.
+The shared object also holds the families' RMSNorm with its rotary or residual add (``norm.c``), the attention of
+one new position (``attend.c``) and the int8 head's epilogue. Without a compiler, on a CPU without AVX2 and FMA,
+or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available` is False and the callers keep torch's kernels and ops. The
+shared object is cached under ``~/.cache/robot-llm/kernels`` (``XDG_CACHE_HOME``), named by a hash of the
+sources, the flags, the compiler and the CPU's features.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ SOURCE = Path(__file__).with_name("gemv.c")
 SOURCES = (SOURCE, SOURCE.with_name("gemm.c"), SOURCE.with_name("norm.c"), SOURCE.with_name("attend.c"))
 HEADERS = (SOURCE.with_name("floats.h"),)
 #: The dtype codes of ``floats.h``, by the dtype's name.
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}  # int8: a KV cache's codes
 ENV = "ROBOT_LLM_GEMV"
 #: Rows of a call (lowest, highest) that ``gemm.c``'s products serve, by the stored dtype, on a CPU without native
 #: bf16 (:func:`matmul_available`). There torch feeds its fused int4 kernel bf16 activations it cannot compute
@@ -64,17 +60,12 @@ MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
 #: EPYC, 1 thread, ms at 1 / 2 / 4 / 7 rows: 2048 x 640 0.19 / 0.25 / 0.49 / 0.85 against 0.25 / 0.29 / 0.43 /
 #: 0.73; 4096 x 1024 0.54 / 0.75 / 1.5 / 3.1 against 0.75 / 0.90 / 1.4 / 2.5).
 INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
-#: Rows up to which an int8 x int8 product is ``gemv.c``'s (AVX512-VNNI, one pass over the codes; the same
-#: integers) rather than ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly
-#: (:func:`our_int8_mm_max_rows`), with AMX and without. Sapphire Rapids (AMX), 1 thread, ms at 8 / 16 / 32 rows:
-#: 262,144 x 640 ours 18 / 26 / 41, oneDNN 32 / 33 / 40; 2048 x 640 0.066 / 0.13 / 0.25 against 0.11 / 0.12 / 0.15
-#: (oneDNN's AMX kernels win from 16 rows where the matrix is in cache; measured before ours fetched every line of
-#: its tiles ahead). Zen 4 (AVX512-VNNI, no AMX), 1 thread, ms at 8 / 16 / 32 / 64 rows, ours with the scales
-#: against oneDNN's int32 (the scales cost it another pass): 262,144 x 640 14 / 28 / 63 / 146 against 34 / 40 / 67
-#: / 112; 2048 x 640 0.087 / 0.15 / 0.29 / 0.59 against 0.10 / 0.15 / 0.25 / 0.43; 640 x 2048 0.10 / 0.12 / 0.23 /
-#: 0.57 against 0.35 / 0.32 / 0.41 / 0.70. A build with AMX tiles takes every call: the same Sapphire Rapids core, ms
-#: at 8 / 16 / 32 / 64 / 128 rows with the scales, ours 16 / 18 / 24 / 33 / 56 against oneDNN's 55 / 85 / 159 from
-#: 32 rows on the head; 2048 x 640 0.036 / 0.046 / 0.069 / - / 0.21 against 0.17 / 0.19 / 0.36.
+#: Rows up to which an int8 x int8 product is ``gemv.c``'s VNNI body (one pass over the codes; the same integers)
+#: rather than ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly (:func:`our_int8_mm_max_rows`).
+#: Sapphire Rapids, 1 thread, ms at 8 / 16 / 32 rows: 262,144 x 640 ours 18 / 26 / 41, oneDNN (AMX) 32 / 33 / 40.
+#: Zen 4 (no AMX), 1 thread, ms at 8 / 16 / 32 / 64 rows with the scales: 262,144 x 640 14 / 28 / 63 / 146 against
+#: 34 / 40 / 67 / 112; 640 x 2048 0.10 / 0.12 / 0.23 / 0.57 against 0.35 / 0.32 / 0.41 / 0.70. A build with AMX
+#: tiles takes every call (``gemv.c``'s ``amx_mm``; the head at 32 rows 24 ms against oneDNN's 55).
 OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -145,7 +136,8 @@ class Kernels:
         norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT, _PTR, _PTR, _INT64, _PTR, _PTR, _INT]
         self.lib.rl_rms_norm.argtypes = norm
         self.lib.rl_rms_norm.restype = _INT
-        attend = [_PTR, _INT, *[_INT64] * 4, _PTR, _PTR, _INT, *[_INT64] * 3, _PTR, *[_INT64] * 3, _FLOAT, _FLOAT]
+        attend = [_PTR, _INT, *[_INT64] * 4, _PTR, _PTR, _INT, *[_INT64] * 3, _PTR, _PTR, *[_INT64] * 3]
+        attend += [_PTR, *[_INT64] * 3, _FLOAT, _FLOAT]
         self.lib.rl_decode_attention.argtypes = [*attend, _PTR, _INT]
         self.lib.rl_decode_attention.restype = _INT
         self.lib.rl_scale_int32.argtypes = [_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
@@ -240,12 +232,20 @@ class Kernels:
         return rows, rows.dtype == torch.bfloat16
 
     def decode_attention(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor,
+        scale: float,
+        softcap: float | None = None,
+        scales: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``attend.c``'s attention of one new position per row: ``q [B, 1, n, hd]`` (contiguous, fp32 or bf16)
-        over ``k``/``v`` ``[B, S, kv, hd]`` (same strides, the last 1; fp32 or bf16, read in place), ``mask
-        [B, 1, 1, S]`` bool (True where forbidden; any strides); query head ``j`` uses KV head ``j // (n / kv)``.
-        Returns ``[B, 1, n * hd]`` in q's dtype."""
+        over ``k``/``v`` ``[B, S, kv, hd]`` (same strides, the last 1; fp32 or bf16, or int8 codes with their fp16
+        ``scales [B, S, kv, 1]`` for keys and values, alike in strides; read in place), ``mask [B, 1, 1, S]`` bool
+        (True where forbidden; any strides); query head ``j`` uses KV head ``j // (n / kv)``. Returns
+        ``[B, 1, n * hd]`` in q's dtype."""
         import torch
 
         B, _, n, hd = q.shape
@@ -253,10 +253,12 @@ class Kernels:
         out = torch.empty(B, 1, n * hd, dtype=q.dtype)
         codes = self.dtype_codes
         sb, ss, sh, _ = k.stride()
+        ks, vs = (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
+        strides = (0, 0, 0) if scales is None else scales[0].stride()[:3]
         failed = self.lib.rl_decode_attention(
             q.data_ptr(), codes[q.dtype], B, n, kv, hd, k.data_ptr(), v.data_ptr(), codes[k.dtype], sb, ss, sh,
-            mask.data_ptr(), mask.stride(0), mask.stride(3), S, scale, softcap or 0.0, out.data_ptr(),
-            torch.get_num_threads(),
+            ks, vs, *strides, mask.data_ptr(), mask.stride(0), mask.stride(3), S, scale, softcap or 0.0,
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"decode_attention: no memory for the scores of {S} keys")
