@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.kvquant import QuantKV, kv_bits_per_value
 from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families import attention
 from robot_llm.llm.families.family import random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.generate import SamplingParams, generate
@@ -157,3 +159,40 @@ def test_a_bf16_cache_under_fp32_compute_is_attended_as_stored_in_decode_and_clo
     assert layer.update(k, k)[0].dtype == torch.float32
     gap = (logits[torch.bfloat16] - logits[torch.float32]).abs().max().item()
     assert 0 < gap < 0.05 * logits[torch.float32].abs().max().item()
+
+
+def test_an_int8_cache_is_attended_as_stored_in_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = Gemma3Config(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        vocab_size=300,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window_size=5,
+        query_pre_attn_scalar=16.0,
+    )
+    model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
+    ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(0))
+    pad = torch.tensor([0, 2, 4])
+
+    def night(kv_dtype: str | None) -> Tensor:
+        cache = KVCache.allocate(cfg, 3, 16, dtype=torch.float32, pad=pad, kv_dtype=kv_dtype)
+        model.forward(ids, cache)
+        return torch.cat([model.forward(ids[:, i : i + 1], cache) for i in range(3)], dim=1)
+
+    ours, plain = night("int8"), night(None)
+    # A decode step's keys are the cache's own codes and scales (views), read by attend.c; a prefill's dequantized.
+    cache = KVCache.allocate(cfg, 3, 16, dtype=torch.float32, pad=pad, kv_dtype="int8")
+    layer, k = cache.layer(0), torch.randn(3, 1, 1, 16)
+    keys, _ = layer.update(k, k, fused=True)
+    assert isinstance(keys, QuantKV) and keys.codes.data_ptr() == cache.k[0].codes.data_ptr()
+    assert isinstance(layer.update(torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16), fused=True)[0], Tensor)
+    # With the kernel off the same cache is dequantized each layer and attended by torch: the same numbers.
+    monkeypatch.setattr(attention, "kernels", lambda: None)
+    assert (night("int8") - ours).abs().max() <= 1e-4 * ours.abs().max()
+    gap = (ours - plain).abs().max().item()
+    assert 0 < gap < 0.05 * plain.abs().max().item()
