@@ -25,8 +25,9 @@ def cpu_flags(cpuinfo: str | Path | None = None) -> frozenset[str]:
 
 #: Environment variable naming CPU flags (comma-separated) this process acts as if the CPU lacked, e.g.
 #: ``avx512_bf16,amx_bf16`` to run an AVX512-BF16 machine as the common AVX2 kind (with torch's own
-#: ``ATEN_CPU_CAPABILITY=avx2`` for its kernels and ``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN's, which the
-#: first does not limit): one machine then measures both kinds' paths.
+#: ``ATEN_CPU_CAPABILITY=avx2`` for its kernels, ``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN's, which the
+#: first does not limit, and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` for MKL's fp32 GEMM): one machine then measures
+#: both kinds' paths.
 HIDE_FLAGS_ENV = "ROBOT_LLM_HIDE_CPU_FLAGS"
 
 
