@@ -300,8 +300,8 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
 def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dtype: str) -> dict[str, float]:
     """The decode step's roofline at ``batch`` rows, averaged over the ``new`` steps after a ``prompt``: the larger
     of the bytes a step reads (every layer's stored weights, the head as held, the KV cache of the live positions,
-    a sliding layer's window at most) over the RAM read rate of a one-row fp32 GEMM, and its FLOPs (the matrices'
-    2 x rows x parameters, attention's 4 x rows x positions x query width) over the GEMM rate measured at the
+    a sliding layer's window at most) over the read rate of a one-row fp32 GEMM over that many bytes, and its FLOPs
+    (the matrices' 2 x rows x parameters, attention's 4 x rows x positions x query width) over the GEMM rate measured at the
     step's shape (``batch`` rows of the model's widest matrix; int8 x int8 where this process's calls of many rows
     take int8 activations), both at ``threads``."""
     import torch
@@ -329,7 +329,9 @@ def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dty
     rate = gemm_flops(*shape, dtype, threads=threads)
     if int8_activations_for(batch, model.dtype):
         rate = max(rate, int8_gemm_ops(*shape, threads=threads))
-    bandwidth = read_bps(threads=threads)
+    # A buffer as large as the step reads: the planner's 64 MiB probe sits in a large L3 (a 480 MB one read
+    # at 25.7 GB/s where 256 MiB and more read at 15, 1 thread, Sapphire Rapids VM).
+    bandwidth = read_bps(int(weights + kv_bytes), threads=threads)
     return {
         "bytes": weights + kv_bytes,
         "flops": flops,
