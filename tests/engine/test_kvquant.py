@@ -19,6 +19,20 @@ from robot_llm.llm.generate import SamplingParams, generate
 from robot_llm.llm.tokenizer import YalmTokenizer
 
 PROMPTS = ["Акции выросли", "The index fell after the report", "Нефть", "Brent and WTI both rose on Monday"]
+#: A two-layer Gemma 3 (a sliding layer and a global one, four query heads on one KV head).
+SLIDING = Gemma3Config(
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+    vocab_size=300,
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window_size=5,
+    query_pre_attn_scalar=16.0,
+)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -128,19 +142,7 @@ def test_the_engine_attends_where_the_cache_lives(stores: dict[str, Path], token
 
 
 def test_a_bf16_cache_under_fp32_compute_is_attended_as_stored_in_decode_and_close_to_fp32() -> None:
-    cfg = Gemma3Config(
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=64,
-        vocab_size=300,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window_size=5,
-        query_pre_attn_scalar=16.0,
-    )
+    cfg = SLIDING
     model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
     ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(0))
     pad = torch.tensor([0, 2, 4])
@@ -162,19 +164,7 @@ def test_a_bf16_cache_under_fp32_compute_is_attended_as_stored_in_decode_and_clo
 
 
 def test_an_int8_cache_is_attended_as_stored_in_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = Gemma3Config(
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=64,
-        vocab_size=300,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window_size=5,
-        query_pre_attn_scalar=16.0,
-    )
+    cfg = SLIDING
     model = InMemoryModel(cfg, random_weights(cfg, seed=3, std=0.2))
     ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(0))
     pad = torch.tensor([0, 2, 4])
