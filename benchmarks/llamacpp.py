@@ -301,9 +301,9 @@ def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dty
     """The decode step's roofline at ``batch`` rows, averaged over the ``new`` steps after a ``prompt``: the larger
     of the bytes a step reads (every layer's stored weights, the head as held, the KV cache of the live positions,
     a sliding layer's window at most) over the read rate of a one-row fp32 GEMM over that many bytes, and its FLOPs
-    (the matrices' 2 x rows x parameters, attention's 4 x rows x positions x query width) over the GEMM rate measured at the
-    step's shape (``batch`` rows of the model's widest matrix; int8 x int8 where this process's calls of many rows
-    take int8 activations), both at ``threads``."""
+    (the matrices' 2 x rows x parameters, attention's 4 x rows x positions x query width) over the GEMM rate
+    measured at the step's shape (``batch`` rows of the model's widest matrix; int8 x int8 where this process's
+    calls of many rows take int8 activations), both at ``threads``."""
     import torch
 
     from robot_llm.llm.plan.rates import gemm_flops, int8_gemm_ops, read_bps
