@@ -73,6 +73,16 @@ def test_the_kernel_computes_torchs_chain(dtype: torch.dtype) -> None:
         assert (got.float() - want.float()).abs().max() <= unit * want.float().abs().max()
         if dtype == torch.bfloat16:
             assert (got != want).float().mean() <= 0.02, (shape, w_dtype, gain_rounded, rotated, added)
+    # A batch-32 step's q norm with its rotary is split over threads (from 8,192 values): the same bits as one thread.
+    x, w = torch.randn(32, 1, 4, 256, generator=g).to(dtype), torch.randn(256, generator=g).to(dtype)
+    tables = tuple(torch.randn(32, 1, 1, 256, generator=g).to(dtype) for _ in range(2))
+    before = torch.get_num_threads()
+    outs = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        outs.append(lib.rms_norm(x, w, 1e-6, offset=1.0, rotary=tables))
+    torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
     # No norm (weight None): the rotary alone, Llama without a q/k norm.
     x = torch.randn(2, 3, 2, 8, generator=g).to(dtype)
     cos, sin = (torch.randn(2, 3, 1, 8, generator=g).to(dtype) for _ in range(2))

@@ -41,7 +41,9 @@ int rl_rms_norm(const void *x, int dtype, int64_t rows, int64_t n, const void *w
                 int gain_rounded, float eps, const void *cos, const void *sin, int64_t heads, const void *residual,
                 void *out, int threads) {
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (rows * n >= 65536) reduction(| : failed)
+    /* Threads from 8,192 values (a batch-32 step's norms: 32 x 4 x 256 with the rotary, 2 threads, 114 -> 62 us in
+     * bf16); a batch-1 step's few rows stay on one (the threads' wake-up would cost more than the rows). */
+#pragma omp parallel num_threads(threads) if (rows * n >= 8192) reduction(| : failed)
     {
         /* The row, the gain (offset + w, or w: the same for every row) and the rotary's half row. */
         float *y = malloc((size_t)(3 * n) * sizeof(float)), *gain = y + n, *first = y + 2 * n;
