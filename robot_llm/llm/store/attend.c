@@ -91,7 +91,8 @@ static inline float vhsum(vf a) { return hsum8(a); }
 /* A head size is a multiple of 8 (the caller checks), so every load and store of this body is whole. */
 static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
     (void)n;
-    if (dtype == RL_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + j))));
+    if (dtype == RL_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + j))));
     return load8(p, dtype == RL_BF16, j);
 }
 static inline void vstore(float *p, vf v, int64_t n) {
@@ -253,7 +254,7 @@ static inline __attribute__((always_inline)) void weigh_block(const float *p, in
                     for (int c = 0; c < CW; c++) v[c] = n[c] ? vload(value, dtype, j + c * VL, n[c]) : vzero();
                 float vs = scale_at(vscales, vstride, live[i]);
                 for (int h = 0; h < nb; h++) {
-                    vf w = vset(vscales == NULL ? p[h * S + i] : p[h * S + i] * vs);
+                    vf w = vset(p[h * S + i] * vs);  /* a float cache's vs is 1: p exactly */
                     for (int c = 0; c < CW; c++) acc[h][c] = vfma(w, v[c], acc[h][c]);
                 }
             }
@@ -371,8 +372,9 @@ static void write_heads(void *out, int q_dtype, const float *acc, int64_t at, in
  * scores are tanh(s / softcap) * softcap after the scale. Returns 0, or -1 when a work buffer could not be had. */
 int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, int64_t kv_heads, int64_t hd,
                         const void *k, const void *v, int kv_dtype, int64_t sb, int64_t ss, int64_t sh,
-                        const uint16_t *ks, const uint16_t *vs, int64_t tb, int64_t ts, int64_t th, const uint8_t *mask, int64_t mb, int64_t ms, int64_t S, float scale, float softcap,
-                        void *out, int threads) {
+                        const uint16_t *ks, const uint16_t *vs, int64_t tb, int64_t ts, int64_t th,
+                        const uint8_t *mask, int64_t mb, int64_t ms, int64_t S, float scale, float softcap, void *out,
+                        int threads) {
     int64_t group = n_heads / kv_heads;
     /* Fewer (row, KV head) pairs than threads (batch 1): each pair's live keys are split into parts, one a work
      * item with all the pair's query heads, merged afterwards (every key read once, by one thread), instead of one
@@ -404,7 +406,8 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
                     qs[h * hd + j] = load_float(q, q_dtype, (b * n_heads + h0 + h) * hd + j);
             const char *kb = (const char *)k + (size_t)(b * sb + g * sh) * esize;
             const char *vb = (const char *)v + (size_t)(b * sb + g * sh) * esize;
-            const uint16_t *ksb = ks == NULL ? NULL : ks + b * tb + g * th, *vsb = vs == NULL ? NULL : vs + b * tb + g * th;
+            const uint16_t *ksb = ks == NULL ? NULL : ks + b * tb + g * th;
+            const uint16_t *vsb = vs == NULL ? NULL : vs + b * tb + g * th;
             int64_t count = 0;
             for (int64_t s = 0; s < S; s++)
                 if (!mask[b * mb + s * ms]) live[count++] = (int32_t)s;

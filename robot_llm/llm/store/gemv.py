@@ -467,8 +467,9 @@ def int8_kernels_for(rows: int) -> Int8Kernels | None:
     (:meth:`Kernels.quantize_rows`) and the int8 x int8 product (:meth:`Kernels.int8_mm`): an AMX or AVX2 build's at
     every row count, a VNNI build's up to :func:`our_int8_mm_max_rows` rows (oneDNN's past them); None: torch's ops."""
     lib = kernels()
-    every = lib is not None and lib.int8_mm_body in ("amx", "avx2")
-    return None if lib is None else _int8_kernels(every or rows <= our_int8_mm_max_rows())
+    if lib is None:
+        return None
+    return _int8_kernels(lib.int8_mm_body in ("amx", "avx2") or rows <= our_int8_mm_max_rows())
 
 
 def our_int8_mm_max_rows() -> int:
