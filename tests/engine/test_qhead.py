@@ -15,6 +15,7 @@ from robot_llm.llm.families.config import module_plan
 from robot_llm.llm.families.family import embedding, linear, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.plan.machine import cpu_compute_path
+from robot_llm.llm.store import gemv
 from robot_llm.llm.store.gemv import gemv_available
 from robot_llm.llm.store.int8act import weight_levels
 from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
@@ -174,13 +175,19 @@ def test_grouped_attention_equals_eager_attention_and_never_copies_the_keys_per_
     assert watch.largest <= k.numel()
 
 
-def test_doctor_says_which_matrix_path_a_cpu_night_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ours", [True, False], ids=["our-int8-product", "torch-int8-product"])
+def test_doctor_says_which_matrix_path_a_cpu_night_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ours: bool
+) -> None:
+    # gemv.c's int8 x int8 product takes every call; without it torch's int8 GEMM takes only calls of a few rows
+    monkeypatch.setattr(gemv, "kernels", object if ours else lambda: None)
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 f16c\n")
     fused = cpu_compute_path("int4", "bf16", str(info), int8_activations=False)
     assert fused.startswith("CPU (AVX2 yes, AVX512 no, AVX512-BF16 no, AMX no)")
     assert "fused kernels" in fused and "LM head int8" in fused and "dense bf16 past that" in fused
-    assert "int8 activations from 8 rows" in cpu_compute_path("int4", "bf16", str(info), int8_activations=True)
+    every = "int8 activations for every call (" if ours else "int8 activations from 8 rows"
+    assert every in cpu_compute_path("int4", "bf16", str(info), int8_activations=True)
     widened = cpu_compute_path("int8", "fp32", str(info))
     assert "fused kernels" in widened and "activations cast to bf16" in widened
     assert "dequantized into float buffers every pass" in cpu_compute_path("int8", "fp16", str(info))
@@ -188,6 +195,7 @@ def test_doctor_says_which_matrix_path_a_cpu_night_runs(tmp_path: Path) -> None:
     native = cpu_compute_path("int8", "bf16", str(info))
     assert "AMX yes" in native and "cast to bf16" not in native
     # AMX's bf16 tiles keep a prefill's calls bf16: int8 activations up to 128 rows there, every row count elsewhere
-    assert "int8 activations from 8 to 128 rows" in cpu_compute_path("int8", "bf16", str(info), int8_activations=True)
-    assert "from 8 rows" in cpu_compute_path("int8", "fp32", str(info), int8_activations=True)
+    capped = "for every call of up to 128 rows" if ours else "from 8 to 128 rows"
+    assert f"int8 activations {capped}" in cpu_compute_path("int8", "bf16", str(info), int8_activations=True)
+    assert every in cpu_compute_path("int8", "fp32", str(info), int8_activations=True)
     assert cpu_compute_path("fp32", "fp32", str(info)).endswith("fp32 matrices computed in fp32")

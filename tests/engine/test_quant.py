@@ -516,9 +516,10 @@ def test_only_amx_caps_the_rows_that_take_int8_activations(monkeypatch: pytest.M
     without AMX (a Zen 4 EPYC's AVX512-BF16, any fp32 CPU) the int8 GEMM wins at every size measured, and a
     prefill's calls quantize too."""
     from robot_llm.llm.plan import cpu
-    from robot_llm.llm.plan.timing import INT8_ACTIVATION_MIN_ROWS
+    from robot_llm.llm.store import gemv
 
     monkeypatch.setattr(int8act, "int8_activations_on_cpu", lambda: True)
+    monkeypatch.setattr(gemv, "kernels", object)  # gemv.c's int8 x int8 product built: it takes every call
     for flags, cap in [({"avx512_bf16", "amx_bf16", "amx_tile"}, 128), ({"avx512_bf16", "avx512_vnni"}, None)]:
         monkeypatch.setattr(cpu, "_this_cpu_flags", lambda flags=flags: frozenset(flags))
         assert int8act.int8_activation_max_rows("bf16") == cap
@@ -526,4 +527,7 @@ def test_only_amx_caps_the_rows_that_take_int8_activations(monkeypatch: pytest.M
         assert int8act.int8_activations_for(2048, torch.float32)
         assert int8act.int8_activations_for(128, torch.bfloat16)
         assert int8act.int8_activations_for(129, torch.bfloat16) == (cap is None)
-        assert not int8act.int8_activations_for(INT8_ACTIVATION_MIN_ROWS - 1, torch.bfloat16)
+        assert int8act.int8_activations_for(1, torch.bfloat16)
+    monkeypatch.setattr(gemv, "kernels", lambda: None)  # torch's int8 GEMM: from a few rows
+    assert not int8act.int8_activations_for(int8act.INT8_ACTIVATION_MIN_ROWS - 1, torch.bfloat16)
+    assert int8act.int8_activations_for(int8act.INT8_ACTIVATION_MIN_ROWS, torch.bfloat16)

@@ -93,9 +93,10 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     A packed matrix runs torch's fused kernel when ``x`` is a bf16 or fp32 CPU tensor (fp32 rows cast to bf16)
     of at most :data:`~robot_llm.llm.store.quant.FUSED_MAX_ROWS` rows for its dtype (decode steps); an int8 one
     goes through our own kernel instead where it is built (:mod:`~robot_llm.llm.store.gemv`, exact fp32
-    activations). A CPU call of more rows quantizes its activations to int8 and multiplies int8 by int8
-    (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`; ours up to a few rows, oneDNN's past them) where
-    the CPU can and the matrix's input columns are rotated (RAM-homed matrices: an int8 one rotated in place, an
+    activations). A CPU call quantizes its activations to int8 and multiplies int8 by int8 instead
+    (:func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`; every call where ours is built, else oneDNN's from a
+    few rows, :func:`~robot_llm.llm.store.int8act.int8_activations_for`) where the CPU can and the matrix's input
+    columns are rotated (RAM-homed matrices: an int8 one rotated in place, an
     int4 one given a rotated int8 copy, once when the engine opens); otherwise the matrix is made dense once and
     multiplied densely. A rotated matrix is always given rotated activations; an int8 output head
     (:class:`~robot_llm.llm.store.qhead.QuantizedTable`) computes its own way.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_native_bf16
-from robot_llm.llm.store.int8act import INT8_ACTIVATION_MIN_ROWS, int8_activation_max_rows, int8_activations_on_cpu
+from robot_llm.llm.store.int8act import int8_activation_max_rows, int8_activation_min_rows, int8_activations_on_cpu
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, fused_on_cpu, int4_kernel_reads_stored_layout
 
 GB = 1e9
@@ -193,8 +193,12 @@ def cpu_compute_path(
     past = f"dense {compute_dtype} past that"
     if int8_activations:
         most = int8_activation_max_rows(compute_dtype, flags)
-        rows_quantized = f"{INT8_ACTIVATION_MIN_ROWS}" + (f" to {most}" if most is not None else "")
-        past += f", int8 activations from {rows_quantized} rows (Hadamard-rotated, one int8 x int8 GEMM)"
+        fewest = int8_activation_min_rows()
+        if fewest == 1:  # ours multiplies every call: the fused kernels keep only unrotated (streamed) matrices
+            rows_quantized = "for every call" + (f" of up to {most} rows" if most is not None else "")
+        else:
+            rows_quantized = f"from {fewest}" + (f" to {most}" if most is not None else "") + " rows"
+        past += f", int8 activations {rows_quantized} (Hadamard-rotated, one int8 x int8 GEMM)"
     how = f"int4/int8 matrices through torch's fused kernels up to {rows} rows{cast}, {past}"
     if weight_dtype == "int4":
         layout = "the stored layout" if int4_kernel_reads_stored_layout() else "codes repacked for this CPU once"

@@ -16,7 +16,7 @@ from typing import Literal
 
 from robot_llm.llm.families.config import ModelConfig
 from robot_llm.llm.plan.machine import Machine
-from robot_llm.llm.store.int8act import INT8_ACTIVATION_MIN_ROWS, int8_activation_max_rows
+from robot_llm.llm.store.int8act import int8_activation_max_rows, int8_activation_min_rows
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, KV_QUANTIZED, fused_on_cpu
 
 #: int4/int8 weights dequantized per second per thread on the CPU (measured 0.96-1.12 G here, fp32/bf16).
@@ -107,7 +107,7 @@ class PassTiming:
         m = self.machine
         threads = m.compute_threads
         most = int8_activation_max_rows(self.dtype)
-        quantized = int8 and rows >= INT8_ACTIVATION_MIN_ROWS and (most is None or rows <= most)
+        quantized = int8 and rows >= int8_activation_min_rows() and (most is None or rows <= most)
         if quantized:  # an int4 matrix too, through its rotated int8 copy (5x the fused int4 kernel at 32 rows)
             return 2 * rows * params / (m.cpu_int8_ops * threads / max(m.cores, 1))
         if rows <= FUSED_MAX_ROWS[dtype]:  # torch's fused kernels read the stored bytes

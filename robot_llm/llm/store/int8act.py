@@ -23,15 +23,12 @@ if TYPE_CHECKING:
 
     from robot_llm.llm.store.gemv import Int8Kernels
 
-#: Rows of a call from which an int8 matrix (rotated, on the CPU) meets int8 activations instead of the fused
-#: kernel, where the CPU multiplies int8 by int8 (:func:`int8_activations_on_cpu`). Against the int8 kernel,
-#: 1 thread, ms at 1 / 4 / 8 / 32 rows, AVX512-VNNI (262144x640: 10.0 / 10.1 / 20.6 / 84 fused, 8.5 / 21 / 22 /
-#: 56 quantized; 2048x640: 0.03 / 0.08 / 0.13 / 0.52 against 0.03 / 0.07 / 0.08 / 0.16) and AVX2 (262144x640:
-#: 14.7 / 29 / 57 / 232 against 30 / 38 / 45 / 111; 2048x640: 0.06 / 0.14 / 0.27 / 1.26 against 0.16 / 0.19 /
-#: 0.24 / 0.49): both cross at 6-8 rows. An int4 matrix with a rotated int8 copy (RAM-homed) takes it from the
-#: same row count: against the fused int4 kernel, AMX, 1 thread, ms at 8 / 16 / 32 / 48 rows, 2048x640 0.39 / 0.70
-#: / 1.40 / 2.11 fused, 0.22 / 0.31 / 0.34 / 0.45 quantized; 4096x1024 1.24 / 2.35 / 4.51 / 7.68 against 0.71 /
-#: 0.60 / 1.20 / 1.56.
+#: Rows of a call from which an int8 matrix (rotated, on the CPU) meets int8 activations where torch's int8 GEMM
+#: multiplies them (:func:`int8_activation_min_rows`: every call where ours does). Against the int8 kernel, 1
+#: thread, ms at 1 / 4 / 8 / 32 rows, AVX512-VNNI (262144x640: 10.0 / 10.1 / 20.6 / 84 fused, 8.5 / 21 / 22 / 56
+#: quantized; 2048x640: 0.03 / 0.08 / 0.13 / 0.52 against 0.03 / 0.07 / 0.08 / 0.16) and AVX2 (262144x640: 14.7 /
+#: 29 / 57 / 232 against 30 / 38 / 45 / 111; 2048x640: 0.06 / 0.14 / 0.27 / 1.26 against 0.16 / 0.19 / 0.24 / 0.49):
+#: both cross at 6-8 rows. An int4 matrix with a rotated int8 copy (RAM-homed) takes it from the same row count.
 INT8_ACTIVATION_MIN_ROWS = 8
 #: Rows of a call up to which int8 activations are used under bf16 compute on an AMX CPU
 #: (:func:`int8_activation_max_rows`). There the dense bf16 GEMM over widened codes (AMX tiles) overtakes them
@@ -209,6 +206,21 @@ def quantize_activations(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+def int8_activation_min_rows() -> int:
+    """The fewest rows of a call that quantizes its activations: 1 where ``gemv.c``'s int8 x int8 product is built,
+    else :data:`INT8_ACTIVATION_MIN_ROWS` (torch's product).
+
+    Ours multiplies int8 by int8 in fewer instructions a weight byte than its exact few-row kernel, which widens
+    every code to fp32 (1 thread, ms at 1 row, quantizing included, exact kernel against int8 activations: AVX2
+    262144x640 21.4 / 16.5, 2048x640 0.110 / 0.074; AVX512-VNNI 15.1 / 13.0, 0.096 / 0.059; AMX 18.7 / 16.5, 0.098
+    / 0.061). A batch-1 decode step of Gemma 3 270M (int4 store, 512 + 128 tokens, Sapphire Rapids, ms at 1 / 2
+    threads, two runs each): AVX2 kind 49.3-49.5 / 33.7-35.3 -> 41.1-44.0 / 29.0-30.8; AVX512-VNNI 43.2-43.5 /
+    28.8-30.5 -> 39.9-41.4 / 28.1-28.4; AMX a tie."""
+    from robot_llm.llm.store.gemv import kernels
+
+    return 1 if kernels() is not None else INT8_ACTIVATION_MIN_ROWS
+
+
 def int8_activation_max_rows(dtype: str, flags: frozenset[str] | None = None) -> int | None:
     """The most rows of a call that quantizes its activations under ``dtype`` compute on a CPU with ``flags``
     (default: this one's), None for every row count: :data:`INT8_ACTIVATION_MAX_ROWS_AMX` under bf16 on an AMX
@@ -224,11 +236,11 @@ def int8_activation_max_rows(dtype: str, flags: frozenset[str] | None = None) ->
 
 def int8_activations_for(rows: int, dtype: torch.dtype) -> bool:
     """True when a CPU call of ``rows`` rows in ``dtype`` quantizes its activations: from
-    :data:`INT8_ACTIVATION_MIN_ROWS` rows up to :func:`int8_activation_max_rows`, where the CPU can
+    :func:`int8_activation_min_rows` rows up to :func:`int8_activation_max_rows`, where the CPU can
     (:func:`int8_activations_on_cpu`)."""
     import torch
 
-    if rows < INT8_ACTIVATION_MIN_ROWS or not int8_activations_on_cpu():
+    if rows < int8_activation_min_rows() or not int8_activations_on_cpu():
         return False
     most = int8_activation_max_rows("bf16" if dtype == torch.bfloat16 else "fp32")
     return most is None or rows <= most

@@ -34,8 +34,8 @@ from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 #: the widened blocks' barely does. Gemma 3 270M's 262,144 x 640 head, 1 thread, ms at 1 / 8 / 16 / 32
 #: rows, fused against widened in blocks of 2,048: AVX512-BF16 (bf16) 12 / 26 / 65 / 128 against
 #: 46 / 32 / 61 / 78; the AVX2 kernels (fp32) 16 / 87 / 167 / 407 against 17 / 52 / 112 / 214.
-#: From :data:`~robot_llm.llm.store.int8act.INT8_ACTIVATION_MIN_ROWS` rows, where the CPU multiplies int8 by
-#: int8, the rows are quantized instead and the logits come from one int8 GEMM over the rotated codes
+#: From :func:`~robot_llm.llm.store.int8act.int8_activation_min_rows` rows (1 where ours multiplies), where the CPU
+#: multiplies int8 by int8, the rows are quantized instead and the logits come from one int8 GEMM over the rotated codes
 #: (:func:`~robot_llm.llm.store.int8act.int8_gemm`; same head, 1 thread, ms at 8 / 16 / 32 rows: AVX512-VNNI
 #: 22 / 36 / 56, AVX2 45 / 69 / 111).
 HEAD_FUSED_ROWS = 8
