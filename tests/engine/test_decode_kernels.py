@@ -6,6 +6,7 @@ dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from pathlib import Path
@@ -25,8 +26,15 @@ from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx
 from robot_llm.llm.store import qhead
-from robot_llm.llm.store.gemv import int8_kernels_for, kernels, our_int8_mm_max_rows
-from robot_llm.llm.store.int8act import int8_dynamic_linear, quantize_activations, rotate, rotate_int8_in_place
+from robot_llm.llm.store.gemv import kernels, our_int8_mm_max_rows
+from robot_llm.llm.store.int8act import (
+    ONE_CALL_ROWS,
+    int8_dynamic_linear,
+    int8_kernels_for,
+    quantize_activations,
+    rotate,
+    rotate_int8_in_place,
+)
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
@@ -380,6 +388,36 @@ def test_our_activation_quantization_is_torchs_to_the_bit(dtype: torch.dtype) ->
     w = PackedInt8(*quantize_int8(torch.randn(300, 64, generator=g)), (300, 64))
     y = int8_dynamic_linear(x.float(), w, int8_kernels_for(3))
     assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1:]).any(dim=1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_linear_in_one_call_is_the_chain_of_quantize_product_and_cast(dtype: torch.dtype) -> None:
+    """Our one-call int8 linear (a decode step's few rows) gives what its steps give one after another: the rows
+    quantized (padded, rotated), the exact integer product, both scales, the cast to the compute dtype."""
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(14)
+    # one row and a batch, padding, both rotation blocks and none, outputs not a multiple of a tile or a block
+    for m, k, n, width, block in ((1, 640, 1024, 640, 128), (32, 600, 67, 640, 64), (3, 2048, 640, 2048, 0)):
+        q, scale = quantize_int8(torch.randn(n, width, generator=g))
+        x = (torch.randn(m, k, generator=g) * 4).to(dtype)
+        x[0, 1] = 300
+        if m > 1:
+            x[-1, 5] = float("nan")  # its row's outputs stay non-finite
+        codes, row_scale = lib.quantize_rows(x, width, block)
+        want = (codes.long() @ q.long().t()).float().mul_(scale.float()).mul_(row_scale).to(dtype)
+        got = lib.int8_linear(x[None], q, scale.float(), block)
+        assert got.shape == (1, m, n) and got.dtype == dtype
+        assert torch.equal(got[0].isnan(), want.isnan()) and (m == 1 or got[0, -1].isnan().all())
+        assert torch.equal(torch.nan_to_num(got[0]), torch.nan_to_num(want)), (m, k, n, block)
+    few, many = int8_kernels_for(ONE_CALL_ROWS), int8_kernels_for(ONE_CALL_ROWS + 1)
+    assert few is not None and few.linear == lib.int8_linear
+    assert many is not None and many.linear is None  # past a decode step's rows: quantized once, shared
+    packed = PackedInt8(q, scale, (n, width))
+    chained = int8_dynamic_linear(x, packed, dataclasses.replace(few, linear=None))
+    assert torch.equal(torch.nan_to_num(int8_dynamic_linear(x, packed, few)), torch.nan_to_num(chained))
+    with pytest.raises(ValueError, match="int8_linear"):
+        lib.int8_linear(torch.zeros(2, 96), torch.zeros(4, 96, dtype=torch.int8), torch.ones(4), 0)
 
 
 def _butterflies(x: Tensor, block: int) -> Tensor:

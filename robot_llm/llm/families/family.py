@@ -43,11 +43,10 @@ from robot_llm.llm.store.gemv import (
     gemv_available,
     int4_matmul,
     int8_gemv,
-    int8_kernels_for,
     int8_matmul,
     matmul_serves,
 )
-from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, rotate_input
+from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, int8_kernels_for, rotate_input
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,

@@ -122,11 +122,11 @@ def int8_gemm_ops(
     rows: int, inner: int, outer: int, *, threads: int | None = None, seconds: float = PROBE_SECONDS
 ) -> float:
     """Sustained ops/s of the int8 x int8 -> int32 GEMM that int8 activations meet in a call of ``rows`` rows
-    (ours where :func:`~robot_llm.llm.store.gemv.int8_kernels_for` gives one, else ``torch._int_mm``) of
+    (ours where :func:`~robot_llm.llm.store.int8act.int8_kernels_for` gives one, else ``torch._int_mm``) of
     ``rows x inner`` codes with an ``outer x inner`` matrix of codes."""
     import torch
 
-    from robot_llm.llm.store.gemv import int8_kernels_for
+    from robot_llm.llm.store.int8act import int8_kernels_for
 
     q = torch.ones(rows, inner, dtype=torch.int8)
     w = torch.ones(outer, inner, dtype=torch.int8)

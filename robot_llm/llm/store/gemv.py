@@ -25,8 +25,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +146,8 @@ class Kernels:
         self.lib.rl_argmax_rows.restype = None
         self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
         self.lib.rl_int8_mm.restype = _INT
+        self.lib.rl_int8_linear.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, *[_INT64] * 2, _PTR, _PTR, _INT, _INT]
+        self.lib.rl_int8_linear.restype = _INT
         self.lib.rl_int8_mm_body.restype = _INT
         self.lib.rl_amx_init.restype = _INT
         self.lib.rl_amx_init()  # the AMX tiles, where built and Linux grants them (else the VNNI body serves)
@@ -305,6 +305,28 @@ class Kernels:
             raise MemoryError(f"int8_mm: no memory for the buffers of {m} x {k} activations")
         return out
 
+    def int8_linear(self, x: Tensor, codes: Tensor, scale: Tensor, rotation: int = 0) -> Tensor:
+        """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T`` with int8 activations in one call: the rows
+        quantized as :meth:`quantize_rows` (padded, rotated by ``rotation``), multiplied and scaled as :meth:`int8_mm`,
+        ``[..., N]`` rounded to ``x``'s dtype (fp32 or bf16): :func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`'s
+        values without its torch glue (a decode step's smaller matrices spent more there than in their products)."""
+        import torch
+
+        rows, bf16 = self._rows(x)
+        (m, k), (n, kp) = rows.shape, codes.shape
+        rotates = not rotation or (kp % rotation == 0 and rotation & (rotation - 1) == 0)
+        aligned = codes.stride(1) == 1 and kp % 64 == 0 and kp >= k and rotates
+        if not aligned or scale.dtype != torch.float32 or scale.numel() != n or not scale.is_contiguous():
+            raise ValueError(
+                f"int8_linear: {k} columns, rotation {rotation}, against codes {tuple(codes.shape)} strides "
+                f"{codes.stride()} (a width of 64s) and {scale.dtype} scales {tuple(scale.shape)} (fp32, one a row)"
+            )
+        y = torch.empty(m, n, dtype=rows.dtype)
+        args = (rows.data_ptr(), bf16, m, k, kp, rotation, codes.data_ptr(), codes.stride(0), n, scale.data_ptr())
+        if self.lib.rl_int8_linear(*args, y.data_ptr(), bf16, torch.get_num_threads()):
+            raise MemoryError(f"int8_linear: no memory for the buffers of {m} x {kp} activations")
+        return y.view(*x.shape[:-1], n).to(x.dtype)
+
     def quantize_rows(self, x: Tensor, width: int, rotation: int = 0) -> tuple[Tensor, Tensor]:
         """:func:`~robot_llm.llm.store.int8act.quantize_activations`'s codes ``int8 [M, width]`` and scales
         ``fp32 [M, 1]`` of the rows of ``x [..., K]`` (fp32 or bf16), the same values in one pass over each row; a
@@ -451,39 +473,10 @@ def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) ->
     return lib.int8_gemv(x, q, scale, n, rotation)
 
 
-@dataclass(frozen=True)
-class Int8Kernels:
-    """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`int8_kernels_for`):
-    ``quantize(rows, width, rotation)`` as :func:`~robot_llm.llm.store.int8act.quantize_input` computes it, and
-    ``matmul(q, codes, out, scale, row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as
-    :func:`~robot_llm.llm.store.int8act.int8_gemm`'s epilogue computes it; None: torch's serves)."""
-
-    quantize: Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
-    matmul: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], Tensor] | None = None
-
-
-def int8_kernels_for(rows: int) -> Int8Kernels | None:
-    """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
-    (:meth:`Kernels.quantize_rows`) and the int8 x int8 product (:meth:`Kernels.int8_mm`): an AMX or AVX2 build's at
-    every row count, a VNNI build's up to :func:`our_int8_mm_max_rows` rows (oneDNN's past them); None: torch's ops."""
-    lib = kernels()
-    if lib is None:
-        return None
-    return _int8_kernels(lib.int8_mm_body in ("amx", "avx2") or rows <= our_int8_mm_max_rows())
-
-
 def our_int8_mm_max_rows() -> int:
     """The most rows of an int8 x int8 product a VNNI build of ours takes (:data:`OUR_INT8_MM_MAX_ROWS`: fewer
     where oneDNN has AMX tiles and ours has not, e.g. where Linux refused them)."""
     return OUR_INT8_MM_MAX_ROWS["amx" if cpu_has_amx() else "vnni"]
-
-
-@functools.cache
-def _int8_kernels(with_matmul: bool) -> Int8Kernels:
-    """:func:`int8_kernels_for`'s two answers, made once (a decode step asks about 130 times)."""
-    lib = kernels()
-    assert lib is not None
-    return Int8Kernels(quantize=lib.quantize_rows, matmul=lib.int8_mm if with_matmul else None)
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:

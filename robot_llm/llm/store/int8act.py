@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from robot_llm.llm.plan.cpu import cpu_has_amx
+from robot_llm.llm.store import gemv
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from robot_llm.llm.store.gemv import Int8Kernels
 
 #: Rows of a call from which an int8 matrix (rotated, on the CPU) meets int8 activations where torch's int8 GEMM
 #: multiplies them (:func:`int8_activation_min_rows`: every call where ours does). Against the int8 kernel, 1
@@ -74,7 +75,7 @@ def weight_levels() -> int:
 
 def _ours_multiply_every_call() -> bool:
     """Whether every int8 x int8 product of this process is ``gemv.c``'s AVX2 body (exact for the codes quantized
-    here, at every row count, :func:`~robot_llm.llm.store.gemv.int8_kernels_for`): then neither torch's kernel's
+    here, at every row count, :func:`int8_kernels_for`): then neither torch's kernel's
     exactness nor its speed matters. On an AVX2 EPYC (Zen 3, 1 thread) it runs 70-110 G ops/s against the fp32
     GEMM's 40-60 GFLOP/s at a batched decode step's shapes."""
     from robot_llm.llm.store.gemv import kernels
@@ -294,12 +295,56 @@ def quantize_input(x: Tensor, width: int, block: int, ours: Int8Kernels | None =
     return answer
 
 
+#: Rows of a call up to which our kernels take the whole of :func:`int8_dynamic_linear` in one call
+#: (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linear`); past them the rows are quantized once for every matrix
+#: that meets them (:func:`quantize_input`: q, k and v; gate and up).
+ONE_CALL_ROWS = 32
+
+
+@dataclass(frozen=True)
+class Int8Kernels:
+    """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`int8_kernels_for`):
+    ``quantize(rows, width, rotation)`` as :func:`quantize_input` computes it; ``matmul(q, codes, out, scale,
+    row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as :func:`int8_gemm`'s epilogue computes it;
+    None: torch's serves); ``linear(x, codes, scale, rotation)`` the whole of :func:`int8_dynamic_linear` in one
+    call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linear`; None: past :data:`ONE_CALL_ROWS` rows)."""
+
+    quantize: Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
+    matmul: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], Tensor] | None = None
+    linear: Callable[[Tensor, Tensor, Tensor, int], Tensor] | None = None
+
+
+def int8_kernels_for(rows: int) -> Int8Kernels | None:
+    """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
+    (:meth:`~robot_llm.llm.store.gemv.Kernels.quantize_rows`) and the int8 x int8 product
+    (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_mm`): an AMX or AVX2 build's at every row count, a VNNI build's
+    up to :func:`~robot_llm.llm.store.gemv.our_int8_mm_max_rows` rows (oneDNN's past them), both in one call up to
+    :data:`ONE_CALL_ROWS` rows; None: torch's ops."""
+    lib = gemv.kernels()
+    if lib is None:
+        return None
+    multiplies = lib.int8_mm_body in ("amx", "avx2") or rows <= gemv.our_int8_mm_max_rows()
+    return _int8_kernels(multiplies, multiplies and rows <= ONE_CALL_ROWS)
+
+
+@functools.cache
+def _int8_kernels(with_matmul: bool, one_call: bool) -> Int8Kernels:
+    """:func:`int8_kernels_for`'s answers, made once (a decode step asks about 130 times)."""
+    lib = gemv.kernels()
+    assert lib is not None
+    matmul, linear = lib.int8_mm if with_matmul else None, lib.int8_linear if one_call else None
+    return Int8Kernels(quantize=lib.quantize_rows, matmul=matmul, linear=linear)
+
+
 def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = None) -> Tensor:
     """``x @ w.T`` with int8 activations: the rows of ``x [..., K]`` (not rotated: a rotated ``w`` rotates them)
     quantized (:func:`quantize_input`), one int8 x int8 -> int32 GEMM over the stored codes (``ours`` where given,
-    as :func:`int8_gemm`), then both scales (the output in ``x``'s dtype)."""
+    as :func:`int8_gemm`), then both scales (the output in ``x``'s dtype); all in one call of ours where it takes
+    the call whole (:attr:`Int8Kernels.linear`)."""
 
     n, _ = w.shape
+    if ours is not None and ours.linear is not None:
+        return ours.linear(x, w.q, w.scale32(), w.rotation)
     y = int8_gemm(x, w.q, w.scale32(), w.rotation, ours=ours)
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 

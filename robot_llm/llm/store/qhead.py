@@ -22,8 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robot_llm.llm.store.gemv import gemv_available, int8_gemv, int8_kernels_for, int8_matmul, kernels, matmul_serves
-from robot_llm.llm.store.int8act import int8_activations_for, int8_gemm, rotate_weights, rotation_block, weight_levels
+from robot_llm.llm.store.gemv import gemv_available, int8_gemv, int8_matmul, kernels, matmul_serves
+from robot_llm.llm.store.int8act import (
+    int8_activations_for,
+    int8_gemm,
+    int8_kernels_for,
+    rotate_weights,
+    rotation_block,
+    weight_levels,
+)
 from robot_llm.llm.store.int8act import rotate as rotate_rows
 from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
 
