@@ -310,21 +310,24 @@ static void flush_block(void *c, const int32_t *buf, int64_t m, int64_t n, int64
 }
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-/* The sums of mi (1 or MT2) activation rows ar against RT weight rows wr over k columns, into out [mi, RT]
- * (rows ldo apart); prefetch: fetch the next tile's weight rows (ldw apart) meanwhile. */
-static inline __attribute__((always_inline)) void avx2_tile(int mi, const int8_t *const *ar, const int8_t *const *wr,
-                                                            int64_t k, int64_t ldw, int prefetch, int32_t *out,
-                                                            int64_t ldo) {
+/* The sums of MT2 activation rows ar against RT weight rows wr over k columns, into out [MT2, RT]
+ * (rows ldo apart); prefetch: fetch the weights PREFETCH bytes past the tile's rows' (ldw apart) meanwhile, the two
+ * lines a step consumes. Fetching only the next tile's rows (2.5 KB ahead at k = 640) read Gemma 3 270M's head at
+ * one row at 9.5 GB/s on a Zen 4 core (17.7 ms, against 7.1 for the exact few-row kernel, which reads 4 KB ahead). */
+static inline void avx2_tile(const int8_t *const *ar, const int8_t *const *wr, int64_t k, int prefetch, int32_t *out,
+                             int64_t ldo) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[MT2][RT];
-    for (int i = 0; i < mi; i++)
+    for (int i = 0; i < MT2; i++)
         for (int r = 0; r < RT; r++) acc[i][r] = _mm256_setzero_si256();
     for (int64_t j = 0; j < k; j += 32) {
         __m256i wabs[RT];
-        if (prefetch)
-            for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(wr[r] + RT * ldw + j), _MM_HINT_T0);
+        if (prefetch) {
+            _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT, _MM_HINT_T0);
+            _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT + 64, _MM_HINT_T0);
+        }
         for (int r = 0; r < RT; r++) wabs[r] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(wr[r] + j)));
-        for (int i = 0; i < mi; i++) {
+        for (int i = 0; i < MT2; i++) {
             __m256i av = _mm256_loadu_si256((const __m256i *)(ar[i] + j));
             for (int r = 0; r < RT; r++) {
                 __m256i signed_a = _mm256_sign_epi8(av, _mm256_loadu_si256((const __m256i *)(wr[r] + j)));
@@ -333,7 +336,7 @@ static inline __attribute__((always_inline)) void avx2_tile(int mi, const int8_t
             }
         }
     }
-    for (int i = 0; i < mi; i++)
+    for (int i = 0; i < MT2; i++)
         _mm_storeu_si128((__m128i *)(out + i * ldo), hsum4_epi32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
 }
 #endif
@@ -382,15 +385,15 @@ static inline void vnni_rows(const uint8_t *au, int64_t k, int64_t c0, int64_t c
     }
 }
 #else
-/* Activation rows c0..c1 of a (m rows, k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time. */
-static inline void avx2_rows(const int8_t *a, int64_t m, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr,
-                             int64_t ldw, int32_t *out) {
+/* Activation rows c0..c1 of a (k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time. */
+static inline void avx2_rows(const int8_t *a, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr, int32_t *out) {
     for (int64_t i0 = c0; i0 < c1; i0 += MT2) {
-        const int8_t *ar[MT2] = {a + i0 * k, a + (i0 + 1 < m ? i0 + 1 : i0) * k};
-        if (c1 - i0 >= 2)  /* the next tile's rows fetched during the first rows' pass */
-            avx2_tile(2, ar, wr, k, ldw, i0 == 0, out + i0 * NB, NB);
-        else
-            avx2_tile(1, ar, wr, k, ldw, i0 == 0, out + i0 * NB, NB);
+        /* A last single row runs as a pair with itself, both sums stored in its place (ldo 0): the one-row tile read
+         * Gemma 3 270M's head at half the rate (a decode row on a Zen 4 core: 12.2-12.9 ms against 6.0-6.8 for two
+         * rows) */
+        int pair = c1 - i0 >= 2;
+        const int8_t *ar[MT2] = {a + i0 * k, a + (pair ? i0 + 1 : i0) * k};
+        avx2_tile(ar, wr, k, i0 == 0, out + i0 * NB, pair ? NB : 0);  /* the weights fetched on rows 0-1 */
     }
 }
 #endif
@@ -602,7 +605,7 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
                     vnni_rows(au, k, c0, c1, wr, nr, buf + r0 - b0, offset + r0 - b0);
 #else
-                    avx2_rows(a, m, k, c0, c1, wr, ldw, buf + r0 - b0);
+                    avx2_rows(a, k, c0, c1, wr, buf + r0 - b0);
 #endif
                 }
             }
