@@ -78,9 +78,7 @@ def _ours_multiply_every_call() -> bool:
     here, at every row count, :func:`int8_kernels_for`): then neither torch's kernel's
     exactness nor its speed matters. On an AVX2 EPYC (Zen 3, 1 thread) it runs 70-110 G ops/s against the fp32
     GEMM's 40-60 GFLOP/s at a batched decode step's shapes."""
-    from robot_llm.llm.store.gemv import kernels
-
-    lib = kernels()
+    lib = gemv.kernels()
     return lib is not None and lib.int8_mm_body == "avx2"
 
 
@@ -216,10 +214,10 @@ def int8_activation_min_rows() -> int:
     262144x640 21.4 / 16.5, 2048x640 0.110 / 0.074; AVX512-VNNI 15.1 / 13.0, 0.096 / 0.059; AMX 18.7 / 16.5, 0.098
     / 0.061). A batch-1 decode step of Gemma 3 270M (int4 store, 512 + 128 tokens, Sapphire Rapids, ms at 1 / 2
     threads, two runs each): AVX2 kind 49.3-49.5 / 33.7-35.3 -> 41.1-44.0 / 29.0-30.8; AVX512-VNNI 43.2-43.5 /
-    28.8-30.5 -> 39.9-41.4 / 28.1-28.4; AMX a tie."""
-    from robot_llm.llm.store.gemv import kernels
-
-    return 1 if kernels() is not None else INT8_ACTIVATION_MIN_ROWS
+    28.8-30.5 -> 39.9-41.4 / 28.1-28.4; AMX a tie. On a Zen 4 core (the head at 1 row, 1 thread): AVX512-VNNI 8.5
+    against 7.6 ms, the AVX2 kind 7.0 against 6.0-6.6 (the AVX2 body's one-row tile read it at half the rate before
+    it ran as a pair: 12-18 ms, and that kind's batch-1 step took 37-48 ms where the exact kernel's took 24-32)."""
+    return 1 if gemv.kernels() is not None else INT8_ACTIVATION_MIN_ROWS
 
 
 def int8_activation_max_rows(dtype: str, flags: frozenset[str] | None = None) -> int | None:
