@@ -110,7 +110,8 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
         torch_reads = weight.kernel_codes is not None or int4_kernel_reads_stored_layout()  # its codes as given
         if kernel and weight.int8_copy is not None and int8_activations_for(rows, x.dtype):
             # RAM-homed: its rotated int8 copy was made once (a streamed matrix's would cost a pass each time);
-            # from 8 rows it beats the fused int4 kernel (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows).
+            # it beats the fused int4 kernel from 8 rows (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows)
+            # and ties it at 1 (int8_activation_min_rows: where ours multiplies, every call takes it).
             y = int8_dynamic_linear(x, weight.int8_copy, int8_kernels_for(rows))  # it rotates x itself
         elif kernel and matmul_serves("int4", rows, torch_reads):
             y = int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])

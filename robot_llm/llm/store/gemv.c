@@ -311,9 +311,10 @@ static void flush_block(void *c, const int32_t *buf, int64_t m, int64_t n, int64
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 /* The sums of MT2 activation rows ar against RT weight rows wr over k columns, into out [MT2, RT]
- * (rows ldo apart); prefetch: fetch the weights PREFETCH bytes past the tile's rows' (ldw apart) meanwhile, the two
- * lines a step consumes. Fetching only the next tile's rows (2.5 KB ahead at k = 640) read Gemma 3 270M's head at
- * one row at 9.5 GB/s on a Zen 4 core (17.7 ms, against 7.1 for the exact few-row kernel, which reads 4 KB ahead). */
+ * (rows ldo apart); prefetch: fetch the weights PREFETCH bytes past the tile's first row meanwhile, the two lines a
+ * step consumes where the rows are contiguous (with a longer row stride it fetches less far ahead). Fetching only
+ * the next tile's rows (2.5 KB ahead at k = 640) read Gemma 3 270M's head at one row at 9.5 GB/s on a Zen 4 core
+ * (17.7 ms, against 7.1 for the exact few-row kernel, which reads 4 KB ahead). */
 static inline void avx2_tile(const int8_t *const *ar, const int8_t *const *wr, int64_t k, int prefetch, int32_t *out,
                              int64_t ldo) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -386,7 +387,8 @@ static inline void vnni_rows(const uint8_t *au, int64_t k, int64_t c0, int64_t c
 }
 #else
 /* Activation rows c0..c1 of a (k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time. */
-static inline void avx2_rows(const int8_t *a, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr, int32_t *out) {
+static inline void avx2_rows(const int8_t *a, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr,
+                             int32_t *out) {
     for (int64_t i0 = c0; i0 < c1; i0 += MT2) {
         /* A last single row runs as a pair with itself, both sums stored in its place (ldo 0): the one-row tile read
          * Gemma 3 270M's head at half the rate (a decode row on a Zen 4 core: 12.2-12.9 ms against 6.0-6.8 for two
@@ -632,7 +634,8 @@ int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t widt
     float *out = y_bf16 ? malloc((size_t)(m * n) * sizeof(float)) : y;
     int failed = q == NULL || row_scale == NULL || out == NULL;
     /* a row is quantized on one thread: more only wake threads for a few rows' microseconds */
-    if (!failed) failed = rl_quantize_rows(x, x_bf16, m, k, width, rotation, q, row_scale, m < threads ? (int)m : threads);
+    int quantizers = m < threads ? (int)m : threads;
+    if (!failed) failed = rl_quantize_rows(x, x_bf16, m, k, width, rotation, q, row_scale, quantizers);
     if (!failed) failed = rl_int8_mm(q, m, width, w, ldw, n, out, scale, row_scale, threads);
     if (!failed && y_bf16)
         for (int64_t i = 0; i < m * n; i++) ((uint16_t *)y)[i] = float_to_bf16(out[i]);

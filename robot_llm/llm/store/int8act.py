@@ -1,6 +1,7 @@
-"""int8 activations on the CPU: calls of many rows quantize their activations to int8 and multiply int8 by
-int8 (``torch._int_mm``), as llama.cpp multiplies its blocks, over int8 matrices whose input columns were
-rotated by Hadamard blocks (so that a row's few heavy channels do not take its int8 scale).
+"""int8 activations on the CPU: calls quantize their activations to int8 and multiply int8 by int8 (ours,
+``gemv.c``, or ``torch._int_mm``; which rows, :func:`int8_activations_for`), as llama.cpp multiplies its blocks,
+over int8 matrices whose input columns were rotated by Hadamard blocks (so that a row's few heavy channels do
+not take its int8 scale).
 
 :func:`int8_activations_for` says when a call takes this path, :func:`rotate_int8_in_place` and
 :func:`rotated_int8_copy` prepare the weights (once, for the matrices the engine holds in RAM, and the LM
@@ -40,13 +41,13 @@ INT8_ACTIVATION_MAX_ROWS_AMX = 128
 
 @functools.cache
 def int8_activations_on_cpu() -> bool:
-    """True when calls of many rows on the CPU quantize their activations to int8 and multiply int8 by int8
-    (``torch._int_mm``, oneDNN's s8s8s32 GEMM), as llama.cpp multiplies its blocks: by default where that
-    GEMM is exact (VNNI: AVX512-VNNI, AVX-VNNI, AMX; :func:`weight_levels`) and faster than the fp32 GEMM
-    (:func:`_int8_gemm_fast`). ``ROBOT_LLM_INT8_ACTIVATIONS=1`` turns them on on any CPU with the kernel
-    (without VNNI the rotated weights then keep 7 bits, which costs accuracy: Gemma 3 270M +1.2 % ru
-    perplexity on the AVX2 kernels), ``0`` off (the weight-only kernels), e.g. to measure one path against
-    the other in separate processes.
+    """True when calls on the CPU quantize their activations to int8 and multiply int8 by int8 (ours, or
+    ``torch._int_mm``, oneDNN's s8s8s32 GEMM; which rows, :func:`int8_activations_for`), as llama.cpp multiplies its
+    blocks: by default where that GEMM is exact (VNNI: AVX512-VNNI, AVX-VNNI, AMX; :func:`weight_levels`) and faster
+    than the fp32 GEMM (:func:`_int8_gemm_fast`). ``ROBOT_LLM_INT8_ACTIVATIONS=1`` turns them on on any CPU with the
+    kernel (without VNNI the rotated weights then keep 7 bits, which costs accuracy: Gemma 3 270M +1.2 % ru
+    perplexity on the AVX2 kernels), ``0`` off (the weight-only kernels), e.g. to measure one path against the other
+    in separate processes.
 
     The GEMM runs at 2.3x (oneDNN's AVX2 kernels) to 6-8x (AVX512-VNNI) the fp32 one on these shapes; the cost
     is an int8 rounding of each row of activations (one scale per row, :func:`quantize_activations`).
@@ -339,12 +340,10 @@ def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = Non
     quantized (:func:`quantize_input`), one int8 x int8 -> int32 GEMM over the stored codes (``ours`` where given,
     as :func:`int8_gemm`), then both scales (the output in ``x``'s dtype); all in one call of ours where it takes
     the call whole (:attr:`Int8Kernels.linear`)."""
-
-    n, _ = w.shape
     if ours is not None and ours.linear is not None:
         return ours.linear(x, w.q, w.scale32(), w.rotation)
     y = int8_gemm(x, w.q, w.scale32(), w.rotation, ours=ours)
-    return y.reshape(*x.shape[:-1], n).to(x.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
 
 
 def int8_gemm(
