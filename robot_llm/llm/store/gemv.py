@@ -463,7 +463,7 @@ def describe() -> str:
         (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
         many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
     if built.int8_mm_body == "amx":
-        many += "; int8 x int8 products ours at every size (AMX tiles)"
+        many += "; int8 x int8 products ours at every size (AMX tiles; AVX512-VNNI up to 4 rows)"
     elif built.int8_mm_body == "vnni":
         many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
     else:
