@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.families.family import apply_rotary
-from robot_llm.llm.store.gemv import kernels
+from robot_llm.llm.store.gemv import kernels, plain_rows
 
 
 def rms_norm(
@@ -51,14 +51,16 @@ def _norm_kernel_serves(
     the tables and the residual in x's dtype and layout (and the weight too, where it is applied in that dtype).
     Asked some 110 times a decode step, so in the cheapest of torch's attributes (``is_cpu``, not ``device.type``:
     the whole check took 4-10 us a norm against the kernel's 2.4 at batch 1)."""
-    dtype = x.dtype
-    if not (x.is_cpu and (dtype is torch.bfloat16 or dtype is torch.float32) and x.is_contiguous()):
+    if not plain_rows(x):
         return False
-    if weight is not None:
-        if not (weight.is_cpu and weight.is_contiguous() and weight.numel() == x.shape[-1]):
-            return False
-        if weight.dtype is not dtype and (gain_rounded or weight.dtype not in _GAIN_DTYPES):
-            return False
+    dtype = x.dtype
+    if weight is not None and not (
+        weight.is_cpu
+        and weight.is_contiguous()
+        and weight.numel() == x.shape[-1]
+        and weight.dtype in ((dtype,) if gain_rounded else _GAIN_DTYPES)
+    ):
+        return False
     if rotary is not None:
         if x.dim() < 2:
             return False

@@ -223,9 +223,10 @@ int rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t wi
 #include <unistd.h>
 /* Whether Linux lets this process use the tiles' data (rl_amx_init). */
 static int amx_ready = 0;
-/* Rows of a call up to which rl_int8_mm runs the VNNI body even where the tiles are ready. */
-#define VNNI_MAX_ROWS 4
 #endif
+/* Rows of a call up to which rl_int8_mm runs the VNNI body even where the tiles are ready (doctor names it). */
+#define VNNI_MAX_ROWS 4
+int rl_vnni_max_rows(void) { return VNNI_MAX_ROWS; }
 
 /* Which body of rl_int8_mm this build has: 3 AMX tiles (rl_amx_init said yes; else the VNNI body runs), 2
  * AVX512-VNNI, 1 AVX2 (exact for activation codes in -127..127, which rl_quantize_rows and

@@ -311,7 +311,7 @@ class Kernels:
         import torch
 
         # ~130 calls a decode step: x as it comes, y made in its final shape (a reshape, view and cast: 3-4 us of 15)
-        rows, bf16 = (x, x.dtype is torch.bfloat16) if _plain_rows(x) else self._rows(x)
+        rows, bf16 = (x, x.dtype is torch.bfloat16) if plain_rows(x) else self._rows(x)
         k, (n, kp) = x.shape[-1], codes.shape
         rotates = not rotation or (kp % rotation == 0 and rotation & (rotation - 1) == 0)
         aligned = codes.stride(1) == 1 and kp % 64 == 0 and kp >= k and rotates
@@ -407,8 +407,8 @@ class Kernels:
         return out
 
 
-def _plain_rows(x: Tensor) -> bool:
-    """Whether ``x`` is already what :meth:`Kernels._rows` makes of it: contiguous fp32 or bf16 CPU rows."""
+def plain_rows(x: Tensor) -> bool:
+    """Whether our kernels read ``x`` as it is: contiguous fp32 or bf16 on the CPU (asked ~250 times a step)."""
     import torch
 
     return x.is_cpu and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and x.is_contiguous()
@@ -463,7 +463,7 @@ def describe() -> str:
         (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
         many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
     if built.int8_mm_body == "amx":
-        many += "; int8 x int8 products ours at every size (AMX tiles; AVX512-VNNI up to 4 rows)"
+        many += f"; int8 x int8 products ours at every size (AMX tiles; VNNI to {built.lib.rl_vnni_max_rows()} rows)"
     elif built.int8_mm_body == "vnni":
         many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
     else:
