@@ -322,9 +322,13 @@ def test_the_heads_int8_product_comes_out_in_fp32_in_one_pass(monkeypatch: pytes
     assert torch.equal(logits.bfloat16(), rounded)
 
 
-def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
+@pytest.mark.parametrize("levels", [127, 63], ids=["wide", "narrow"])
+def test_our_int8_product_is_the_exact_integers_where_it_serves(levels: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every body's product is torch's integers for codes within the activation levels it is told (the AVX2 body
+    multiplies codes within 63 by offset weights, wider ones with the sign trick)."""
     lib = kernels()
     assert lib is not None
+    monkeypatch.setattr(lib, "activation_levels", levels)
     vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags() and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2"
     amx = vnni and {"amx_tile", "amx_int8"} <= cpu_flags()
     assert lib.int8_mm_body == ("amx" if amx else "vnni" if vnni else "avx2")
@@ -339,11 +343,13 @@ def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
     # rows 1 to past a decode step's and past a chunk of 64, odd row counts (a tile's second row repeated; an odd
     # number of AMX activation tiles), weight rows not a multiple of the tile's 4, of AMX's 16 nor of a block's 64,
     # fewer than 16, a stored matrix's row stride, codes at the int8 extremes (-128 in the weights meets the VNNI
-    # offset of 128 or the AVX2 body's |w| of 128); activations as quantized (-127..127, which the AVX2 body needs)
-    low = -128 if vnni else -127
+    # offset of 128, the AVX2 body's |w| of 128 or its offset to 0); activations within the levels (the AVX2 body's
+    # tricks need them)
+    low = -128 if vnni and levels == 127 else -levels
     shapes = ((1, 5, 64), (3, 258, 640), (8, 1027, 128), (15, 64, 2048), (16, 33, 64), (33, 130, 192))
     for m, n, k in (*shapes, (48, 100, 256), (70, 67, 128), (130, 40, 64)):
-        a = torch.randint(low, 128, (m, k), dtype=torch.int8, generator=g)
+        a = torch.randint(low, levels + 1, (m, k), dtype=torch.int8, generator=g)
+        a[0, : k // 2] = levels
         a[-1, : k // 2] = low
         stored = torch.randint(-128, 128, (n, k + 64), dtype=torch.int8, generator=g)
         stored[0, :k] = -128
@@ -363,23 +369,29 @@ def test_our_int8_product_is_the_exact_integers_where_it_serves() -> None:
         lib.int8_mm(torch.zeros(2, 40, dtype=torch.int8), torch.zeros(4, 40, dtype=torch.int8))
     x, w = torch.randn(6, 640, generator=g), PackedInt8(*quantize_int8(torch.randn(300, 640, generator=g)), (300, 640))
     ours = int8_dynamic_linear(x, w, int8_kernels_for(6))
-    q, row_scale = quantize_activations(x, 640)
+    q, row_scale = quantize_activations(x, 640, levels)
+    assert q.abs().max() == levels
     exact = (q.long() @ w.q.long().t()).float().mul_(w.scale32()).mul_(row_scale)
     assert torch.equal(ours, exact)
 
 
+@pytest.mark.parametrize("levels", [127, 63], ids=["wide", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_our_activation_quantization_is_torchs_to_the_bit(dtype: torch.dtype) -> None:
+def test_our_activation_quantization_is_torchs_to_the_bit(
+    dtype: torch.dtype, levels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     lib = kernels()
     assert lib is not None
+    monkeypatch.setattr(lib, "activation_levels", levels)
     g = torch.Generator().manual_seed(12)
     # a decode row, a batch of rows with an outlier channel and a zero row, widths past a multiple of 8, padding
     for m, k, width in ((1, 640, 640), (32, 2048, 2048), (7, 600, 640), (5, 1152, 1216), (3, 13, 64)):
         x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 50).to(dtype)
         x[0, k // 2] = 3e4
         x[-1] = 0
-        want_q, want_scale = quantize_activations(x, width)
+        want_q, want_scale = quantize_activations(x, width, levels)
         q, scale = lib.quantize_rows(x, width)
+        assert m == 1 or q.abs().max() == levels
         assert torch.equal(q, want_q) and torch.equal(scale, want_scale), (m, k, width)
     x = torch.randn(3, 64, generator=g).to(dtype)
     x[1, 60], x[2, 3] = float("nan"), float("inf")
@@ -390,12 +402,17 @@ def test_our_activation_quantization_is_torchs_to_the_bit(dtype: torch.dtype) ->
     assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1:]).any(dim=1).any()
 
 
+@pytest.mark.parametrize("levels", [127, 63], ids=["wide", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int8_linear_in_one_call_is_the_chain_of_quantize_product_and_cast(dtype: torch.dtype) -> None:
+def test_int8_linear_in_one_call_is_the_chain_of_quantize_product_and_cast(
+    dtype: torch.dtype, levels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Our one-call int8 linear (a decode step's few rows) gives what its steps give one after another: the rows
-    quantized (padded, rotated), the exact integer product, both scales, the cast to the compute dtype."""
+    quantized (padded, rotated) to the activation levels, the exact integer product, both scales, the cast to the
+    compute dtype."""
     lib = kernels()
     assert lib is not None
+    monkeypatch.setattr(lib, "activation_levels", levels)
     g = torch.Generator().manual_seed(14)
     # one row and a batch, padding, both rotation blocks and none, outputs not a multiple of a tile or a block
     for m, k, n, width, block in ((1, 640, 1024, 640, 128), (32, 600, 67, 640, 64), (3, 2048, 640, 2048, 0)):
@@ -405,6 +422,7 @@ def test_int8_linear_in_one_call_is_the_chain_of_quantize_product_and_cast(dtype
         if m > 1:
             x[-1, 5] = float("nan")  # its row's outputs stay non-finite
         codes, row_scale = lib.quantize_rows(x, width, block)
+        assert codes.abs().max() == levels
         want = (codes.long() @ q.long().t()).float().mul_(scale.float()).mul_(row_scale).to(dtype)
         got = lib.int8_linear(x[None], q, scale.float(), block)
         assert got.shape == (1, m, n) and got.dtype == dtype
@@ -444,9 +462,9 @@ def test_rotated_quantization_is_the_fast_transform_then_the_rounding(dtype: tor
         x[0, 5] = 400  # one heavy channel, which the rotation spreads
         padded = torch.nn.functional.pad(x.float(), (0, width - k))
         q, scale = lib.quantize_rows(x, width, block)
-        want_q, want_scale = quantize_activations(_butterflies(padded, block), width)
+        want_q, want_scale = quantize_activations(_butterflies(padded, block), width, lib.activation_levels)
         assert torch.equal(q, want_q) and torch.equal(scale, want_scale), (m, k, width, block)
-        by_matmul = quantize_activations(rotate(padded, block), width)[0]
+        by_matmul = quantize_activations(rotate(padded, block), width, lib.activation_levels)[0]
         assert (q.int() - by_matmul.int()).abs().max() <= 1
     with pytest.raises(ValueError, match="rotation"):
         lib.quantize_rows(torch.zeros(2, 96), 96, 64)

@@ -14,7 +14,7 @@ from torch import Tensor
 from robot_llm.llm.families.family import linear
 from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store import gemv
-from robot_llm.llm.store.int8act import rotate
+from robot_llm.llm.store.int8act import AVX2_ACTIVATION_LEVELS, activation_levels, rotate
 from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 
@@ -146,3 +146,20 @@ def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatc
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()
     assert "through torch's fused kernel, decode norms and attention torch's ops (gemv.c not built" in gemv.describe()
+
+
+def test_activation_levels_are_asked_of_the_avx2_body_only(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ROBOT_LLM_ACTIVATION_LEVELS`` sets the AVX2 body's activation codes (its narrow product from 63 down), the
+    VNNI and AMX bodies keep 127, doctor names the product, and a value out of range names the variable."""
+    assert activation_levels("avx2") == AVX2_ACTIVATION_LEVELS
+    monkeypatch.setenv("ROBOT_LLM_ACTIVATION_LEVELS", " 63 ")
+    assert (activation_levels("avx2"), activation_levels("vnni"), activation_levels("amx")) == (63, 127, 127)
+    lib = gemv.kernels()
+    assert lib is not None and lib.activation_levels == (63 if lib.int8_mm_body == "avx2" else 127)
+    assert lib.narrow_levels == (63 if lib.int8_mm_body == "avx2" else 0)
+    if lib.int8_mm_body == "avx2":
+        assert "activation codes to +-63: offset trick" in gemv.describe()
+    for bad in ("0", "128", "7-bit", "-3", "63.5"):
+        monkeypatch.setenv("ROBOT_LLM_ACTIVATION_LEVELS", bad)
+        with pytest.raises(ValueError, match=f"ROBOT_LLM_ACTIVATION_LEVELS='{bad}': give a whole number"):
+            activation_levels("avx2")

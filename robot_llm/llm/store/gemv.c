@@ -147,11 +147,12 @@ void rl_argmax_rows(const void *x, int x_bf16, int64_t m, int64_t n, int64_t *id
     }
 }
 
-/* One row of n values (fp32 or bf16) as symmetric int8 with one fp32 scale, exactly as
- * int8act.quantize_activations computes it in torch ops: scale = max(max |x|, 1e-30) / 127, codes =
+/* One row of n values (fp32 or bf16) as symmetric codes in -levels..levels with one fp32 scale, exactly as
+ * int8act.quantize_activations computes it in torch ops: scale = max(max |x|, 1e-30) / levels, codes =
  * round-half-even(x * (1 / scale)) in fp32, the columns n .. width - 1 zero. A row holding a NaN or an infinity gets
  * a NaN scale (and zero codes), so that the product's output is not finite, as torch's would be. */
-static void quantize_row(const void *row, int x_bf16, int64_t n, int64_t width, int8_t *out, float *scale) {
+static void quantize_row(const void *row, int x_bf16, int64_t n, int64_t width, int levels, int8_t *out,
+                         float *scale) {
     int dtype = x_bf16 ? RL_BF16 : RL_FP32;
     const __m256 sign = _mm256_set1_ps(-0.f), huge = _mm256_set1_ps(3.4028234663852886e38f);
     __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -175,7 +176,7 @@ static void quantize_row(const void *row, int x_bf16, int64_t n, int64_t width, 
         memset(out, 0, (size_t)width);
         return;
     }
-    float s = (most > 1e-30f ? most : 1e-30f) / 127.0f, inv = 1.0f / s;
+    float s = (most > 1e-30f ? most : 1e-30f) / (float)levels, inv = 1.0f / s;
     *scale = s;
     const __m256 by = _mm256_set1_ps(inv);
     for (j = 0; j + 8 <= n; j += 8) {
@@ -195,8 +196,8 @@ static void quantize_row(const void *row, int x_bf16, int64_t n, int64_t width, 
  * chain (the rotation as a matmul of the +-1 matrix, abs, amax, casts, clamp, divide, reciprocal, multiply, round,
  * the int8 cast, the padding) was 90 us a call for a batch-32 step's rows without the rotation, 127 calls a step;
  * its rotation alone 0.4 ms a batch-32 call on an AVX2 EPYC. Returns 0, or -1 when a row buffer was not allocated. */
-int rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int64_t rotation, int8_t *q,
-                     float *scale, int threads) {
+int rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int64_t rotation, int levels,
+                     int8_t *q, float *scale, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -206,10 +207,10 @@ int rl_quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t wi
         for (int64_t i = 0; i < m; i++) {
             const void *row = (const char *)x + (size_t)(i * k) * (x_bf16 ? 2 : 4);
             if (!rotation) {
-                quantize_row(row, x_bf16, k, width, q + i * width, scale + i);
+                quantize_row(row, x_bf16, k, width, levels, q + i * width, scale + i);
             } else if (staged != NULL) {
                 stage_rows(row, x_bf16, 1, k, width, rotation, staged);
-                quantize_row(staged, 0, width, width, q + i * width, scale + i);
+                quantize_row(staged, 0, width, width, levels, q + i * width, scale + i);
             }
         }
         free(staged);
@@ -313,30 +314,44 @@ static void flush_block(void *c, const int32_t *buf, int64_t m, int64_t n, int64
 }
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* Activation codes up to which the AVX2 body multiplies them by the weights offset to unsigned bytes (avx2_tile). */
+#define NARROW_LEVELS 63
+
 /* The sums of MT2 activation rows ar against RT weight rows wr over k columns, into out [MT2, RT]
  * (rows ldo apart); prefetch: fetch the weights PREFETCH bytes past the tile's first row meanwhile, the two lines a
  * step consumes where the rows are contiguous (with a longer row stride it fetches less far ahead). Fetching only
  * the next tile's rows (2.5 KB ahead at k = 640) read Gemma 3 270M's head at one row at 9.5 GB/s on a Zen 4 core
- * (17.7 ms, against 7.1 for the exact few-row kernel, which reads 4 KB ahead). */
-static inline void avx2_tile(const int8_t *const *ar, const int8_t *const *wr, int64_t k, int prefetch, int32_t *out,
-                             int64_t ldo) {
-    const __m256i ones = _mm256_set1_epi16(1);
+ * (17.7 ms, against 7.1 for the exact few-row kernel, which reads 4 KB ahead).
+ *
+ * vpmaddubsw multiplies unsigned by signed bytes and sums each pair into a saturating int16. narrow (activation codes
+ * within -NARROW_LEVELS..NARROW_LEVELS): the weights offset to unsigned (w + 128, one xor a vector, shared by the
+ * tile's rows) meet the codes as they are, a pair at most 2 x 255 x 63 = 32,130, and each sum is 128 x its
+ * activation row's sum too much (the caller takes it off). Else, as llama.cpp multiplies its blocks, each activation
+ * vector is given the signs of the weights (vpsignb, once per activation row and weight row) and meets |w|: a pair
+ * at most 2 x 128 x 127 = 32,512. The multiplies' two ports bound both: 26 of their ops a step of the tile against
+ * 16 narrow (Gemma 3 270M's head at 32 rows, 1 thread, Sapphire Rapids: 130 against 103 ms). */
+static inline __attribute__((always_inline)) void avx2_tile(const int8_t *const *ar, const int8_t *const *wr,
+                                                            int64_t k, int prefetch, int narrow, int32_t *out,
+                                                            int64_t ldo) {
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
     __m256i acc[MT2][RT];
     for (int i = 0; i < MT2; i++)
         for (int r = 0; r < RT; r++) acc[i][r] = _mm256_setzero_si256();
     for (int64_t j = 0; j < k; j += 32) {
-        __m256i wabs[RT];
+        __m256i wu[RT]; /* w + 128 (narrow) or |w| */
         if (prefetch) {
             _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT, _MM_HINT_T0);
             _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT + 64, _MM_HINT_T0);
         }
-        for (int r = 0; r < RT; r++) wabs[r] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(wr[r] + j)));
+        for (int r = 0; r < RT; r++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(wr[r] + j));
+            wu[r] = narrow ? _mm256_xor_si256(wv, bias) : _mm256_abs_epi8(wv);
+        }
         for (int i = 0; i < MT2; i++) {
             __m256i av = _mm256_loadu_si256((const __m256i *)(ar[i] + j));
             for (int r = 0; r < RT; r++) {
-                __m256i signed_a = _mm256_sign_epi8(av, _mm256_loadu_si256((const __m256i *)(wr[r] + j)));
-                __m256i pairs = _mm256_maddubs_epi16(wabs[r], signed_a);
-                acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(pairs, ones));
+                __m256i b = narrow ? av : _mm256_sign_epi8(av, _mm256_loadu_si256((const __m256i *)(wr[r] + j)));
+                acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu[r], b), ones));
             }
         }
     }
@@ -389,16 +404,24 @@ static inline void vnni_rows(const uint8_t *au, int64_t k, int64_t c0, int64_t c
     }
 }
 #else
-/* Activation rows c0..c1 of a (k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time. */
+/* Activation rows c0..c1 of a (k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time; asum: each
+ * row's sum of codes where they are narrow (avx2_tile), else NULL. */
 static inline void avx2_rows(const int8_t *a, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr,
-                             int32_t *out) {
+                             const int32_t *asum, int32_t *out) {
     for (int64_t i0 = c0; i0 < c1; i0 += MT2) {
         /* A last single row runs as a pair with itself, both sums stored in its place (ldo 0): the one-row tile read
          * Gemma 3 270M's head at half the rate (a decode row on a Zen 4 core: 12.2-12.9 ms against 6.0-6.8 for two
          * rows) */
         int pair = c1 - i0 >= 2;
         const int8_t *ar[MT2] = {a + i0 * k, a + (pair ? i0 + 1 : i0) * k};
-        avx2_tile(ar, wr, k, i0 == 0, out + i0 * NB, pair ? NB : 0);  /* the weights fetched on rows 0-1 */
+        int32_t *o = out + i0 * NB; /* the weights fetched on rows 0-1 */
+        if (asum == NULL) {
+            avx2_tile(ar, wr, k, i0 == 0, 0, o, pair ? NB : 0);
+            continue;
+        }
+        avx2_tile(ar, wr, k, i0 == 0, 1, o, pair ? NB : 0);
+        for (int i = 0; i < 1 + pair; i++)
+            for (int r = 0; r < RT; r++) o[i * NB + r] -= 128 * asum[i0 + i];
     }
 }
 #endif
@@ -566,14 +589,13 @@ static int amx_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_
  * (one more product per weight vector).
  *
  * AVX2 (any number of rows: on an AVX2 CPU torch 2.13's int8 GEMM is a fallback of 1-2 G ops/s, or oneDNN's, which
- * saturates full-range codes): as llama.cpp multiplies its blocks, each activation vector is given the signs of the
- * weights (vpsignb) and multiplied by |w| (vpmaddubsw, unsigned by signed bytes, pairs summed into int16), the pairs
- * widened to int32 sums (vpmaddwd by ones). A pair is at most 2 x 128 x 127 = 32,512, within int16, so the sums are
- * exact for any weight code and activation codes in -127..127 (a code of -128 would lose its sign). On an AVX2 EPYC
- * (Zen 3) core: 95-110 G ops/s from 8 rows, against 50-75 GFLOP/s for the fp32 GEMM at the same shapes.
+ * saturates full-range codes): avx2_tile's products (vpmaddubsw, pairs summed into int16) widened to int32 sums
+ * (vpmaddwd by ones), exact for any weight code and activation codes within -levels..levels, levels at most 127 (a
+ * code of -128 would lose its sign); from NARROW_LEVELS down in fewer instructions. On an AVX2 EPYC (Zen 3) core,
+ * levels 127: 95-110 G ops/s from 8 rows, against 50-75 GFLOP/s for the fp32 GEMM at the same shapes.
  * Returns 0, or -1 when a buffer could not be allocated. */
 int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
-               const float *scale, const float *row_scale, int threads) {
+               const float *scale, const float *row_scale, int levels, int threads) {
 #if defined(RL_AMX)
     /* Up to VNNI_MAX_ROWS rows (a decode step's) the VNNI body is the faster here: it fetches ahead and packs nothing
      * (Sapphire Rapids, 1 thread, the 126 matrices of Gemma 3 270M's layers at 1 / 4 / 6 rows: 9.2 / 10.8 / 12.7 ms
@@ -586,6 +608,17 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
     uint8_t *au = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
     if (au == NULL) return -1;
     for (int64_t i = 0; i < m * k; i++) au[i] = (uint8_t)(a[i] ^ 0x80); /* a + 128 as an unsigned byte */
+    (void)levels; /* exact for every code */
+#else
+    int32_t *asum = NULL; /* each row's sum of codes, where they are narrow (avx2_tile) */
+    if (levels <= NARROW_LEVELS) {
+        if ((asum = malloc((size_t)m * sizeof(int32_t))) == NULL) return -1;
+        for (int64_t i = 0; i < m; i++) {
+            int32_t sum = 0;
+            for (int64_t j = 0; j < k; j++) sum += a[i * k + j];
+            asum[i] = sum;
+        }
+    }
 #endif
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -608,7 +641,7 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
                     vnni_rows(au, k, c0, c1, wr, nr, buf + r0 - b0, offset + r0 - b0);
 #else
-                    avx2_rows(a, k, c0, c1, wr, buf + r0 - b0);
+                    avx2_rows(a, k, c0, c1, wr, asum, buf + r0 - b0);
 #endif
                 }
             }
@@ -618,6 +651,8 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
     }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     free(au);
+#else
+    free(asum);
 #endif
     return failed ? -1 : 0;
 }
@@ -628,20 +663,30 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
  * calls of a few rows each spent more in their torch glue (buffers, a cast to the compute dtype) than in their
  * products of the smaller matrices (a 1,024 x 640 one at 1 row, 1 thread: 43 us a call, 20 of them the product).
  * Returns 0, or -1 when a buffer could not be allocated. */
-int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int64_t rotation, const int8_t *w,
-                   int64_t ldw, int64_t n, const float *scale, void *y, int y_bf16, int threads) {
+int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int64_t rotation, int levels,
+                   const int8_t *w, int64_t ldw, int64_t n, const float *scale, void *y, int y_bf16, int threads) {
     int8_t *q = malloc((size_t)(m * width));
     float *row_scale = malloc((size_t)m * sizeof(float));
     float *out = y_bf16 ? malloc((size_t)(m * n) * sizeof(float)) : y;
     int failed = q == NULL || row_scale == NULL || out == NULL;
     /* a row is quantized on one thread: more only wake threads for a few rows' microseconds */
     int quantizers = m < threads ? (int)m : threads;
-    if (!failed) failed = rl_quantize_rows(x, x_bf16, m, k, width, rotation, q, row_scale, quantizers);
-    if (!failed) failed = rl_int8_mm(q, m, width, w, ldw, n, out, scale, row_scale, threads);
+    if (!failed) failed = rl_quantize_rows(x, x_bf16, m, k, width, rotation, levels, q, row_scale, quantizers);
+    if (!failed) failed = rl_int8_mm(q, m, width, w, ldw, n, out, scale, row_scale, levels, threads);
     if (!failed && y_bf16)
         for (int64_t i = 0; i < m * n; i++) ((uint16_t *)y)[i] = float_to_bf16(out[i]);
     if (y_bf16) free(out);
     free(row_scale);
     free(q);
     return failed ? -1 : 0;
+}
+
+/* The activation codes' bound from which down rl_int8_mm takes its narrow body (NARROW_LEVELS), 0 where every bound
+ * runs the same body (VNNI and AMX are exact for all codes at one cost). */
+int rl_narrow_levels(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 0;
+#else
+    return NARROW_LEVELS;
+#endif
 }

@@ -121,40 +121,35 @@ class Kernels:
         import torch  # torch's libgomp is loaded first: the kernel shares torch's OpenMP runtime
 
         self.lib = ctypes.CDLL(str(path))
-        self.lib.rl_gemv_lanes.restype = _INT64
-        self.lib.rl_int8_gemv.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, _INT64, _PTR, _PTR, _INT, _INT64, _INT]
-        self.lib.rl_int8_gemv.restype = _INT
-        self.lib.rl_int8_gemm.argtypes = self.lib.rl_int8_gemv.argtypes
-        self.lib.rl_int8_gemm.restype = _INT
+        int8 = [_PTR, _INT, *[_INT64] * 4, _PTR, _INT64, _PTR, _PTR, _INT, _INT64, _INT]
         int4 = [_PTR, _INT, *[_INT64] * 3, _PTR, _PTR, _INT64, _INT64, _PTR, _INT, _INT64, _INT]
-        self.lib.rl_int4_gemm.argtypes = int4
-        self.lib.rl_int4_gemm.restype = _INT
-        self.lib.rl_int4_gemv.argtypes = int4
-        self.lib.rl_int4_gemv.restype = _INT
-        norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT, _PTR, _PTR, _INT64, _PTR, _PTR, _INT]
-        self.lib.rl_rms_norm.argtypes = norm
-        self.lib.rl_rms_norm.restype = _INT
         attend = [_PTR, _INT, *[_INT64] * 4, _PTR, _PTR, _INT, *[_INT64] * 3, _PTR, _PTR, *[_INT64] * 3]
-        attend += [_PTR, *[_INT64] * 3, _FLOAT, _FLOAT]
-        self.lib.rl_decode_attention.argtypes = [*attend, _PTR, _INT]
-        self.lib.rl_decode_attention.restype = _INT
-        self.lib.rl_scale_int32.argtypes = [_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
-        self.lib.rl_scale_int32.restype = None
-        self.lib.rl_quantize_rows.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, _PTR, _INT]
-        self.lib.rl_quantize_rows.restype = _INT
-        self.lib.rl_argmax_rows.argtypes = [_PTR, _INT, _INT64, _INT64, _PTR, _INT]
-        self.lib.rl_argmax_rows.restype = None
-        self.lib.rl_int8_mm.argtypes = [_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT]
-        self.lib.rl_int8_mm.restype = _INT
-        self.lib.rl_int8_linear.argtypes = [_PTR, _INT, *[_INT64] * 4, _PTR, *[_INT64] * 2, _PTR, _PTR, _INT, _INT]
-        self.lib.rl_int8_linear.restype = _INT
-        self.lib.rl_int8_mm_body.restype = _INT
-        self.lib.rl_amx_init.restype = _INT
+        norm = [_PTR, _INT, _INT64, _INT64, _PTR, _INT, _FLOAT, _INT, _FLOAT]
+        signatures: dict[str, tuple[list[Any], Any]] = {  # name: (argument types, result type)
+            "rl_gemv_lanes": ([], _INT64),
+            **{name: (int8, _INT) for name in ("rl_int8_gemv", "rl_int8_gemm")},
+            **{name: (int4, _INT) for name in ("rl_int4_gemm", "rl_int4_gemv")},
+            "rl_rms_norm": ([*norm, _PTR, _PTR, _INT64, _PTR, _PTR, _INT], _INT),
+            "rl_decode_attention": ([*attend, _PTR, *[_INT64] * 3, _FLOAT, _FLOAT, _PTR, _INT], _INT),
+            "rl_scale_int32": ([_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT], None),
+            "rl_quantize_rows": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _PTR, _INT], _INT),
+            "rl_argmax_rows": ([_PTR, _INT, _INT64, _INT64, _PTR, _INT], None),
+            "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], _INT),
+            "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, *[_INT64] * 2, _PTR, _PTR, _INT, _INT], _INT),
+            **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
+        }
+        for name, (argtypes, restype) in signatures.items():
+            getattr(self.lib, name).argtypes, getattr(self.lib, name).restype = argtypes, restype
         self.lib.rl_amx_init()  # the AMX tiles, where built and Linux grants them (else the VNNI body serves)
         #: The body of this build's int8 x int8 product (:meth:`int8_mm`): ``"amx"`` (AMX tiles), ``"vnni"``
         #: (AVX512-VNNI, a decode step's few rows) or ``"avx2"`` (every call: torch's int8 GEMM is no match
         #: without VNNI).
         self.int8_mm_body = {3: "amx", 2: "vnni"}.get(self.lib.rl_int8_mm_body(), "avx2")
+        from robot_llm.llm.store.int8act import activation_levels  # it imports this module
+
+        #: The largest code :meth:`quantize_rows` gives an activation, which :meth:`int8_mm` assumes; from
+        #: :attr:`narrow_levels` down (the AVX2 body's) the product takes fewer instructions.
+        self.activation_levels, self.narrow_levels = activation_levels(self.int8_mm_body), self.lib.rl_narrow_levels()
         self.dtype_codes = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
         #: The input columns one vector holds: 16 (AVX512) or 8 (AVX2).
         self.lanes = int(self.lib.rl_gemv_lanes())
@@ -271,7 +266,7 @@ class Kernels:
         row_scale: Tensor | None = None,
     ) -> Tensor:
         """``a int8 [M, Kp] @ codes int8 [N, Kp].T`` as int32 ``[M, N]`` (into ``out`` when given), exactly
-        ``torch._int_mm(a, codes.t())`` (the AVX2 body: for activation codes in -127..127, as quantized here); with
+        ``torch._int_mm(a, codes.t())`` for activation codes within :attr:`activation_levels` (as quantized here); with
         ``scale fp32 [N]`` and ``row_scale fp32 [M, 1]``, fp32 ``[M, N]`` as ``product.float().mul_(scale)
         .mul_(row_scale)`` computes it, in the same pass (:meth:`scale_int32`'s values, without the int32 matrix)."""
         import torch
@@ -297,7 +292,8 @@ class Kernels:
                 raise ValueError(f"int8_mm: {scale.numel()} and {row_scale.numel()} scales for {(m, n)} products")
         failed = self.lib.rl_int8_mm(
             a.data_ptr(), m, k, codes.data_ptr(), codes.stride(0), n, out.data_ptr(),
-            scale.data_ptr() if scaled else None, row_scale.data_ptr() if scaled else None, torch.get_num_threads(),
+            scale.data_ptr() if scaled else None, row_scale.data_ptr() if scaled else None, self.activation_levels,
+            torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"int8_mm: no memory for the buffers of {m} x {k} activations")
@@ -322,16 +318,17 @@ class Kernels:
             )
         y = torch.empty((*x.shape[:-1], n), dtype=rows.dtype)
         m = rows.numel() // k
-        args = (rows.data_ptr(), bf16, m, k, kp, rotation, codes.data_ptr(), codes.stride(0), n, scale.data_ptr())
+        args = (rows.data_ptr(), bf16, m, k, kp, rotation, self.activation_levels, codes.data_ptr(), codes.stride(0))
+        args += (n, scale.data_ptr())
         if self.lib.rl_int8_linear(*args, y.data_ptr(), bf16, torch.get_num_threads()):
             raise MemoryError(f"int8_linear: no memory for the buffers of {m} x {kp} activations")
         return y if y.dtype is x.dtype else y.to(x.dtype)
 
     def quantize_rows(self, x: Tensor, width: int, rotation: int = 0) -> tuple[Tensor, Tensor]:
-        """:func:`~robot_llm.llm.store.int8act.quantize_activations`'s codes ``int8 [M, width]`` and scales
-        ``fp32 [M, 1]`` of the rows of ``x [..., K]`` (fp32 or bf16), the same values in one pass over each row; a
-        row holding a NaN or an infinity gets a NaN scale. ``rotation``: each row zero-padded to ``width`` and
-        every run of that many columns Hadamard-rotated in fp32 first (the fast transform of
+        """:func:`~robot_llm.llm.store.int8act.quantize_activations`'s codes (to :attr:`activation_levels`) ``int8
+        [M, width]`` and scales ``fp32 [M, 1]`` of the rows of ``x [..., K]`` (fp32 or bf16), the same values in one
+        pass over each row; a row holding a NaN or an infinity gets a NaN scale. ``rotation``: each row zero-padded
+        to ``width`` and every run of that many columns Hadamard-rotated in fp32 first (the fast transform of
         :func:`~robot_llm.llm.store.int8act.rotate`'s matrix), as a rotated matrix multiplies it."""
         import torch
 
@@ -341,7 +338,7 @@ class Kernels:
             raise ValueError(f"quantize_rows: {k} columns, rotation {rotation}, do not fit a width of {width}")
         q = torch.empty(m, width, dtype=torch.int8)
         scale = torch.empty(m, 1, dtype=torch.float32)
-        args = (rows.data_ptr(), bf16, m, k, width, rotation, q.data_ptr(), scale.data_ptr())
+        args = (rows.data_ptr(), bf16, m, k, width, rotation, self.activation_levels, q.data_ptr(), scale.data_ptr())
         if self.lib.rl_quantize_rows(*args, torch.get_num_threads()):
             raise MemoryError(f"quantize_rows: no memory for a row of {width}")
         return q, scale
@@ -467,7 +464,9 @@ def describe() -> str:
     elif built.int8_mm_body == "vnni":
         many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
     else:
-        many += "; int8 x int8 products ours at every size (AVX2: sign trick, exact)"
+        trick = "offset" if built.activation_levels <= built.narrow_levels else "sign"
+        levels = built.activation_levels
+        many += f"; int8 x int8 products ours at every size (AVX2, activation codes to +-{levels}: {trick} trick)"
     return (
         f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours (norm.c, attend.c)"
     )
