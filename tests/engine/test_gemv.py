@@ -14,7 +14,8 @@ from torch import Tensor
 from robot_llm.llm.families.family import linear
 from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store import gemv
-from robot_llm.llm.store.int8act import AVX2_ACTIVATION_LEVELS, activation_levels, rotate
+from robot_llm.llm.store.gemv import AVX2_ACTIVATION_LEVELS, activation_levels
+from robot_llm.llm.store.int8act import rotate
 from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
 from robot_llm.llm.store.quant import PackedInt8, quantize_int8
 

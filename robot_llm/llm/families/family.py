@@ -39,13 +39,7 @@ from torch import Tensor
 from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
-from robot_llm.llm.store.gemv import (
-    gemv_available,
-    int4_matmul,
-    int8_gemv,
-    int8_matmul,
-    matmul_serves,
-)
+from robot_llm.llm.store.gemv import gemv_available, kernels, matmul_serves
 from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, int8_kernels_for, rotate_input
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
@@ -114,7 +108,7 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             # and ties it at 1 (int8_activation_min_rows: where ours multiplies, every call takes it).
             y = int8_dynamic_linear(x, weight.int8_copy, int8_kernels_for(rows))  # it rotates x itself
         elif kernel and matmul_serves("int4", rows, torch_reads):
-            y = int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])
+            y = kernels().int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])
         elif kernel and rows <= FUSED_MAX_ROWS["int4"]:
             y = int4_linear(x, weight)
         else:
@@ -122,9 +116,9 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     else:
         quantized_rows = kernel and weight.rotation and int8_activations_for(rows, x.dtype)
         if kernel and not quantized_rows and rows <= FUSED_MAX_ROWS["int8"] and gemv_available():
-            y = int8_gemv(x, weight.q, weight.scale, weight.shape[0], weight.rotation)  # it pads and rotates x itself
+            y = kernels().int8_gemv(x, weight.q, weight.scale, weight.shape[0], weight.rotation)  # pads, rotates x
         elif kernel and not quantized_rows and matmul_serves("int8", rows):
-            y = int8_matmul(x, weight.q, weight.scale, weight.shape[0], weight.rotation)
+            y = kernels().int8_matmul(x, weight.q, weight.scale, weight.shape[0], weight.rotation)
         elif quantized_rows:  # rotated (rotate_int8_in_place): it rotates x itself
             y = int8_dynamic_linear(x, weight, int8_kernels_for(rows))
         else:

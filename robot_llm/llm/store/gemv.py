@@ -43,6 +43,13 @@ HEADERS = (SOURCE.with_name("floats.h"),)
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}  # int8: a KV cache's codes
 ENV = "ROBOT_LLM_GEMV"
+#: The largest activation code where the AVX2 body multiplies, unless ``ROBOT_LLM_ACTIVATION_LEVELS`` says otherwise
+#: (:func:`activation_levels`). 63 runs its narrow product (Sapphire Rapids as the AVX2 kind, 1 thread, ms at 32 rows:
+#: the 262,144 x 640 head 112-114 -> 92, 2048 x 640 0.74 -> 0.57, 640 x 2048 0.69-0.72 -> 0.50-0.52; the head at 1
+#: row is the memory's either way) but nearly doubles what the night's store costs the model: Gemma 3 270M's int4
+#: store against its fp32 store (``benchmarks/int8_accuracy.py``, 8,192 tokens of financial news, fp32 compute), mean
+#: KL 0.0095 weight-only, 0.0105 at 127 levels, 0.0190 at 63; top-1 agreement 92.0, 92.2, 89.6 %. So 127 by default.
+AVX2_ACTIVATION_LEVELS, LEVELS_ENV = 127, "ROBOT_LLM_ACTIVATION_LEVELS"
 #: Rows of a call (lowest, highest) that ``gemm.c``'s products serve, by the stored dtype, on a CPU without native
 #: bf16 (:func:`matmul_available`). There torch feeds its fused int4 kernel bf16 activations it cannot compute
 #: natively, and past a few rows both dtypes are widened into fp32 every pass; a streamed int4 matrix whose codes
@@ -145,8 +152,6 @@ class Kernels:
         #: (AVX512-VNNI, a decode step's few rows) or ``"avx2"`` (every call: torch's int8 GEMM is no match
         #: without VNNI).
         self.int8_mm_body = {3: "amx", 2: "vnni"}.get(self.lib.rl_int8_mm_body(), "avx2")
-        from robot_llm.llm.store.int8act import activation_levels  # it imports this module
-
         #: The largest code :meth:`quantize_rows` gives an activation, which :meth:`int8_mm` assumes; from
         #: :attr:`narrow_levels` down (the AVX2 body's) the product takes fewer instructions.
         self.activation_levels, self.narrow_levels = activation_levels(self.int8_mm_body), self.lib.rl_narrow_levels()
@@ -411,6 +416,18 @@ def plain_rows(x: Tensor) -> bool:
     return x.is_cpu and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and x.is_contiguous()
 
 
+def activation_levels(body: str) -> int:
+    """The largest code our kernels quantize an activation to where ``body`` (:attr:`Kernels.int8_mm_body`)
+    multiplies: 127 on VNNI and AMX (exact for every code at one cost); on AVX2 ``ROBOT_LLM_ACTIVATION_LEVELS``
+    (1-127) or :data:`AVX2_ACTIVATION_LEVELS`. Raises ``ValueError`` naming the variable for any other value."""
+    asked = os.environ.get(LEVELS_ENV, "").strip()
+    if body != "avx2" or not asked:
+        return 127 if body != "avx2" else AVX2_ACTIVATION_LEVELS
+    if not asked.isdigit() or not 1 <= int(asked) <= 127:
+        raise ValueError(f"{LEVELS_ENV}={asked!r}: give a whole number of activation levels from 1 to 127")
+    return int(asked)
+
+
 @functools.cache
 def kernels() -> Kernels | None:
     """This process's ``gemv.c`` (built on first use), or None: turned off (``ROBOT_LLM_GEMV=0``), a CPU
@@ -472,28 +489,7 @@ def describe() -> str:
     )
 
 
-def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
-    """:meth:`Kernels.int8_gemv` of this process's kernels; only call where :func:`gemv_available`."""
-    lib = kernels()
-    assert lib is not None, "int8_gemv called without the kernel (check gemv_available)"
-    return lib.int8_gemv(x, q, scale, n, rotation)
-
-
 def our_int8_mm_max_rows() -> int:
     """The most rows of an int8 x int8 product a VNNI build of ours takes (:data:`OUR_INT8_MM_MAX_ROWS`: fewer
     where oneDNN has AMX tiles and ours has not, e.g. where Linux refused them)."""
     return OUR_INT8_MM_MAX_ROWS["amx" if cpu_has_amx() else "vnni"]
-
-
-def int8_matmul(x: Tensor, q: Tensor, scale: Tensor, n: int, rotation: int = 0) -> Tensor:
-    """:meth:`Kernels.int8_matmul` of this process's kernels; only call where :func:`matmul_available`."""
-    lib = kernels()
-    assert lib is not None, "int8_matmul called without the kernel (check matmul_available)"
-    return lib.int8_matmul(x, q, scale, n, rotation)
-
-
-def int4_matmul(x: Tensor, codes: Tensor, scales_and_zeros: Tensor, n: int) -> Tensor:
-    """:meth:`Kernels.int4_matmul` of this process's kernels; only call where :func:`matmul_available`."""
-    lib = kernels()
-    assert lib is not None, "int4_matmul called without the kernel (check matmul_available)"
-    return lib.int4_matmul(x, codes, scales_and_zeros, n)

@@ -65,32 +65,6 @@ def int8_activations_on_cpu() -> bool:
     return asked in ("1", "true", "yes", "on") or (exact and _int8_gemm_fast())
 
 
-#: The largest activation code where ``gemv.c``'s AVX2 body multiplies, unless ``ROBOT_LLM_ACTIVATION_LEVELS`` says
-#: otherwise (:func:`activation_levels`). 63 runs that body's narrow product (Sapphire Rapids as the AVX2 kind, 1
-#: thread, ms at 32 rows: the 262,144 x 640 head 112-114 -> 92, 2048 x 640 0.74 -> 0.57, 640 x 2048 0.69-0.72 ->
-#: 0.50-0.52; at 1 row the head is the memory's either way), but it nearly doubles what the night's store costs the
-#: model: Gemma 3 270M's int4 store against its fp32 store (``benchmarks/int8_accuracy.py``, 8,192 tokens of
-#: financial news, fp32 compute), mean KL 0.0095 weight-only, 0.0105 at 127 levels, 0.0190 at 63; top-1 agreement
-#: 92.0, 92.2, 89.6 %; perplexity +1.1, +1.3, +2.1 %. So 127 by default; 63 is a user's choice of speed.
-AVX2_ACTIVATION_LEVELS = 127
-LEVELS_ENV = "ROBOT_LLM_ACTIVATION_LEVELS"
-
-
-def activation_levels(body: str) -> int:
-    """The largest code our kernels quantize an activation to where ``body`` (``"amx"``, ``"vnni"``, ``"avx2"``,
-    :attr:`~robot_llm.llm.store.gemv.Kernels.int8_mm_body`) multiplies: 127 on VNNI and AMX (exact for every code,
-    at one cost); on AVX2 ``ROBOT_LLM_ACTIVATION_LEVELS`` (1-127; 63 or fewer: the faster, coarser product) or
-    :data:`AVX2_ACTIVATION_LEVELS`. Raises ``ValueError`` naming the variable for any other value."""
-    import os
-
-    asked = os.environ.get(LEVELS_ENV, "").strip()
-    if body != "avx2" or not asked:
-        return 127 if body != "avx2" else AVX2_ACTIVATION_LEVELS
-    if not asked.isdigit() or not 1 <= int(asked) <= 127:
-        raise ValueError(f"{LEVELS_ENV}={asked!r}: give a whole number of activation levels from 1 to 127")
-    return int(asked)
-
-
 def weight_levels() -> int:
     """The largest int8 code a rotated matrix may hold: 127 where the CPU's int8 GEMM is exact (VNNI), 63
     where it is not. Without VNNI oneDNN adds 128 to every activation code (``vpmaddubsw`` multiplies unsigned

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robot_llm.llm.store.gemv import gemv_available, int8_gemv, int8_matmul, kernels, matmul_serves
+from robot_llm.llm.store.gemv import gemv_available, kernels, matmul_serves
 from robot_llm.llm.store.int8act import (
     int8_activations_for,
     int8_gemm,
@@ -172,8 +172,9 @@ class QuantizedTable:
         quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype)
         few = cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available()
         if few or (cpu and not quantized_rows and matmul_serves("int8", m)):
-            product = int8_gemv if few else int8_matmul  # ours, few rows or many: they pad and rotate x themselves
-            y = product(x, self.q, self.scale, v, self.rotation)
+            lib = kernels()
+            assert lib is not None  # few rows or many, ours: they pad and rotate x themselves
+            y = (lib.int8_gemv if few else lib.int8_matmul)(x, self.q, self.scale, v, self.rotation)
             return (y if bias is None else y + bias).reshape(*lead, v)
         if quantized_rows:
             if self._scale32 is None:
