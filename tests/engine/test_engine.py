@@ -12,7 +12,6 @@ from robot_llm.commands.model import check_fixture
 from robot_llm.llm.engine import stream_slots, streaming
 from robot_llm.llm.engine.memory import InMemoryModel, Yalm
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families import family
 from robot_llm.llm.families.family import Weights
 from robot_llm.llm.families.yalm import YalmConfig
 from robot_llm.llm.generate import SamplingParams, generate
@@ -150,9 +149,9 @@ def test_int8_decode_past_the_kernels_row_limit_widens_into_the_slot_buffers(
     rows = FUSED_MAX_ROWS["int8"] + 2
     ids = torch.randint(5, 600, (rows, 6), generator=torch.Generator().manual_seed(1))
     kernel_calls = []
-    real, gemv_kernel = torch.ops.aten._weight_int8pack_mm, family.int8_gemv
+    real, gemv_kernel = torch.ops.aten._weight_int8pack_mm, gemv.Kernels.int8_gemv
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: kernel_calls.append(1) or real(*a))
-    monkeypatch.setattr(family, "int8_gemv", lambda *a: kernel_calls.append(1) or gemv_kernel(*a))
+    monkeypatch.setattr(gemv.Kernels, "int8_gemv", lambda *a: kernel_calls.append(1) or gemv_kernel(*a))
     # The layers' kernel calls (ours, gemv.c, or torch's) are counted: the int8 head is kept float here.
     model = StreamingModel(store, home="disk", device="cpu", dtype="bf16", quantized_head=False)
     pointers = model.buffer_pointers()

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from robot_llm.llm.families import family
 from robot_llm.llm.plan.cpu import cpu_flags
-from robot_llm.llm.store import gemv, qhead
+from robot_llm.llm.store import gemv
 from robot_llm.llm.store.int8act import rotate
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
@@ -101,17 +101,16 @@ def test_a_batched_step_without_native_bf16_takes_them(kernel_cache: Path, monke
     calls: list[str] = []
 
     def counted(name: str) -> Callable[..., Tensor]:
-        real = getattr(gemv, name)
+        real = getattr(gemv.Kernels, name)
 
-        def spy(*args: object, **kwargs: object) -> Tensor:
+        def spy(self: gemv.Kernels, *args: object, **kwargs: object) -> Tensor:
             calls.append(name)
-            return real(*args, **kwargs)
+            return real(self, *args, **kwargs)
 
         return spy
 
-    monkeypatch.setattr(family, "int4_matmul", counted("int4_matmul"))
-    monkeypatch.setattr(family, "int8_matmul", counted("int8_matmul"))
-    monkeypatch.setattr(qhead, "int8_matmul", counted("int8_matmul"))
+    monkeypatch.setattr(gemv.Kernels, "int4_matmul", counted("int4_matmul"))  # the layers' and the head's calls
+    monkeypatch.setattr(gemv.Kernels, "int8_matmul", counted("int8_matmul"))
     g = torch.Generator().manual_seed(2)
     w4 = PackedInt4(*quantize_int4(torch.randn(200, 320, generator=g), 64), shape=(200, 320))
     w8 = PackedInt8(*quantize_int8(torch.randn(150, 320, generator=g)), shape=(150, 320))
