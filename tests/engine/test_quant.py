@@ -254,15 +254,18 @@ def test_int8_activations_can_be_switched_off(weight_only: None) -> None:
 
 @pytest.mark.parametrize("shape", [(172, 172), (96, 200)])
 def test_int8_above_its_row_limit_widens_the_codes_once_and_scales_the_output(shape: tuple[int, int]) -> None:
-    w, bias = _weight(shape, 6), torch.randn(shape[0]).bfloat16()
+    g = torch.Generator().manual_seed(16)
+    w, bias = _weight(shape, 6), torch.randn(shape[0], generator=g).bfloat16()
     q, scale = quantize_int8(w)
     exact = dequantize_int8_into(q, scale, torch.empty(shape))
     buffer = torch.empty(shape, dtype=torch.bfloat16)
-    few = torch.randn(FUSED_MAX_ROWS["int8"], shape[1]).bfloat16()
+    few = torch.randn(FUSED_MAX_ROWS["int8"], shape[1], generator=g).bfloat16()
     packed = PackedInt8(q, scale, shape, buffer)
-    assert torch.equal(linear(few, packed, bias), int8_linear(few, packed) + bias)
+    # Few rows: gemv.c's product where built (its own order of summation: a bf16 rounding apart), else torch's.
+    got, fused = linear(few, packed, bias), int8_linear(few, packed) + bias
+    assert (got.float() - fused.float()).abs().max() <= 2**-7 * fused.float().abs().max()
     assert packed._widened is None and packed._dense is None  # the kernel read the stored bytes
-    many = torch.randn(2, PAST_KERNELS["int8"], shape[1]).bfloat16()  # past gemv.c and gemm.c
+    many = torch.randn(2, PAST_KERNELS["int8"], shape[1], generator=g).bfloat16()  # past gemv.c and gemm.c
     y = linear(many, packed, bias)
     assert packed._widened is buffer and packed._dense is None  # widened once, into its buffer, unscaled
     assert torch.equal(buffer, q[:, : shape[1]].bfloat16())
