@@ -211,6 +211,7 @@ class YalmZero(nn.Module):
             watch=watch,
             last_only=last_only,
             select=select,
+            num_layers=len(self.layers),
         )[0]
 
     def target(self, kind: ModuleKind, index: int) -> tuple[_Module, str]:

@@ -62,6 +62,7 @@ class InMemoryModel:
             watch=self.watch,
             last_only=last_only,
             select=select,
+            num_layers=len(w.layers),
         )
         return logits
 

@@ -435,6 +435,7 @@ class StreamingModel:
             last_only=last_only,
             select=select,
             on_layer=on_layer,
+            num_layers=cfg.num_layers,
         )
         self.stats.forwards += 1
         self.stats.forward_seconds += (seconds := time.perf_counter() - started)

@@ -28,6 +28,7 @@ and what a layer sees of it are :mod:`robot_llm.llm.engine.kv_cache`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -154,6 +155,9 @@ class StepInfo:
     windows: dict[int, Tensor]
     rope: dict[str, Tensor]
     dtype: torch.dtype
+    #: The layer computes its output at the last position only (its keys and values at all of them): the last layer
+    #: of a step whose caller keeps the last position (``forward_pass``'s ``last_only``).
+    last_only: bool = False
 
     @functools.cached_property
     def rotary(self) -> dict[str, tuple[Tensor, Tensor]]:
@@ -170,8 +174,20 @@ class StepInfo:
         return rotary
 
     def mask_for(self, window: int | None) -> Tensor:
-        """The attention mask of a layer with this sliding window (None: the causal mask)."""
-        return self.mask if window is None else self.windows[window]
+        """The attention mask of a layer with this sliding window (None: the causal mask), for its queries' positions
+        (:meth:`kept`)."""
+        mask = self.mask if window is None else self.windows[window]
+        return mask[:, :, -1:] if self.last_only else mask
+
+    def kept(self, x: Tensor) -> Tensor:
+        """``x [B, T, ...]`` at the positions the layer computes its output for: all, or the last (:attr:`last_only`),
+        contiguous (as our kernels read it)."""
+        return x[:, -1:].contiguous() if self.last_only and x.shape[1] > 1 else x
+
+    def query_rotary(self, name: str) -> tuple[Tensor, Tensor]:
+        """The rotary factors of table ``name`` at the queries' positions (:meth:`kept`)."""
+        cos, sin = self.rotary[name]
+        return self.kept(cos), self.kept(sin)
 
     def rows(self, a: int, b: int) -> StepInfo:
         """The step metadata of rows ``a:b``."""
@@ -183,6 +199,7 @@ class StepInfo:
             windows={w: m[a:b] for w, m in self.windows.items()},
             rope=self.rope,
             dtype=self.dtype,
+            last_only=self.last_only,
         )
 
 
@@ -291,6 +308,7 @@ def forward_pass(
     last_only: bool = False,
     select: Tensor | None = None,
     on_layer: Callable[[], None] | None = None,
+    num_layers: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One step of any engine over ``ids [B, T]``: embed, every layer, the head. Returns the fp32 CPU logits and
     the hidden states the head read (``[B, T, H]``, ``[B, 1, H]`` with ``last_only``: a stance head reads them).
@@ -302,7 +320,10 @@ def forward_pass(
     fetched once); ``on_layer`` runs after every layer of every micro-batch (the watchdog's liveness). ``cache``
     (``step`` from :func:`prepare_step` over it) is advanced by ``T``; ``last_only`` keeps the last position only;
     ``select`` (``[B, T]`` bool) runs the head at those positions only and returns their logits packed ``[N, V]``
-    in row-major order (the hidden states stay ``[B, T, H]``).
+    in row-major order (the hidden states stay ``[B, T, H]``). ``num_layers``, the number of layers ``layers``
+    yields, lets a ``last_only`` step's last layer compute its output at the last position only
+    (:attr:`StepInfo.last_only`: its queries, attention output and MLP; its keys and values still at every position):
+    a 512-token prefill of Gemma 3 270M's 18 layers skips some 5 % of its products.
     """
     B, T = ids.shape
     rows = rows or B
@@ -310,16 +331,20 @@ def forward_pass(
     watch.reset()
     watch.note("the embedding", x)
     for i, (name, layer) in enumerate(layers):
+        pruned = last_only and select is None and T > 1 and i == (num_layers or 0) - 1
+        layer_step = dataclasses.replace(step, last_only=True) if pruned else step
+        y = x.new_empty(B, 1, x.shape[-1]) if pruned and rows < B else x  # rows of a micro-batch go back in place
         for a in range(0, B, rows):
             b = min(a + rows, B)
             kv = cache.layer(i).rows(a, b) if cache is not None else None
-            out = layer(x[a:b], step.rows(a, b), kv)
+            out = layer(x[a:b], layer_step.rows(a, b), kv)
             if b - a == B:
-                x = out  # the whole batch in one call: keep its output, no copy back
+                y = out  # the whole batch in one call: keep its output, no copy back
             else:
-                x[a:b] = out
+                y[a:b] = out
             if on_layer is not None:
                 on_layer()
+        x = y
         watch.note(name, x)
     if cache is not None:
         cache.advance(T)

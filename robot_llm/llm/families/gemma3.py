@@ -76,9 +76,12 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
     """Grouped-query attention with per-head q/k RMSNorm and the rotary of this layer's type."""
     B, T, _ = a_in.shape
     d, eps = cfg.head_dim, cfg.rms_norm_eps
-    rotary = step.rotary[cfg.layer_types[index]]
-    q = norm(linear(a_in, p["self_attn.q_proj.weight"]).view(B, T, -1, d), p["self_attn.q_norm.weight"], eps, rotary)
-    k = norm(linear(a_in, p["self_attn.k_proj.weight"]).view(B, T, -1, d), p["self_attn.k_norm.weight"], eps, rotary)
+    table = cfg.layer_types[index]
+    q_in = step.kept(a_in)
+    q = linear(q_in, p["self_attn.q_proj.weight"]).view(B, q_in.shape[1], -1, d)
+    q = norm(q, p["self_attn.q_norm.weight"], eps, step.query_rotary(table))
+    k = linear(a_in, p["self_attn.k_proj.weight"]).view(B, T, -1, d)
+    k = norm(k, p["self_attn.k_norm.weight"], eps, step.rotary[table])
     v = linear(a_in, p["self_attn.v_proj.weight"]).view(B, T, -1, d)
     mask = step.mask_for(cfg.sliding_window(index))
     if kv is not None:
@@ -95,7 +98,7 @@ def transformer_layer(
     """One Gemma 3 decoder layer: four norms, attention, GeGLU MLP with the tanh GELU."""
     eps = cfg.rms_norm_eps
     a = attention(norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
-    h = norm(a, p["post_attention_layernorm.weight"], eps, residual=x)
+    h = norm(a, p["post_attention_layernorm.weight"], eps, residual=step.kept(x))
     m = norm(h, p["pre_feedforward_layernorm.weight"], eps)
     gated = F.gelu(linear(m, p["mlp.gate_proj.weight"]), approximate="tanh") * linear(m, p["mlp.up_proj.weight"])
     return norm(linear(gated, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)

@@ -84,11 +84,12 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
     """Grouped-query self-attention with rotary (and Qwen 3's per-head q/k RMSNorm) before ``o_proj``."""
     B, T, _ = a_in.shape
     d = cfg.head_dim
-    q = linear(a_in, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(B, T, -1, d)
+    q_in = step.kept(a_in)
+    q = linear(q_in, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(B, q_in.shape[1], -1, d)
     k = linear(a_in, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(B, T, -1, d)
     v = linear(a_in, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(B, T, -1, d)
     qk_norm = cfg.qk_norm
-    q = norm(q, p["self_attn.q_norm.weight"] if qk_norm else None, cfg.rms_norm_eps, step.rotary["rope"])
+    q = norm(q, p["self_attn.q_norm.weight"] if qk_norm else None, cfg.rms_norm_eps, step.query_rotary("rope"))
     k = norm(k, p["self_attn.k_norm.weight"] if qk_norm else None, cfg.rms_norm_eps, step.rotary["rope"])
     mask = step.mask_for(cfg.sliding_window_size)
     if kv is not None:
@@ -103,7 +104,7 @@ def transformer_layer(
 ) -> Tensor:
     """One pre-RMSNorm decoder layer with a SwiGLU MLP."""
     del layer_index
-    h = x + attention(norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
+    h = step.kept(x) + attention(norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
     m = norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     gated = F.silu(linear(m, p["mlp.gate_proj.weight"])) * linear(m, p["mlp.up_proj.weight"])
     return h + linear(gated, p["mlp.down_proj.weight"])

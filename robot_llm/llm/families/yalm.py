@@ -83,14 +83,13 @@ def attention(a_in: Tensor, params: Params, cfg: YalmConfig, step: StepInfo, kv:
     c = linear(a_in, params["attention.query_key_value.weight"], params["attention.query_key_value.bias"])
     # Fused layout is per-head interleaved [n, 3, hn] (§3.4.2).
     q, k, v = c.view(B, T, n, 3, hn).unbind(dim=3)
-    cos, sin = step.rotary["rope"]
-    q = apply_rotary(q, cos, sin)
-    k = apply_rotary(k, cos, sin)
-    mask = step.mask
+    q = apply_rotary(step.kept(q), *step.query_rotary("rope"))
+    k = apply_rotary(k, *step.rotary["rope"])
+    mask = step.mask_for(None)
     if kv is not None:
         k, v = kv.update(k, v)
         q, mask = attend_with(q, mask, k)
-    S = k.shape[1]
+    S, T = k.shape[1], q.shape[1]
     q = q.transpose(1, 2).reshape(B * n, T, hn)
     k = k.permute(0, 2, 3, 1).reshape(B * n, hn, S)
     v = v.transpose(1, 2).reshape(B * n, S, hn)
@@ -128,7 +127,7 @@ def transformer_layer(
     """
     eps = cfg.layernorm_epsilon
     a_in = x if layer_index == 0 else _layer_norm(x, params, "input_layernorm", eps)
-    h = x + (attention(a_in, params, cfg, step, kv) + params["attention.dense.bias"])
+    h = step.kept(x) + (attention(a_in, params, cfg, step, kv) + params["attention.dense.bias"])
     m_in = _layer_norm(h, params, "post_attention_layernorm", eps)
     return h + (geglu_mlp(m_in, params) + params["mlp.dense_ffn_output.bias"])
 
