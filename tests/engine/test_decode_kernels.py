@@ -224,9 +224,11 @@ def _attention_in_fp64(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
     return torch.einsum("bgjts,bsgd->btgjd", probs, v.double()).reshape(B, T, n * hd)
 
 
-@pytest.mark.parametrize("cache", ["float", "int8"])
+@pytest.mark.parametrize("cache", ["float", "bf16", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch.dtype, cache: str) -> None:
+    """``cache`` float: in the query's dtype; bf16: a bf16 cache whatever the query's (the plan's under fp32 compute,
+    widened by unpacking where the head size allows); int8: codes and their scales."""
     lib = kernels()
     assert lib is not None
     g = torch.Generator().manual_seed(5)
@@ -247,7 +249,8 @@ def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch
             operands, scales = (k.codes, v.codes), (k.scale, v.scale)
             exact = k.read(S, "cpu", torch.float64), v.read(S, "cpu", torch.float64)  # what the codes mean
         else:
-            operands = exact = stored[0].to(dtype)[:, :S], stored[1].to(dtype)[:, :S]
+            kv_dtype = dtype if cache == "float" else torch.bfloat16
+            operands = exact = stored[0].to(kv_dtype)[:, :S], stored[1].to(kv_dtype)[:, :S]
             scales = None
         q = torch.randn(B, 1, n, hd, generator=g).to(dtype)
         mask = torch.rand(B, 1, 1, S, generator=g) < 0.3
