@@ -97,6 +97,27 @@ def test_head_logits_equal_the_dequantized_table_within_bf16(rows: int, monkeypa
     assert bool(calls) == fused
 
 
+def test_a_batchs_logits_buffer_is_reused_only_once_nothing_views_it() -> None:
+    rotated = QuantizedTable.quantize(_table(v=4096, k=72), torch.float32, rotate=True)
+    x = torch.randn(32, 1, 72, generator=torch.Generator().manual_seed(1))
+    first = linear(x, rotated)
+    if not rotated._logits:
+        pytest.skip("this CPU's int8 products are torch's (no kernel of ours writes the logits)")
+    kept, at = first.clone(), first.data_ptr()
+    second = linear(2 * x, rotated)  # the first logits are still held: another buffer
+    assert second.data_ptr() != at and torch.equal(first, kept)
+    last = first[:, -1]  # a view outlives the logits it came from: their buffer stays taken
+    del first
+    third = linear(3 * x, rotated)
+    assert third.data_ptr() not in (at, second.data_ptr()) and torch.equal(last, kept[:, -1])
+    del last, second, third
+    again = linear(x, rotated)  # every view gone: a kept buffer, the same values as a fresh one
+    assert again.data_ptr() in [b.data_ptr() for b in rotated._logits] and torch.equal(again, kept)
+    fewer = linear(x[:5], rotated)  # fewer rows: the first rows of a kept buffer
+    assert fewer.shape == (5, 1, 4096) and torch.equal(fewer, kept[:5])
+    assert len(rotated._logits) <= 2
+
+
 def test_an_int4_store_on_the_cpu_holds_its_tied_head_int8(tmp_path: Path) -> None:
     weights = random_weights(TINY, seed=2)
     modules = (

@@ -354,6 +354,7 @@ def int8_gemm(
     acc: Tensor | None = None,
     epilogue: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
     ours: Int8Kernels | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``x [..., K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32 ``[M, N]``, where ``codes``' input columns were
     rotated by ``rotation`` (0: none): the rows padded, rotated and quantized to int8 first (:func:`quantize_input`),
@@ -363,12 +364,12 @@ def int8_gemm(
     :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`). ``ours`` (:func:`~robot_llm.llm.store.gemv.
     int8_kernels_for`) quantize and multiply as the torch ops do (the rotation as its fast transform); where ours
     multiplies, the scales are applied in the product's own pass (the same values; ``acc`` and ``epilogue`` are not
-    needed)."""
+    needed), into ``out`` (contiguous fp32 ``[M, N]``) where given."""
     import torch
 
     q, row_scale = quantize_input(x, codes.shape[1], rotation, ours)
     if ours is not None and ours.matmul is not None:
-        return ours.matmul(q, codes, None, scale, row_scale)  # the epilogue's values in the product's own pass
+        return ours.matmul(q, codes, out, scale, row_scale)  # the epilogue's values in the product's own pass
     product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
     if epilogue is not None:
         return epilogue(product, scale, row_scale)
