@@ -107,6 +107,8 @@ def test_a_decode_step_attends_where_the_cache_is_stored_in_fp32() -> None:
         assert plain.dtype == torch.bfloat16 and torch.allclose(plain.float(), keys, atol=0.02, rtol=0.02)
         q, mask = attend_with(step, torch.zeros(2, 1, 1, 4, dtype=torch.bool), keys)
         assert q.dtype == torch.float32 and mask.dtype == torch.bool
+        q, _ = attend_with(step, mask, keys, keep_dtype=True)  # for grouped_attention: attend.c reads q as it is
+        assert q.dtype == torch.bfloat16
 
 
 def test_the_engine_attends_where_the_cache_lives(stores: dict[str, Path], tokenizer: YalmTokenizer) -> None:

@@ -200,12 +200,17 @@ def int8_on_cpu(cache: Tensor | QuantKV, k: Tensor) -> bool:
     return isinstance(cache, QuantKV) and cache.low is None and cache.device.type == k.device.type == "cpu"
 
 
-def attend_with(q: Tensor, mask: Tensor, keys: Tensor | QuantKV) -> tuple[Tensor, Tensor]:
-    """``q`` and ``mask`` moved to where ``keys`` are (:meth:`LayerKV.update`); a no-op when they are there (an int8
-    cache read as stored: where q already is, in q's dtype)."""
+def attend_with(
+    q: Tensor, mask: Tensor, keys: Tensor | QuantKV, *, keep_dtype: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``q`` and ``mask`` moved to where ``keys`` are (:meth:`LayerKV.update`), ``q`` in their dtype; a no-op when they
+    are there (an int8 cache read as stored: where q already is). ``keep_dtype``: ``q`` keeps its own, for
+    :func:`~robot_llm.llm.families.attention.grouped_attention`, whose ``attend.c`` reads an fp32 query over a bf16
+    cache as it is (a cast to bf16 rounded the query and the output, and cost two copies a layer), and which casts it
+    where torch computes."""
     if isinstance(keys, QuantKV):
         return q, mask
-    return q.to(keys.device, keys.dtype), mask.to(keys.device)
+    return q.to(keys.device, q.dtype if keep_dtype else keys.dtype), mask.to(keys.device)
 
 
 def _rows(t: Tensor | QuantKV, a: int, b: int) -> Tensor | QuantKV:

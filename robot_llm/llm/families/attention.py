@@ -105,6 +105,8 @@ def grouped_attention(
         return lib.decode_attention(q, kc, vc, mask, scale, softcap, None if ks is None or vs is None else (ks, vs))
     if isinstance(k, QuantKV) or isinstance(v, QuantKV):
         k, v = materialize(k, k.shape[1], q.device, q.dtype), materialize(v, v.shape[1], q.device, q.dtype)
+    elif q.dtype != k.dtype:  # a query the kernel would have read as it is (attend_with): torch's ops want one dtype
+        q = q.to(k.dtype)
     eager = T == 1 < B and B * n * k.shape[1] <= EAGER_MAX_SCORES and _fast_matmul(q)
     if softcap is None and not eager and T >= 2 * QUERY_CHUNK and q.device.type == "cpu":
         return _chunked_attention(q, k, v, mask, scale)

@@ -86,7 +86,7 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
     mask = step.mask_for(cfg.sliding_window(index))
     if kv is not None:
         k, v = kv.update(k, v, fused=True)
-        q, mask = attend_with(q, mask, k)
+        q, mask = attend_with(q, mask, k, keep_dtype=True)
     o = grouped_attention(q, k, v, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcapping)
     o = o.to(a_in.device, a_in.dtype)
     return linear(o, p["self_attn.o_proj.weight"])

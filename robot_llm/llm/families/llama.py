@@ -94,7 +94,7 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
     mask = step.mask_for(cfg.sliding_window_size)
     if kv is not None:
         k, v = kv.update(k, v, fused=True)
-        q, mask = attend_with(q, mask, k)
+        q, mask = attend_with(q, mask, k, keep_dtype=True)
     o = grouped_attention(q, k, v, mask, 1.0 / math.sqrt(d)).to(a_in.device, a_in.dtype)
     return linear(o, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
