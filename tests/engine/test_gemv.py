@@ -142,11 +142,14 @@ def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatc
     body = "AVX512" if gemv.Kernels(gemv.build()).lanes == 16 else "AVX2"
     described = gemv.describe()
     assert f"through our kernel (gemv.c, its {body} body)" in described
-    assert "decode norms and attention ours" in described
+    assert "decode norms and attention ours (norm.c, attend.c)" in described
+    assert "the gated MLP's fp32 activation ours (gated.c)" in described
     assert ("rows ours too (gemm.c)" in described) == gemv.matmul_available()
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()
-    assert "through torch's fused kernel, decode norms and attention torch's ops (gemv.c not built" in gemv.describe()
+    described = gemv.describe()
+    assert "through torch's fused kernel, decode norms and attention torch's ops" in described
+    assert "the gated MLP's activation torch's (gemv.c not built" in described
 
 
 def test_activation_levels_are_asked_of_the_avx2_body_only(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

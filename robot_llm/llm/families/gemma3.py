@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
@@ -47,6 +46,7 @@ from robot_llm.llm.families.family import (
     linear,
     rope_inv_freq,
 )
+from robot_llm.llm.families.gated import gated
 from robot_llm.llm.families.norm import rms_norm
 
 
@@ -100,8 +100,8 @@ def transformer_layer(
     a = attention(norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
     h = norm(a, p["post_attention_layernorm.weight"], eps, residual=step.kept(x))
     m = norm(h, p["pre_feedforward_layernorm.weight"], eps)
-    gated = F.gelu(linear(m, p["mlp.gate_proj.weight"]), approximate="tanh") * linear(m, p["mlp.up_proj.weight"])
-    return norm(linear(gated, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)
+    up = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "gelu_tanh")
+    return norm(linear(up, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)
 
 
 def output_head(x: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from robot_llm.llm.engine.kv_cache import LayerKV, attend_with
@@ -45,6 +44,7 @@ from robot_llm.llm.families.family import (
     linear,
     rope_inv_freq,
 )
+from robot_llm.llm.families.gated import gated
 from robot_llm.llm.families.norm import rms_norm
 
 
@@ -106,8 +106,8 @@ def transformer_layer(
     del layer_index
     h = step.kept(x) + attention(norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
     m = norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    gated = F.silu(linear(m, p["mlp.gate_proj.weight"])) * linear(m, p["mlp.up_proj.weight"])
-    return h + linear(gated, p["mlp.down_proj.weight"])
+    up = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "silu")
+    return h + linear(up, p["mlp.down_proj.weight"])
 
 
 def output_head(x: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:

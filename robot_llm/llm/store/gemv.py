@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 #: Every file of the shared object: the few-row products, the many-row ones (``gemm.c``), the norms (``norm.c``),
-#: decode attention (``attend.c``) and their float conversions.
-SOURCES = (SOURCE, SOURCE.with_name("gemm.c"), SOURCE.with_name("norm.c"), SOURCE.with_name("attend.c"))
-HEADERS = (SOURCE.with_name("floats.h"),)
+#: decode attention (``attend.c``), the gated MLP's activation (``gated.c``), their float conversions and vectors.
+SOURCES = tuple(SOURCE.with_name(name) for name in ("gemv.c", "gemm.c", "norm.c", "attend.c", "gated.c"))
+HEADERS = (SOURCE.with_name("floats.h"), SOURCE.with_name("vectors.h"))
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}  # int8: a KV cache's codes
 ENV = "ROBOT_LLM_GEMV"
@@ -72,6 +72,8 @@ INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
 #: 34 / 40 / 67 / 112; 640 x 2048 0.10 / 0.12 / 0.23 / 0.57 against 0.35 / 0.32 / 0.41 / 0.70. A build with AMX
 #: tiles takes every call (``gemv.c``'s ``amx_mm``; the head at 32 rows 24 ms against oneDNN's 55).
 OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
+#: The activations ``gated.c`` computes, by its codes.
+GATED_ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -141,6 +143,7 @@ class Kernels:
             "rl_scale_int32": ([_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT], None),
             "rl_quantize_rows": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _PTR, _INT], _INT),
             "rl_argmax_rows": ([_PTR, _INT, _INT64, _INT64, _PTR, _INT], None),
+            "rl_gated": ([_PTR, _PTR, _INT64, _INT, _PTR, _INT], None),
             "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], _INT),
             "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, *[_INT64] * 2, _PTR, _PTR, _INT, _INT], _INT),
             **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
@@ -360,6 +363,20 @@ class Kernels:
         )
         return idx.view(x.shape[:-1])
 
+    def gated(self, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+        """``gated.c``'s ``act(gate) * up`` of contiguous fp32 tensors of one shape, ``activation`` ``"gelu_tanh"``
+        or ``"silu"``, in one pass: a new tensor."""
+        import torch
+
+        kind = GATED_ACTIVATIONS[activation]
+        if gate.dtype is not torch.float32 or up.dtype is not torch.float32 or gate.shape != up.shape:
+            raise ValueError(f"gated: fp32 operands of one shape, got {gate.dtype} {tuple(gate.shape)} and "
+                             f"{up.dtype} {tuple(up.shape)}")
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        self.lib.rl_gated(gate.data_ptr(), up.data_ptr(), gate.numel(), kind, out.data_ptr(), torch.get_num_threads())
+        return out
+
     def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor) -> Tensor:
         """An int8 x int8 product's fp32 values, in one pass: ``acc int32 [M, N]`` (contiguous) times ``scale fp32
         [N]`` and ``row_scale fp32 [M, 1]``, as ``acc.float().mul_(scale).mul_(row_scale)`` computes them."""
@@ -470,7 +487,10 @@ def describe() -> str:
     what = "few-row int8 products (the int8 matrices and the head at decode sizes)"
     if built is None:
         why = f"no C compiler, no AVX2/FMA, or {ENV}=0"
-        return f"{what} through torch's fused kernel, decode norms and attention torch's ops (gemv.c not built: {why})"
+        return (
+            f"{what} through torch's fused kernel, decode norms and attention torch's ops, the gated MLP's activation"
+            f" torch's (gemv.c not built: {why})"
+        )
     body = "AVX512" if built.lanes == 16 else "AVX2"
     many = ""
     if matmul_available():
@@ -485,7 +505,8 @@ def describe() -> str:
         levels = built.activation_levels
         many += f"; int8 x int8 products ours at every size (AVX2, activation codes to +-{levels}: {trick} trick)"
     return (
-        f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours (norm.c, attend.c)"
+        f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours"
+        " (norm.c, attend.c), the gated MLP's fp32 activation ours (gated.c)"
     )
 
 
