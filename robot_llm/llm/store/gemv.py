@@ -72,8 +72,6 @@ INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
 #: 34 / 40 / 67 / 112; 640 x 2048 0.10 / 0.12 / 0.23 / 0.57 against 0.35 / 0.32 / 0.41 / 0.70. A build with AMX
 #: tiles takes every call (``gemv.c``'s ``amx_mm``; the head at 32 rows 24 ms against oneDNN's 55).
 OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
-#: The activations ``gated.c`` computes, by its codes.
-GATED_ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -363,20 +361,6 @@ class Kernels:
         )
         return idx.view(x.shape[:-1])
 
-    def gated(self, gate: Tensor, up: Tensor, activation: str) -> Tensor:
-        """``gated.c``'s ``act(gate) * up`` of contiguous fp32 tensors of one shape, ``activation`` ``"gelu_tanh"``
-        or ``"silu"``, in one pass: a new tensor."""
-        import torch
-
-        kind = GATED_ACTIVATIONS[activation]
-        if gate.dtype is not torch.float32 or up.dtype is not torch.float32 or gate.shape != up.shape:
-            raise ValueError(f"gated: fp32 operands of one shape, got {gate.dtype} {tuple(gate.shape)} and "
-                             f"{up.dtype} {tuple(up.shape)}")
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        self.lib.rl_gated(gate.data_ptr(), up.data_ptr(), gate.numel(), kind, out.data_ptr(), torch.get_num_threads())
-        return out
-
     def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor) -> Tensor:
         """An int8 x int8 product's fp32 values, in one pass: ``acc int32 [M, N]`` (contiguous) times ``scale fp32
         [N]`` and ``row_scale fp32 [M, 1]``, as ``acc.float().mul_(scale).mul_(row_scale)`` computes them."""
@@ -487,10 +471,7 @@ def describe() -> str:
     what = "few-row int8 products (the int8 matrices and the head at decode sizes)"
     if built is None:
         why = f"no C compiler, no AVX2/FMA, or {ENV}=0"
-        return (
-            f"{what} through torch's fused kernel, decode norms and attention torch's ops, the gated MLP's activation"
-            f" torch's (gemv.c not built: {why})"
-        )
+        return f"{what} through torch's fused kernel; norms, attention, gated activation torch's (not built: {why})"
     body = "AVX512" if built.lanes == 16 else "AVX2"
     many = ""
     if matmul_available():
