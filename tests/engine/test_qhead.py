@@ -17,8 +17,8 @@ from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.plan.machine import cpu_compute_path
 from robot_llm.llm.store import gemv
 from robot_llm.llm.store.gemv import gemv_available
-from robot_llm.llm.store.int8act import weight_levels
-from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, QuantizedTable
+from robot_llm.llm.store.int8act import int8_activations_for, weight_levels
+from robot_llm.llm.store.qhead import HEAD_FUSED_ROWS, HEAD_GEMV_ROWS_AVX2, QuantizedTable
 from robot_llm.llm.store.quant import ALIGN
 from robot_llm.llm.store.writer import write_store
 
@@ -95,6 +95,25 @@ def test_head_logits_equal_the_dequantized_table_within_bf16(rows: int, monkeypa
     bound = 2**-7 * (x.abs() @ _dequantized(table).abs().T) + 1e-4 if fused else 1e-4
     assert bool(((y - exact).abs() <= bound).all())
     assert bool(calls) == fused
+
+
+def test_the_avx2_body_reads_a_heads_few_rows_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = gemv.kernels()
+    assert lib is not None
+    rotated = QuantizedTable.quantize(_table(v=4096, k=72), torch.float32, rotate=True)
+    calls: list[str] = []
+    for name in ("int8_gemv", "int8_mm"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    for rows in (1, HEAD_GEMV_ROWS_AVX2 - 1, HEAD_GEMV_ROWS_AVX2):
+        calls.clear()
+        y = linear(torch.randn(rows, 72, generator=torch.Generator().manual_seed(rows)), rotated)
+        assert y.shape == (rows, 4096)
+        quantized = int8_activations_for(rows, torch.float32) and (
+            lib.int8_mm_body != "avx2" or rows >= HEAD_GEMV_ROWS_AVX2
+        )
+        # ours multiplies the quantized rows (int8_mm) where torch's does not (a VNNI build past its rows)
+        assert (calls == ["int8_gemv"]) == (not quantized), (rows, lib.int8_mm_body, calls)
 
 
 def test_a_batchs_logits_buffer_is_reused_only_once_nothing_views_it() -> None:

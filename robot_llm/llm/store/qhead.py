@@ -49,6 +49,12 @@ HEAD_FUSED_ROWS = 8
 #: Vocabulary rows widened per block for a call with more rows: 2.6 MB in bf16, 5.2 in fp32, so the
 #: block stays near the cache while a batch's rows multiply it (8,192-row blocks measured slower).
 WIDEN_BLOCK_ROWS = 2048
+#: Rows of a head call below which our AVX2 build multiplies its fp32 activations (``int8_gemv``, which reads the codes
+#: once for every row) rather than quantizing them: the int8 x int8 body takes a lone row as a pair with itself. The
+#: 262,144 x 640 head, AVX2 body, ms at 1 / 2 / 3 / 4 rows: 1 thread 20.8 / 22.8 / 24.9 / 28.1 against 27.5 / 26.3 /
+#: 29.9 / 30.0 quantized, 2 threads 10.7 / 11.8 / 12.4 / 14.3 against 13.8 / 12.6 / 14.5 / 14.4. The VNNI and AMX
+#: bodies are within 10 % of the fp32 path at these rows either way and keep int8 activations.
+HEAD_GEMV_ROWS_AVX2 = 4
 #: Logits buffers a table keeps for reuse (:meth:`QuantizedTable._logits_for`): a decode loop holds its last step's
 #: logits while the next step's are computed. Logits over 64 MiB (past 64 rows of a 262,144 vocabulary: a sequence
 #: scored whole) are not kept.
@@ -96,6 +102,13 @@ class RowSource:
             self._fd = -1
 
     __del__ = close
+
+
+def _few_rows_read_faster(m: int) -> bool:
+    """Whether a head call of ``m`` rows reads the codes faster with its fp32 activations (``int8_gemv``, exact) than
+    quantized: below :data:`HEAD_GEMV_ROWS_AVX2` rows on our AVX2 build."""
+    lib = kernels() if m < HEAD_GEMV_ROWS_AVX2 else None
+    return lib is not None and lib.int8_mm_body == "avx2"
 
 
 def _unviewed(t: Tensor) -> bool:
@@ -202,7 +215,7 @@ class QuantizedTable:
         v, k = self.shape
         lead = x.shape[:-1]
         m, cpu = x.numel() // x.shape[-1], x.device.type == "cpu"
-        quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype)
+        quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype) and not _few_rows_read_faster(m)
         few = cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available()
         if few or (cpu and not quantized_rows and matmul_serves("int8", m)):
             lib = kernels()
