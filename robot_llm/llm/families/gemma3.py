@@ -100,8 +100,8 @@ def transformer_layer(
     a = attention(norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
     h = norm(a, p["post_attention_layernorm.weight"], eps, residual=step.kept(x))
     m = norm(h, p["pre_feedforward_layernorm.weight"], eps)
-    up = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "gelu_tanh")
-    return norm(linear(up, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)
+    hidden = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "gelu_tanh")
+    return norm(linear(hidden, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)
 
 
 def output_head(x: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:

@@ -106,8 +106,8 @@ def transformer_layer(
     del layer_index
     h = step.kept(x) + attention(norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
     m = norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    up = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "silu")
-    return h + linear(up, p["mlp.down_proj.weight"])
+    hidden = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "silu")
+    return h + linear(hidden, p["mlp.down_proj.weight"])
 
 
 def output_head(x: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:

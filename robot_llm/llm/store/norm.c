@@ -37,23 +37,19 @@ static void round_row(float *y, int64_t n, int dtype) {
         for (int64_t j = 0; j < n; j++) y[j] = bf16_to_float(float_to_bf16(y[j]));
 }
 
-/* The rotate-half ("NeoX") rotary of the row y [n] in place, by the tables' row at element `table` (x's dtype: bf16
- * where `bf16`, a constant at each call so that the loop vectorizes: at 1 thread a batch-32 q norm of 32 x 4 x 256
- * in bf16 114 -> 44 us natively, a 4 x 512 prefill's in fp32 3.0 -> 2.1 ms on the AVX2 kind), each op rounded as
- * torch's: y * cos + rotate_half(y) * sin, the second half negated into the first. `first` holds the first half
- * meanwhile. */
+/* The rotate-half ("NeoX") rotary of the row y [n] in place, by the tables' row at element `table` (in `dtype`, x's,
+ * a constant at each call so that the loop vectorizes: at 1 thread a batch-32 q norm of 32 x 4 x 256 in bf16 114 ->
+ * 44 us natively, a 4 x 512 prefill's in fp32 3.0 -> 2.1 ms on the AVX2 kind), each op rounded as torch's:
+ * y * cos + rotate_half(y) * sin, the second half negated into the first. `first` holds the first half meanwhile. */
 static inline __attribute__((always_inline)) void rotate_row(float *y, float *first, const void *cos, const void *sin,
-                                                             int64_t table, int64_t n, int bf16) {
+                                                             int64_t table, int64_t n, int dtype) {
     int64_t half = n / 2;
     memcpy(first, y, (size_t)half * sizeof(float)); /* before its outputs overwrite it */
-    const uint16_t *c16 = (const uint16_t *)cos + table, *s16 = (const uint16_t *)sin + table;
-    const float *c32 = (const float *)cos + table, *s32 = (const float *)sin + table;
     for (int64_t j = 0; j < n; j++) {
-        float c = bf16 ? bf16_to_float(c16[j]) : c32[j], s = bf16 ? bf16_to_float(s16[j]) : s32[j];
+        float c = load_float(cos, dtype, table + j), s = load_float(sin, dtype, table + j);
         float other = j < half ? -y[j + half] : first[j - half];
-        float a = c * (j < half ? first[j] : y[j]), b = other * s;
-        if (bf16) a = bf16_to_float(float_to_bf16(a)), b = bf16_to_float(float_to_bf16(b));
-        y[j] = bf16 ? bf16_to_float(float_to_bf16(a + b)) : a + b;
+        float a = round_to(c * (j < half ? first[j] : y[j]), dtype), b = round_to(other * s, dtype);
+        y[j] = round_to(a + b, dtype);
     }
 }
 
@@ -86,9 +82,9 @@ int rl_rms_norm(const void *x, int dtype, int64_t rows, int64_t n, const void *w
                 round_row(y, n, dtype);
             }
             if (cos != NULL && dtype == RL_BF16)
-                rotate_row(y, first, cos, sin, (r / heads) * n, n, 1);
+                rotate_row(y, first, cos, sin, (r / heads) * n, n, RL_BF16);
             else if (cos != NULL)
-                rotate_row(y, first, cos, sin, (r / heads) * n, n, 0);
+                rotate_row(y, first, cos, sin, (r / heads) * n, n, RL_FP32);
             if (residual != NULL) {
                 for (int64_t j = 0; j < n; j++) y[j] += load_float(residual, dtype, at + j);
                 round_row(y, n, dtype);
