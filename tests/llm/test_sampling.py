@@ -78,11 +78,16 @@ def test_draws_follow_the_filtered_softmax() -> None:
 
 def test_greedy_tokens_are_torchs_argmax() -> None:
     g = torch.Generator().manual_seed(4)
-    rows = torch.randn(5, 262147, generator=g)  # not a multiple of the 8-wide pass
+    # 262,155 = 8,192 passes of 32 (four vectors of 8 at once), then 11 single values
+    rows = torch.randn(8, 262155, generator=g)
+    rows[0, 59] = 90.0  # in the fourth running maximum's lanes
     rows[1, 7], rows[1, 70000] = 50.0, 50.0  # a tie: the first
-    rows[2, 262146] = 60.0  # in the tail past the last whole vector
+    rows[2, 262146] = 60.0  # in the tail past the last whole pass
     rows[3, 5], rows[3, 9] = float("nan"), 99.0  # a NaN wins, as torch's
     rows[4] = float("-inf")
+    rows[5, 262154] = 70.0  # the tail's last
+    rows[6, 262150] = float("nan")  # a NaN in the tail
+    rows[7, 27], rows[7, 262148] = 80.0, 80.0  # a tie across a running maximum and the tail
     for dtype in (torch.float32, torch.bfloat16):
         x = rows.to(dtype)
         assert torch.equal(greedy_tokens(x), torch.argmax(x, -1)), dtype

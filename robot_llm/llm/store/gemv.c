@@ -109,19 +109,26 @@ void rl_scale_int32(const int32_t *acc, int64_t m, int64_t n, const float *scale
 /* idx[i] = the first column of row i of x [m, n] (fp32 or bf16, rows contiguous) holding the row's largest value,
  * a NaN counting as the largest (the first NaN), as torch.argmax: a greedy decode step's token of each row.
  * torch's took 0.4-0.7 ms a row of Gemma 3's 262,144 logits (22 ms a batch-32 step at 1 thread); a row is 1 MB,
- * which one core reads in 0.1 ms. AVX2 intrinsics (8 lanes) on either kind of CPU: the pass is the memory's. */
+ * which one core reads in 0.1 ms. AVX2 intrinsics (8 lanes) on either kind of CPU, ACC running maxima: with one, each
+ * 8 values waited on the last maximum (32 x 262,144 logits in the L3 cache, 2 threads: 0.89 -> 0.70 ms fp32,
+ * 1.03 -> 0.55 bf16, Sapphire Rapids). */
+#define ACC 4
 void rl_argmax_rows(const void *x, int x_bf16, int64_t m, int64_t n, int64_t *idx, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < m; i++) {
         const void *row = (const char *)x + (size_t)(i * n) * (x_bf16 ? 2 : 4);
         int dtype = x_bf16 ? RL_BF16 : RL_FP32;
-        __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        __m256 tops[ACC], nans[ACC];
+        for (int a = 0; a < ACC; a++) tops[a] = _mm256_set1_ps(-INFINITY), nans[a] = _mm256_setzero_ps();
         int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            __m256 v = load8(row, x_bf16, j);
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            top = _mm256_max_ps(top, v);
-        }
+        for (; j + 8 * ACC <= n; j += 8 * ACC)
+            for (int a = 0; a < ACC; a++) {
+                __m256 v = load8(row, x_bf16, j + 8 * a);
+                nans[a] = _mm256_or_ps(nans[a], _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                tops[a] = _mm256_max_ps(tops[a], v);
+            }
+        __m256 top = tops[0], nan = nans[0];
+        for (int a = 1; a < ACC; a++) top = _mm256_max_ps(top, tops[a]), nan = _mm256_or_ps(nan, nans[a]);
         float lanes[8], best;
         _mm256_storeu_ps(lanes, top);
         best = lanes[0];
