@@ -39,25 +39,10 @@ def refusal(backend: str, family: str) -> str | None:
     return f"the {backend} backend runs {runs} models only, not {family}: use backend {' or '.join(others)}"
 
 
-def release_freed_memory() -> bool:
-    """Hand the memory this process has freed back to the OS (glibc's ``malloc_trim``); True where it could.
-
-    Opening a quantized store on the CPU converts tables and layers through temporaries of tens of MB
-    (the LM head, the rotated int8 matrices of :mod:`robot_llm.llm.store.int8act`); glibc keeps the freed
-    ones below its mmap threshold in its heap, where the night's KV cache and activations then land beside
-    them: peak RSS at batch 32 measured 1.36 GiB without this, against 1.20 GiB weight-only.
-    """
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    return bool(ctypes.CDLL(None).malloc_trim(0))
-
-
 def build_engine(settings: ModelSettings, config: ModelConfig, policy: Policy, store: Store | None) -> Any:
     """The engine of ``settings.backend`` placed as ``policy`` says (``store``: the stream engine's)."""
     if settings.backend == "stream":
+        from robot_llm.llm.engine.stream_slots import trim_heap
         from robot_llm.llm.engine.streaming import StreamingModel
 
         assert store is not None
@@ -73,7 +58,7 @@ def build_engine(settings: ModelSettings, config: ModelConfig, policy: Policy, s
             kv_dtype=policy.kv_dtype,
             read_depth=policy.read_depth,
         )
-        release_freed_memory()
+        trim_heap()  # the conversions' temporaries, before the night's KV cache lands beside them
         return engine
     source = settings.store or settings.checkpoint
     assert source is not None
