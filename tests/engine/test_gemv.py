@@ -143,7 +143,7 @@ def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatc
     described = gemv.describe()
     assert f"through our kernel (gemv.c, its {body} body)" in described
     assert "decode norms and attention ours (norm.c, attend.c)" in described
-    assert "the gated MLP's fp32 activation ours (gated.c)" in described
+    assert "the gated MLP's activation ours (gated.c)" in described
     assert ("rows ours too (gemm.c)" in described) == gemv.matmul_available()
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()

@@ -58,9 +58,39 @@ def test_split_over_threads_the_values_are_one_threads() -> None:
         torch.set_num_threads(before)
 
 
-def test_bf16_and_strided_operands_are_torchs_ops() -> None:
+def _bf16_steps(b: torch.Tensor, steps: int) -> torch.Tensor:
+    """bf16 values ``steps`` representable values away from ``b`` in magnitude (sign kept; none below zero)."""
+    bits = b.view(torch.int16).int()
+    magnitude = ((bits & 0x7FFF) + steps).clamp(min=0)
+    return (magnitude | (bits & 0x8000)).short().view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_bf16_rounds_the_activation_before_the_product_as_torchs_ops(activation: str) -> None:
+    g = torch.Generator().manual_seed(6)
+    for scale, rows in ((0.01, 3), (1.0, 16), (8.0, 7), (60.0, 2)):
+        gate = (torch.randn(rows, 2051, generator=g) * scale).bfloat16()  # a tail past the vectors
+        up = torch.randn(rows, 2051, generator=g).bfloat16()
+        got = gated(gate, up, activation)
+        assert got.dtype == torch.bfloat16 and got.shape == gate.shape
+        # the exact activation rounded to bf16, or (a few fp32 units off a rounding boundary) its neighbour, then
+        # the product rounded once: each value is one of those three, nothing else; far in the sigmoid's lower tail
+        # (below exp(-87), FLT_MIN's order) within 1e-30 of zero, as in fp32
+        act = _in_fp64(gate, torch.ones_like(up), activation)[0]
+        exact = act.float().bfloat16()
+        allowed = [(_bf16_steps(exact, s).float() * up.float()).bfloat16() for s in (-1, 0, 1)]
+        hit = (got.double().abs() <= 1e-30) & ((act * up.double()).abs() <= 1e-30)
+        for candidate in allowed:
+            hit |= got.view(torch.int16) == candidate.view(torch.int16)
+        assert bool(hit.all()), (activation, scale, int((~hit).sum()))
+        if scale == 1.0:  # torch's own activation cancels far below zero (1 + tanh), so compare where it does not
+            torch_ops = (F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)) * up
+            assert float((got == torch_ops).float().mean()) >= 0.999, activation
+
+
+def test_strided_operands_are_torchs_ops() -> None:
     g = torch.Generator().manual_seed(5)
     gate, up = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
-    half, half_up = gate.bfloat16(), up.bfloat16()  # torch rounds the activation to bf16 before the product
-    assert torch.equal(gated(half, half_up, "gelu_tanh"), F.gelu(half, approximate="tanh") * half_up)
     assert torch.equal(gated(gate.t(), up.t(), "silu"), F.silu(gate.t()) * up.t())
+    half, half_up = gate.bfloat16().t(), up.bfloat16().t()
+    assert torch.equal(gated(half, half_up, "gelu_tanh"), F.gelu(half, approximate="tanh") * half_up)

@@ -141,7 +141,7 @@ class Kernels:
             "rl_scale_int32": ([_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT], None),
             "rl_quantize_rows": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _PTR, _INT], _INT),
             "rl_argmax_rows": ([_PTR, _INT, _INT64, _INT64, _PTR, _INT], None),
-            "rl_gated": ([_PTR, _PTR, _INT64, _INT, _PTR, _INT], None),
+            "rl_gated": ([_PTR, _PTR, _INT64, _INT, _INT, _PTR, _INT], None),
             "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], _INT),
             "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, *[_INT64] * 2, _PTR, _PTR, _INT, _INT], _INT),
             **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
@@ -487,7 +487,7 @@ def describe() -> str:
         many += f"; int8 x int8 products ours at every size (AVX2, activation codes to +-{levels}: {trick} trick)"
     return (
         f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours"
-        " (norm.c, attend.c), the gated MLP's fp32 activation ours (gated.c)"
+        " (norm.c, attend.c), the gated MLP's activation ours (gated.c)"
     )
 
 

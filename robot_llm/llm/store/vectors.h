@@ -32,6 +32,16 @@ static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
     return _mm512_maskz_loadu_ps(first(n), (const float *)p + j);
 }
 static inline void vstore(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
+typedef __m512i vi;
+static inline vi vbits(vf v) { return _mm512_castps_si512(v); }
+static inline vf vfloats(vi v) { return _mm512_castsi512_ps(v); }
+static inline vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi vand32(vi a, vi b) { return _mm512_and_si512(a, b); }
+static inline vi vset32(int32_t a) { return _mm512_set1_epi32(a); }
+static inline vi vshr32(vi a, int n) { return _mm512_srli_epi32(a, n); }
+static inline vi vnan_to(vf v, vi bits, vi nan) { return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits, nan); }
+/* VL 32-bit lanes holding 16-bit values, stored as VL uint16. */
+static inline void vstore16(uint16_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(v)); }
 /* 2^n for integral n in [-126, 127] in every lane, times x. */
 static inline vf vscale2(vf x, vf n) { return _mm512_scalef_ps(x, n); }
 static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -55,6 +65,19 @@ static inline void vstore(float *p, vf v, int64_t n) {
     (void)n;
     _mm256_storeu_ps(p, v);
 }
+typedef __m256i vi;
+static inline vi vbits(vf v) { return _mm256_castps_si256(v); }
+static inline vf vfloats(vi v) { return _mm256_castsi256_ps(v); }
+static inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi vand32(vi a, vi b) { return _mm256_and_si256(a, b); }
+static inline vi vset32(int32_t a) { return _mm256_set1_epi32(a); }
+static inline vi vshr32(vi a, int n) { return _mm256_srli_epi32(a, n); }
+static inline vi vnan_to(vf v, vi bits, vi nan) {
+    return _mm256_blendv_epi8(bits, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+static inline void vstore16(uint16_t *p, vi v) { /* packus interleaves the 128-bit lanes; the permute orders them */
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08)));
+}
 static inline vf vscale2(vf x, vf n) {
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(x, _mm256_castsi256_ps(bits));
@@ -63,6 +86,15 @@ static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_
 #else
 #error "the float kernels need AVX2 and FMA (gemv.py compiles them only where the CPU has them)"
 #endif
+
+/* v's lanes rounded to bf16 as float_to_bf16 rounds them (to nearest even, a NaN to 0x7fc0), their bits in the
+ * upper halves of the lanes (as fp32: the rounded values) or, shifted, in the lower (vstore16's operand). */
+static inline vi vbf16_upper(vf v) {
+    vi u = vbits(v), lsb = vand32(vshr32(u, 16), vset32(1));
+    return vnan_to(v, vand32(vadd32(vadd32(u, vset32(0x7fff)), lsb), vset32((int32_t)0xffff0000u)), vset32(0x7fc00000));
+}
+static inline vf vround_bf16(vf v) { return vfloats(vbf16_upper(v)); }
+static inline void vstore_bf16(uint16_t *p, vf v) { vstore16(p, vshr32(vbf16_upper(v), 16)); }
 
 /* exp(x) for x <= 0 (a score minus the row's largest, a sigmoid's -|t|), within 2 units in the last place: Cephes' expf (the
  * remainder after whole powers of two, in two parts of ln 2, and a degree-6 polynomial). Below ln(FLT_MIN) it
