@@ -16,6 +16,16 @@
     static inline vf vmax(vf a, vf b) { return p##_max_ps(a, b); }            \
     static inline vf vdiv(vf a, vf b) { return p##_div_ps(a, b); }
 
+/* Its vector of 32-bit integers vi, the floats' bits, and the integer ops bf16 rounding needs (bits: its width). */
+#define VECTOR_INT_OPS(type, p, bits)                                                 \
+    typedef type vi;                                                                  \
+    static inline vi vbits(vf v) { return p##_castps_si##bits(v); }                  \
+    static inline vf vfloats(vi v) { return p##_castsi##bits##_ps(v); }               \
+    static inline vi vadd32(vi a, vi b) { return p##_add_epi32(a, b); }               \
+    static inline vi vand32(vi a, vi b) { return p##_and_si##bits(a, b); }            \
+    static inline vi vset32(int32_t a) { return p##_set1_epi32(a); }                  \
+    static inline vi vshr32(vi a, int n) { return p##_srli_epi32(a, n); }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VL 16
 VECTOR_OPS(__m512, _mm512)
@@ -32,13 +42,8 @@ static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
     return _mm512_maskz_loadu_ps(first(n), (const float *)p + j);
 }
 static inline void vstore(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
-typedef __m512i vi;
-static inline vi vbits(vf v) { return _mm512_castps_si512(v); }
-static inline vf vfloats(vi v) { return _mm512_castsi512_ps(v); }
-static inline vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
-static inline vi vand32(vi a, vi b) { return _mm512_and_si512(a, b); }
-static inline vi vset32(int32_t a) { return _mm512_set1_epi32(a); }
-static inline vi vshr32(vi a, int n) { return _mm512_srli_epi32(a, n); }
+VECTOR_INT_OPS(__m512i, _mm512, 512)
+/* bits, with nan's lanes where v holds a NaN. */
 static inline vi vnan_to(vf v, vi bits, vi nan) { return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits, nan); }
 /* VL 32-bit lanes holding 16-bit values, stored as VL uint16. */
 static inline void vstore16(uint16_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(v)); }
@@ -65,13 +70,8 @@ static inline void vstore(float *p, vf v, int64_t n) {
     (void)n;
     _mm256_storeu_ps(p, v);
 }
-typedef __m256i vi;
-static inline vi vbits(vf v) { return _mm256_castps_si256(v); }
-static inline vf vfloats(vi v) { return _mm256_castsi256_ps(v); }
-static inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
-static inline vi vand32(vi a, vi b) { return _mm256_and_si256(a, b); }
-static inline vi vset32(int32_t a) { return _mm256_set1_epi32(a); }
-static inline vi vshr32(vi a, int n) { return _mm256_srli_epi32(a, n); }
+VECTOR_INT_OPS(__m256i, _mm256, 256)
+/* bits, with nan's lanes where v holds a NaN. */
 static inline vi vnan_to(vf v, vi bits, vi nan) {
     return _mm256_blendv_epi8(bits, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
