@@ -44,7 +44,9 @@ static inline vf vload(const void *p, int dtype, int64_t j, int64_t n) {
 static inline void vstore(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
 VECTOR_INT_OPS(__m512i, _mm512, 512)
 /* bits, with nan's lanes where v holds a NaN. */
-static inline vi vnan_to(vf v, vi bits, vi nan) { return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits, nan); }
+static inline vi vnan_to(vf v, vi bits, vi nan) {
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits, nan);
+}
 /* VL 32-bit lanes holding 16-bit values, stored as VL uint16. */
 static inline void vstore16(uint16_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(v)); }
 /* 2^n for integral n in [-126, 127] in every lane, times x. */
