@@ -284,14 +284,12 @@ def _memory(config: AppConfig, facts: NightFacts) -> Check:
     )
     lines = [rates, *chosen.describe().splitlines()]
     if chosen.device == "cpu" and m.backend == "stream":
-        from robot_llm.llm.plan.machine import cpu_compute_path
+        from robot_llm.llm.plan.machine import cpu_compute_path, cpu_kernels_path
 
         weight_dtype = weights if isinstance(weights, str) else weights.dtype
         lines.append(cpu_compute_path(weight_dtype, chosen.compute_dtype))
         if weight_dtype in ("int4", "int8"):
-            from robot_llm.llm.store.gemv import describe
-
-            lines.append(describe())
+            lines.append(cpu_kernels_path())
     return Check("memory", True, summary + "".join(f"\n       {line}" for line in lines))
 
 

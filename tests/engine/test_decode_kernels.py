@@ -19,13 +19,13 @@ from robot_llm.llm.engine import stream_slots
 from robot_llm.llm.engine.kvquant import QuantKV
 from robot_llm.llm.engine.memory import InMemoryModel
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families import attention, norm
+from robot_llm.llm.families import attention, family, norm
 from robot_llm.llm.families.attention import grouped_attention
-from robot_llm.llm.families.family import apply_rotary, random_weights
+from robot_llm.llm.families.family import QKV, apply_rotary, random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx
-from robot_llm.llm.store import qhead
+from robot_llm.llm.store import int8act, qhead
 from robot_llm.llm.store.gemv import kernels, our_int8_mm_max_rows
 from robot_llm.llm.store.int8act import (
     ONE_CALL_ROWS,
@@ -34,9 +34,10 @@ from robot_llm.llm.store.int8act import (
     quantize_activations,
     rotate,
     rotate_int8_in_place,
+    rotated_int8_copy,
 )
 from robot_llm.llm.store.qhead import QuantizedTable
-from robot_llm.llm.store.quant import PackedInt8, quantize_int8
+from robot_llm.llm.store.quant import PackedInt4, PackedInt8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="built where gemv.c is (AVX2, FMA)")
 
@@ -439,6 +440,66 @@ def test_int8_linear_in_one_call_is_the_chain_of_quantize_product_and_cast(
     assert torch.equal(torch.nan_to_num(int8_dynamic_linear(x, packed, few)), torch.nan_to_num(chained))
     with pytest.raises(ValueError, match="int8_linear"):
         lib.int8_linear(torch.zeros(2, 96), torch.zeros(4, 96, dtype=torch.int8), torch.ones(4), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_linears_in_one_call_are_each_matrix_alone_to_the_bit(dtype: torch.dtype) -> None:
+    """Matrices that meet one input (q, k and v; gate and up) in one call: each output is that matrix's own call,
+    whatever the rows, the outputs' sizes (none a multiple of a block, one a single row), the codes' row strides;
+    more than four matrices, or two widths, are refused."""
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(15)
+    for m, k, width, block, sizes in (
+        (1, 640, 640, 128, (1024, 256, 256)),
+        (16, 600, 640, 64, (67, 130)),
+        (3, 2048, 2048, 0, (640, 64, 1, 200)),
+    ):
+        wide = [quantize_int8(torch.randn(n, width + 64, generator=g)) for n in sizes]
+        mats = tuple((q[:, :width], scale.float()) for q, scale in wide)  # rows width + 64 apart
+        x = (torch.randn(2, m, k, generator=g) * 3).to(dtype)
+        got = lib.int8_linears(x, mats, block)
+        assert [y.shape for y in got] == [(2, m, n) for n in sizes] and all(y.dtype == dtype for y in got)
+        for (q, scale), y in zip(mats, got, strict=True):
+            assert torch.equal(y, lib.int8_linear(x, q.contiguous(), scale, block)), (m, k, q.shape)
+    with pytest.raises(ValueError, match="at most 4"):
+        lib.int8_linears(x, mats * 2, block)
+    other = quantize_int8(torch.randn(8, width + 64, generator=g))
+    with pytest.raises(ValueError, match="int8_linear"):
+        lib.int8_linears(x, (mats[0], (other[0], other[1].float())), block)
+
+
+def test_the_projections_of_one_input_are_one_call_with_linears_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``linears``: q, k and v as the engine holds them (rotated int8 in place, an int4 matrix's rotated int8 copy)
+    give :func:`linear`'s values of each to the bit, biases added, in one call of ours at a decode step's rows;
+    past those rows, or with a matrix that takes another path (a plain tensor), each matrix is its own call."""
+    lib = kernels()
+    assert lib is not None
+    calls: list[int] = []
+    alone = lib.int8_linears
+    monkeypatch.setattr(lib, "int8_linears", lambda x, mats, block: calls.append(len(mats)) or alone(x, mats, block))
+    monkeypatch.setattr(family, "int8_activations_for", lambda rows, dtype: True)  # as on every CPU with our kernel
+    int8act._int8_kernels.cache_clear()  # its answers hold the kernels' bound methods
+    try:
+        g = torch.Generator().manual_seed(16)
+        q, q_scale = quantize_int8(torch.randn(256, 320, generator=g))
+        k_proj = PackedInt8(q, q_scale, (256, 320), rotation=rotate_int8_in_place(q, q_scale))
+        v_proj = PackedInt4(*quantize_int4(torch.randn(64, 320, generator=g), 64), shape=(64, 320))
+        rotated_int8_copy(v_proj)
+        p = {key: w for key, w in zip(QKV, (k_proj, k_proj, v_proj), strict=True)}
+        p["self_attn.v_proj.bias"] = torch.randn(64, generator=g)
+        for rows, dtype in ((1, torch.float32), (ONE_CALL_ROWS, torch.bfloat16), (ONE_CALL_ROWS + 1, torch.float32)):
+            x = torch.randn(rows, 320, generator=g).to(dtype)
+            got = family.linears(x, p, *QKV)
+            assert calls == ([3] if rows <= ONE_CALL_ROWS else []), rows
+            want = [family.linear(x, p[key], p.get(key.removesuffix("weight") + "bias")) for key in QKV]
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), rows
+            calls.clear()
+        p[QKV[1]] = torch.randn(256, 320, generator=g)
+        got = family.linears(x[:1], p, *QKV)
+        assert torch.equal(got[1], torch.nn.functional.linear(x[:1], p[QKV[1]])) and 3 not in calls
+    finally:
+        int8act._int8_kernels.cache_clear()
 
 
 def _butterflies(x: Tensor, block: int) -> Tensor:

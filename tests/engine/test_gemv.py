@@ -13,6 +13,7 @@ from torch import Tensor
 
 from robot_llm.llm.families.family import linear
 from robot_llm.llm.plan.cpu import cpu_flags
+from robot_llm.llm.plan.machine import cpu_kernels_path
 from robot_llm.llm.store import gemv
 from robot_llm.llm.store.gemv import AVX2_ACTIVATION_LEVELS, activation_levels
 from robot_llm.llm.store.int8act import rotate
@@ -140,14 +141,14 @@ def test_few_row_products_of_int8_matrices_and_the_head_run_the_kernel(kernel_ca
 
 def test_doctor_says_which_kernel_serves_few_rows(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     body = "AVX512" if gemv.Kernels(gemv.build()).lanes == 16 else "AVX2"
-    described = gemv.describe()
+    described = cpu_kernels_path()
     assert f"through our kernel (gemv.c, its {body} body)" in described
     assert "decode norms and attention ours (norm.c, attend.c)" in described
     assert "the gated MLP's activation ours (gated.c)" in described
     assert ("rows ours too (gemm.c)" in described) == gemv.matmul_available()
     monkeypatch.setenv("ROBOT_LLM_GEMV", "0")
     gemv.kernels.cache_clear()
-    described = gemv.describe()
+    described = cpu_kernels_path()
     assert "through torch's fused kernel; norms, attention, gated activation torch's (not built" in described
 
 
@@ -161,7 +162,7 @@ def test_activation_levels_are_asked_of_the_avx2_body_only(kernel_cache: Path, m
     assert lib is not None and lib.activation_levels == (63 if lib.int8_mm_body == "avx2" else 127)
     assert lib.narrow_levels == (63 if lib.int8_mm_body == "avx2" else 0)
     if lib.int8_mm_body == "avx2":
-        assert "activation codes to +-63: offset trick" in gemv.describe()
+        assert "activation codes to +-63: offset trick" in cpu_kernels_path()
     for bad in ("0", "128", "7-bit", "-3", "63.5"):
         monkeypatch.setenv("ROBOT_LLM_ACTIVATION_LEVELS", bad)
         with pytest.raises(ValueError, match=f"ROBOT_LLM_ACTIVATION_LEVELS='{bad}': give a whole number"):

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from robot_llm.llm.engine.memory import InMemoryModel, Yalm
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families import gemma3, llama, yalm
+from robot_llm.llm.families import family, gemma3, llama, yalm
 from robot_llm.llm.families.family import random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
@@ -48,7 +48,8 @@ def _night(model: InMemoryModel | Yalm | StreamingModel, ids: Tensor, pad: Tenso
 
 
 def _rows_seen(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The row count of every product the family's module computes from now on."""
+    """The row count of every product the family's module computes from now on (its own calls of ``linear``, and
+    those of the products of one input, :func:`~robot_llm.llm.families.family.linears`: plain tensors here)."""
     rows: list[int] = []
     real = module.linear  # type: ignore[attr-defined]
 
@@ -57,6 +58,7 @@ def _rows_seen(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[int]
         return real(x, *args)
 
     monkeypatch.setattr(module, "linear", counted)
+    monkeypatch.setattr(family, "linear", counted)
     return rows
 
 

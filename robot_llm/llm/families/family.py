@@ -42,7 +42,13 @@ from robot_llm.llm.engine.finite import FiniteWatch
 from robot_llm.llm.engine.kv_cache import KVCache, LayerKV
 from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.store.gemv import gemv_available, kernels, matmul_serves
-from robot_llm.llm.store.int8act import int8_activations_for, int8_dynamic_linear, int8_kernels_for, rotate_input
+from robot_llm.llm.store.int8act import (
+    int8_activations_for,
+    int8_dynamic_linear,
+    int8_dynamic_linears,
+    int8_kernels_for,
+    rotate_input,
+)
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import (
     FUSED_MAX_ROWS,
@@ -129,6 +135,36 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
             fused = kernel and rows <= FUSED_MAX_ROWS["int8"]
             y = int8_linear(x, weight) if fused else int8_linear_widened(x, weight)
     return y if bias is None else y + bias
+
+
+#: The attention's input projections and the gated MLP's two: each group meets one input (:func:`linears`).
+QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+
+def linears(x: Tensor, p: Params, *keys: str) -> list[Tensor]:
+    """``linear(x, p[key], bias)`` for each of ``keys``, matrices that meet one input (:data:`QKV`, :data:`GATE_UP`;
+    a ``*.bias`` beside a ``*.weight`` added): where each takes int8 activations (a rotated int8 matrix, or an int4
+    one's rotated int8 copy; :func:`linear`'s rule), in one call of ours (:func:`int8_dynamic_linears`: the rows
+    quantized and the threads woken once, not once a matrix; the same values). A batch-32 decode step of Gemma 3
+    270M makes 126 products of its layers, 54 of them q, k and v and 36 gate and up."""
+    weights, biases = [p[key] for key in keys], [p.get(key.removesuffix("weight") + "bias") for key in keys]
+    rotated = [c for w in weights if isinstance(c := w.int8_copy if isinstance(w, PackedInt4) else w, PackedInt8)]
+    rows = x.numel() // x.shape[-1]
+    quantized = len(rotated) == len(weights) and all(c.rotation for c in rotated) and x.device.type == "cpu"
+    if quantized and x.dtype in (torch.bfloat16, torch.float32) and int8_activations_for(rows, x.dtype):
+        ys = int8_dynamic_linears(x, rotated, int8_kernels_for(rows))
+        return [y if b is None else y + b for y, b in zip(ys, biases, strict=True)]
+    return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
+
+def qkv_projections(a_in: Tensor, p: Params, step: StepInfo) -> list[Tensor]:
+    """The attention's q, k and v projections (:data:`QKV`, with their biases) of ``a_in [B, T, H]``: q at the
+    positions the layer computes (:meth:`StepInfo.kept`), k and v at every one; in one call where that is one input."""
+    q_in = step.kept(a_in)
+    if q_in is a_in:
+        return linears(a_in, p, *QKV)
+    return linears(q_in, p, QKV[0]) + linears(a_in, p, *QKV[1:])
 
 
 def embedding(ids: Tensor, table: Tensor | QuantizedTable) -> Tensor:

@@ -38,12 +38,15 @@ from robot_llm.llm.families.config import (
     hf_rope,
 )
 from robot_llm.llm.families.family import (
+    GATE_UP,
     Family,
     Params,
     Resident,
     StepInfo,
     embedding,
     linear,
+    linears,
+    qkv_projections,
     rope_inv_freq,
 )
 from robot_llm.llm.families.gated import gated
@@ -77,12 +80,10 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
     B, T, _ = a_in.shape
     d, eps = cfg.head_dim, cfg.rms_norm_eps
     table = cfg.layer_types[index]
-    q_in = step.kept(a_in)
-    q = linear(q_in, p["self_attn.q_proj.weight"]).view(B, q_in.shape[1], -1, d)
-    q = norm(q, p["self_attn.q_norm.weight"], eps, step.query_rotary(table))
-    k = linear(a_in, p["self_attn.k_proj.weight"]).view(B, T, -1, d)
-    k = norm(k, p["self_attn.k_norm.weight"], eps, step.rotary[table])
-    v = linear(a_in, p["self_attn.v_proj.weight"]).view(B, T, -1, d)
+    q, k, v = qkv_projections(a_in, p, step)
+    q = norm(q.view(B, q.shape[1], -1, d), p["self_attn.q_norm.weight"], eps, step.query_rotary(table))
+    k = norm(k.view(B, T, -1, d), p["self_attn.k_norm.weight"], eps, step.rotary[table])
+    v = v.view(B, T, -1, d)
     mask = step.mask_for(cfg.sliding_window(index))
     if kv is not None:
         k, v = kv.update(k, v, fused=True)
@@ -100,7 +101,7 @@ def transformer_layer(
     a = attention(norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
     h = norm(a, p["post_attention_layernorm.weight"], eps, residual=step.kept(x))
     m = norm(h, p["pre_feedforward_layernorm.weight"], eps)
-    hidden = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "gelu_tanh")
+    hidden = gated(*linears(m, p, *GATE_UP), "gelu_tanh")
     return norm(linear(hidden, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)
 
 

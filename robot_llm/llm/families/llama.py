@@ -36,12 +36,15 @@ from robot_llm.llm.families.config import (
     hf_rope,
 )
 from robot_llm.llm.families.family import (
+    GATE_UP,
     Family,
     Params,
     Resident,
     StepInfo,
     embedding,
     linear,
+    linears,
+    qkv_projections,
     rope_inv_freq,
 )
 from robot_llm.llm.families.gated import gated
@@ -84,10 +87,8 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
     """Grouped-query self-attention with rotary (and Qwen 3's per-head q/k RMSNorm) before ``o_proj``."""
     B, T, _ = a_in.shape
     d = cfg.head_dim
-    q_in = step.kept(a_in)
-    q = linear(q_in, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(B, q_in.shape[1], -1, d)
-    k = linear(a_in, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(B, T, -1, d)
-    v = linear(a_in, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(B, T, -1, d)
+    q, k, v = qkv_projections(a_in, p, step)
+    q, k, v = q.view(B, q.shape[1], -1, d), k.view(B, T, -1, d), v.view(B, T, -1, d)
     qk_norm = cfg.qk_norm
     q = norm(q, p["self_attn.q_norm.weight"] if qk_norm else None, cfg.rms_norm_eps, step.query_rotary("rope"))
     k = norm(k, p["self_attn.k_norm.weight"] if qk_norm else None, cfg.rms_norm_eps, step.rotary["rope"])
@@ -106,7 +107,7 @@ def transformer_layer(
     del layer_index
     h = step.kept(x) + attention(norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
     m = norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    hidden = gated(linear(m, p["mlp.gate_proj.weight"]), linear(m, p["mlp.up_proj.weight"]), "silu")
+    hidden = gated(*linears(m, p, *GATE_UP), "silu")
     return h + linear(hidden, p["mlp.down_proj.weight"])
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_native_bf16
+from robot_llm.llm.store.gemv import ENV, INT4_FEW_ROWS, MATMUL_ROWS, kernels, matmul_available, our_int8_mm_max_rows
 from robot_llm.llm.store.int8act import int8_activation_max_rows, int8_activation_min_rows, int8_activations_on_cpu
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, fused_on_cpu, int4_kernel_reads_stored_layout
 
@@ -204,6 +205,33 @@ def cpu_compute_path(
         layout = "the stored layout" if int4_kernel_reads_stored_layout() else "codes repacked for this CPU once"
         how += f"; int4 kernel reads {layout}"
     return f"CPU ({features}): {how}; LM head int8 per row, embedding rows read exactly from the store"
+
+
+def cpu_kernels_path() -> str:
+    """Which kernels serve the few-row int8 products and a decode step's norms and attention here, in words
+    (``doctor`` prints it)."""
+    built = kernels()
+    what = "few-row int8 products (the int8 matrices and the head at decode sizes)"
+    if built is None:
+        why = f"no C compiler, no AVX2/FMA, or {ENV}=0"
+        return f"{what} through torch's fused kernel; norms, attention, gated activation torch's (not built: {why})"
+    body = "AVX512" if built.lanes == 16 else "AVX2"
+    many = ""
+    if matmul_available():
+        (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
+        many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
+    if built.int8_mm_body == "amx":
+        many += f"; int8 x int8 products ours at every size (AMX tiles; VNNI to {built.lib.rl_vnni_max_rows()} rows)"
+    elif built.int8_mm_body == "vnni":
+        many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
+    else:
+        trick = "offset" if built.activation_levels <= built.narrow_levels else "sign"
+        levels = built.activation_levels
+        many += f"; int8 x int8 products ours at every size (AVX2, activation codes to +-{levels}: {trick} trick)"
+    return (
+        f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours"
+        " (norm.c, attend.c), the gated MLP's activation ours (gated.c)"
+    )
 
 
 #: CPU flags :func:`cpu_compute_path` names.

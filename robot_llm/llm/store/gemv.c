@@ -586,7 +586,19 @@ static int amx_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_
 }
 #endif
 
-/* c [m, n] = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64), exactly:
+/* One matrix of a product of the same activations by several (int8_mm_many, rl_int8_linear): its codes w[:n, :k]
+ * (rows ldw apart), its output c [m, n] and its scales (NULL: the int32 sums). */
+typedef struct {
+    const int8_t *w;
+    int64_t ldw, n;
+    void *c;
+    const float *scale;
+} matrix;
+/* The most matrices one call multiplies (q, k and v; gate and up). */
+#define MAX_MATRICES 4
+
+/* c [m, n] = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64) for each of
+ * the `count` matrices of mats (at most MAX_MATRICES; their blocks shared among the threads as one matrix's), exactly:
  * the integer sums of torch._int_mm, as int32; or, with scale [n] and row_scale [m] (fp32), the fp32 values of its
  * epilogue (store_sum), without the int32 matrix (for the head's 32 x 262,144 logits a 33 MB pass and the page faults
  * of a fresh buffer each step).
@@ -602,15 +614,23 @@ static int amx_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_
  * code of -128 would lose its sign); from NARROW_LEVELS down in fewer instructions. On an AVX2 EPYC (Zen 3) core,
  * levels 127: 95-110 G ops/s from 8 rows, against 50-75 GFLOP/s for the fp32 GEMM at the same shapes.
  * Returns 0, or -1 when a buffer could not be allocated. */
-int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
-               const float *scale, const float *row_scale, int levels, int threads) {
+static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mats, int count, const float *row_scale,
+                        int levels, int threads) {
 #if defined(RL_AMX)
     /* Up to VNNI_MAX_ROWS rows (a decode step's) the VNNI body is the faster here: it fetches ahead and packs nothing
      * (Sapphire Rapids, 1 thread, the 126 matrices of Gemma 3 270M's layers at 1 / 4 / 6 rows: 9.2 / 10.8 / 12.7 ms
      * against the tiles' 10.9 / 11.2 / 11.0; its head at 1 row 13.4 against 14.0) */
-    if (amx_ready && m > VNNI_MAX_ROWS) return amx_mm(a, m, k, w, ldw, n, c, scale, row_scale, threads);
+    if (amx_ready && m > VNNI_MAX_ROWS) {
+        int failed = 0;
+        for (int j = 0; j < count && !failed; j++)
+            failed = amx_mm(a, m, k, mats[j].w, mats[j].ldw, mats[j].n, mats[j].c, mats[j].scale, row_scale, threads);
+        return failed;
+    }
 #endif
-    int64_t blocks = (n + NB - 1) / NB;
+    /* The matrices' blocks numbered one after another: matrix j's are first[j] .. first[j + 1] - 1. */
+    int64_t first[MAX_MATRICES + 1] = {0};
+    for (int j = 0; j < count; j++) first[j + 1] = first[j] + (mats[j].n + NB - 1) / NB;
+    int64_t blocks = first[count];
     int failed = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     uint8_t *au = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
@@ -635,7 +655,10 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             if (buf == NULL) continue;
-            int64_t b0 = b * NB, nb = n - b0 < NB ? n - b0 : NB;
+            int j = 0;
+            while (b >= first[j + 1]) j++;
+            const int8_t *w = mats[j].w;
+            int64_t ldw = mats[j].ldw, n = mats[j].n, b0 = (b - first[j]) * NB, nb = n - b0 < NB ? n - b0 : NB;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
             int32_t offset[NB]; /* 128 times each weight row's sum, taken off its products with the offset codes */
 #endif
@@ -653,7 +676,7 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
 #endif
                 }
             }
-            flush_block(c, buf, m, n, b0, nb, scale, row_scale);
+            flush_block(mats[j].c, buf, m, n, b0, nb, mats[j].scale, row_scale);
         }
         free(buf);
     }
@@ -665,25 +688,46 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
     return failed ? -1 : 0;
 }
 
-/* y [m, n] (fp32, or bf16 where y_bf16) = x [m, k] @ (w * scale)^T with int8 activations, in one call: the rows
- * quantized as rl_quantize_rows does (zero-padded to width, rotated by `rotation`), multiplied and scaled as
- * rl_int8_mm does, then rounded to bf16 where y is: int8act.int8_dynamic_linear's values. A decode step's ~130
- * calls of a few rows each spent more in their torch glue (buffers, a cast to the compute dtype) than in their
- * products of the smaller matrices (a 1,024 x 640 one at 1 row, 1 thread: 43 us a call, 20 of them the product).
- * Returns 0, or -1 when a buffer could not be allocated. */
+/* int8_mm_many's product for one matrix. */
+int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
+               const float *scale, const float *row_scale, int levels, int threads) {
+    const matrix one = {w, ldw, n, c, scale};
+    return int8_mm_many(a, m, k, &one, 1, row_scale, levels, threads);
+}
+
+/* y_j [m, n_j] (fp32, or bf16 where y_bf16) = x [m, k] @ (w_j * scale_j)^T with int8 activations, for each of the
+ * `count` matrices of `mats` (at most MAX_MATRICES; five int64 each: the codes' address, their row stride, their
+ * rows n_j, the fp32 scales' address, y_j's address), in one call: the rows quantized once as rl_quantize_rows does
+ * (zero-padded to width, rotated by `rotation`), multiplied and scaled as rl_int8_mm does (the matrices' blocks
+ * shared among the threads), then rounded to bf16 where y is: int8act.int8_dynamic_linear's values for each matrix.
+ * A decode step's ~130 calls of a few rows each spent more in their torch glue (buffers, a cast to the compute
+ * dtype) than in their products of the smaller matrices (a 1,024 x 640 one at 1 row, 1 thread: 43 us a call, 20 of
+ * them the product); q, k and v (gate and up) meet one input, and in one call its rows are quantized and the
+ * threads woken once, not three (two) times. Returns 0, or -1 when a buffer could not be allocated. */
 int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t width, int64_t rotation, int levels,
-                   const int8_t *w, int64_t ldw, int64_t n, const float *scale, void *y, int y_bf16, int threads) {
+                   const int64_t *mats, int count, int y_bf16, int threads) {
+    matrix each[MAX_MATRICES];
+    int64_t outputs = 0;
+    for (int j = 0; j < count; j++) outputs += mats[5 * j + 2];
     int8_t *q = malloc((size_t)(m * width));
     float *row_scale = malloc((size_t)m * sizeof(float));
-    float *out = y_bf16 ? malloc((size_t)(m * n) * sizeof(float)) : y;
-    int failed = q == NULL || row_scale == NULL || out == NULL;
+    float *out = y_bf16 ? malloc((size_t)(m * outputs) * sizeof(float)) : NULL; /* the fp32 products to round */
+    int failed = count > MAX_MATRICES || q == NULL || row_scale == NULL || (y_bf16 && out == NULL);
+    for (int64_t j = 0, at = 0; j < count && !failed; at += m * mats[5 * j + 2], j++) {
+        const int64_t *arg = mats + 5 * j;
+        void *c = y_bf16 ? (void *)(out + at) : (void *)(intptr_t)arg[4];
+        each[j] = (matrix){(const int8_t *)(intptr_t)arg[0], arg[1], arg[2], c, (const float *)(intptr_t)arg[3]};
+    }
     /* a row is quantized on one thread: more only wake threads for a few rows' microseconds */
     int quantizers = m < threads ? (int)m : threads;
     if (!failed) failed = rl_quantize_rows(x, x_bf16, m, k, width, rotation, levels, q, row_scale, quantizers);
-    if (!failed) failed = rl_int8_mm(q, m, width, w, ldw, n, out, scale, row_scale, levels, threads);
-    if (!failed && y_bf16)
-        for (int64_t i = 0; i < m * n; i++) ((uint16_t *)y)[i] = float_to_bf16(out[i]);
-    if (y_bf16) free(out);
+    if (!failed) failed = int8_mm_many(q, m, width, each, count, row_scale, levels, threads);
+    for (int j = 0; !failed && y_bf16 && j < count; j++) {
+        const float *from = each[j].c;
+        uint16_t *to = (uint16_t *)(intptr_t)mats[5 * j + 4];
+        for (int64_t i = 0; i < m * each[j].n; i++) to[i] = float_to_bf16(from[i]);
+    }
+    free(out);
     free(row_scale);
     free(q);
     return failed ? -1 : 0;

@@ -143,7 +143,7 @@ class Kernels:
             "rl_argmax_rows": ([_PTR, _INT, _INT64, _INT64, _PTR, _INT], None),
             "rl_gated": ([_PTR, _PTR, _INT64, _INT, _INT, _PTR, _INT], None),
             "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], _INT),
-            "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, *[_INT64] * 2, _PTR, _PTR, _INT, _INT], _INT),
+            "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _INT, _INT, _INT], _INT),
             **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
         }
         for name, (argtypes, restype) in signatures.items():
@@ -306,29 +306,38 @@ class Kernels:
         return out
 
     def int8_linear(self, x: Tensor, codes: Tensor, scale: Tensor, rotation: int = 0) -> Tensor:
-        """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T`` with int8 activations in one call: the rows
-        quantized as :meth:`quantize_rows` (padded, rotated by ``rotation``), multiplied and scaled as :meth:`int8_mm`,
-        ``[..., N]`` rounded to ``x``'s dtype (fp32 or bf16): :func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`'s
-        values without its torch glue (a decode step's smaller matrices spent more there than in their products)."""
+        """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T``: :meth:`int8_linears` of one matrix."""
+        return self.int8_linears(x, ((codes, scale),), rotation)[0]
+
+    def int8_linears(self, x: Tensor, matrices: tuple[tuple[Tensor, Tensor], ...], rotation: int = 0) -> list[Tensor]:
+        """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T`` for each ``(codes, scale)`` of ``matrices`` (at
+        most 4, one width) with int8 activations in one call: the rows quantized once as :meth:`quantize_rows` (padded,
+        rotated by ``rotation``), multiplied and scaled as :meth:`int8_mm`, each ``[..., N]`` rounded to ``x``'s dtype
+        (fp32 or bf16): :func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`'s values without its torch glue (a
+        decode step's smaller matrices spent more there than in their products), the threads woken once."""
         import torch
 
-        # ~130 calls a decode step: x as it comes, y made in its final shape (a reshape, view and cast: 3-4 us of 15)
+        # ~130 products a decode step: x as it comes, y made in its final shape (a reshape, view and cast: 3-4 us of 15)
         rows, bf16 = (x, x.dtype is torch.bfloat16) if plain_rows(x) else self._rows(x)
-        k, (n, kp) = x.shape[-1], codes.shape
+        k, kp, args, ys = x.shape[-1], matrices[0][0].shape[1], [], []
         rotates = not rotation or (kp % rotation == 0 and rotation & (rotation - 1) == 0)
-        aligned = codes.stride(1) == 1 and kp % 64 == 0 and kp >= k and rotates
-        if not aligned or scale.dtype is not torch.float32 or scale.numel() != n or not scale.is_contiguous():
-            raise ValueError(
-                f"int8_linear: {k} columns, rotation {rotation}, against codes {tuple(codes.shape)} strides "
-                f"{codes.stride()} (a width of 64s) and {scale.dtype} scales {tuple(scale.shape)} (fp32, one a row)"
-            )
-        y = torch.empty((*x.shape[:-1], n), dtype=rows.dtype)
-        m = rows.numel() // k
-        args = (rows.data_ptr(), bf16, m, k, kp, rotation, self.activation_levels, codes.data_ptr(), codes.stride(0))
-        args += (n, scale.data_ptr())
-        if self.lib.rl_int8_linear(*args, y.data_ptr(), bf16, torch.get_num_threads()):
+        for codes, scale in matrices:
+            n = codes.shape[0]
+            aligned = codes.stride(1) == 1 and codes.shape[1] == kp and kp % 64 == 0 and kp >= k and rotates
+            if not aligned or scale.dtype is not torch.float32 or scale.numel() != n or not scale.is_contiguous():
+                raise ValueError(
+                    f"int8_linear: {k} columns, rotation {rotation}, against codes {tuple(codes.shape)} strides "
+                    f"{codes.stride()} (a width of 64s) and {scale.dtype} scales {tuple(scale.shape)} (fp32, one a row)"
+                )
+            ys.append(torch.empty((*x.shape[:-1], n), dtype=rows.dtype))
+            args += [codes.data_ptr(), codes.stride(0), n, scale.data_ptr(), ys[-1].data_ptr()]
+        if len(matrices) > 4:
+            raise ValueError(f"int8_linears: {len(matrices)} matrices, at most 4 in one call")
+        m, each = rows.numel() // k, (ctypes.c_int64 * len(args))(*args)
+        head = (rows.data_ptr(), bf16, m, k, kp, rotation, self.activation_levels)
+        if self.lib.rl_int8_linear(*head, each, len(matrices), bf16, torch.get_num_threads()):
             raise MemoryError(f"int8_linear: no memory for the buffers of {m} x {kp} activations")
-        return y if y.dtype is x.dtype else y.to(x.dtype)
+        return ys if rows.dtype is x.dtype else [y.to(x.dtype) for y in ys]
 
     def quantize_rows(self, x: Tensor, width: int, rotation: int = 0) -> tuple[Tensor, Tensor]:
         """:func:`~robot_llm.llm.store.int8act.quantize_activations`'s codes (to :attr:`activation_levels`) ``int8
@@ -462,33 +471,6 @@ def matmul_serves(dtype: str, rows: int, torch_reads: bool = True) -> bool:
 def gemv_available() -> bool:
     """True when ``gemv.c`` is built and loaded for this process."""
     return kernels() is not None
-
-
-def describe() -> str:
-    """Which kernels serve the few-row int8 products and a decode step's norms and attention here, in words
-    (``doctor`` prints it)."""
-    built = kernels()
-    what = "few-row int8 products (the int8 matrices and the head at decode sizes)"
-    if built is None:
-        why = f"no C compiler, no AVX2/FMA, or {ENV}=0"
-        return f"{what} through torch's fused kernel; norms, attention, gated activation torch's (not built: {why})"
-    body = "AVX512" if built.lanes == 16 else "AVX2"
-    many = ""
-    if matmul_available():
-        (a, b), (c, d) = MATMUL_ROWS["int4"], MATMUL_ROWS["int8"]
-        many = f"; int4 calls of 1-{INT4_FEW_ROWS} and {a}-{b} rows and int8 ones of {c}-{d} rows ours too (gemm.c)"
-    if built.int8_mm_body == "amx":
-        many += f"; int8 x int8 products ours at every size (AMX tiles; VNNI to {built.lib.rl_vnni_max_rows()} rows)"
-    elif built.int8_mm_body == "vnni":
-        many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
-    else:
-        trick = "offset" if built.activation_levels <= built.narrow_levels else "sign"
-        levels = built.activation_levels
-        many += f"; int8 x int8 products ours at every size (AVX2, activation codes to +-{levels}: {trick} trick)"
-    return (
-        f"{what} through our kernel (gemv.c, its {body} body){many}; decode norms and attention ours"
-        " (norm.c, attend.c), the gated MLP's activation ours (gated.c)"
-    )
 
 
 def our_int8_mm_max_rows() -> int:

@@ -306,11 +306,13 @@ class Int8Kernels:
     ``quantize(rows, width, rotation)`` as :func:`quantize_input` computes it; ``matmul(q, codes, out, scale,
     row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as :func:`int8_gemm`'s epilogue computes it;
     None: torch's serves); ``linear(x, codes, scale, rotation)`` the whole of :func:`int8_dynamic_linear` in one
-    call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linear`; None: past :data:`ONE_CALL_ROWS` rows)."""
+    call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linear`; None: past :data:`ONE_CALL_ROWS` rows), and
+    ``linears`` several matrices' in one call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linears`, with it)."""
 
     quantize: Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
     matmul: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], Tensor] | None = None
     linear: Callable[[Tensor, Tensor, Tensor, int], Tensor] | None = None
+    linears: Callable[[Tensor, tuple[tuple[Tensor, Tensor], ...], int], list[Tensor]] | None = None
 
 
 def int8_kernels_for(rows: int) -> Int8Kernels | None:
@@ -332,7 +334,8 @@ def _int8_kernels(with_matmul: bool, one_call: bool) -> Int8Kernels:
     lib = gemv.kernels()
     assert lib is not None
     matmul, linear = lib.int8_mm if with_matmul else None, lib.int8_linear if one_call else None
-    return Int8Kernels(quantize=lib.quantize_rows, matmul=matmul, linear=linear)
+    linears = lib.int8_linears if one_call else None
+    return Int8Kernels(quantize=lib.quantize_rows, matmul=matmul, linear=linear, linears=linears)
 
 
 def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = None) -> Tensor:
@@ -344,6 +347,16 @@ def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = Non
         return ours.linear(x, w.q, w.scale32(), w.rotation)
     y = int8_gemm(x, w.q, w.scale32(), w.rotation, ours=ours)
     return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+
+
+def int8_dynamic_linears(x: Tensor, ws: list[PackedInt8], ours: Int8Kernels | None = None) -> list[Tensor]:
+    """:func:`int8_dynamic_linear` of ``x`` by each of ``ws``, rotated matrices that meet one input (q, k and v; gate
+    and up): in one call of ours where it takes calls whole and they share a width and a rotation (the rows
+    quantized and the threads woken once: the same values), else a call each (sharing the rows' quantization)."""
+    width, block = ws[0].shape[1], ws[0].rotation
+    if ours is not None and ours.linears is not None and all((w.shape[1], w.rotation) == (width, block) for w in ws):
+        return ours.linears(x, tuple((w.q, w.scale32()) for w in ws), block)
+    return [int8_dynamic_linear(x, w, ours) for w in ws]
 
 
 def int8_gemm(
