@@ -627,10 +627,6 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
         return failed;
     }
 #endif
-    /* The matrices' blocks numbered one after another: matrix j's are first[j] .. first[j + 1] - 1. */
-    int64_t first[MAX_MATRICES + 1] = {0};
-    for (int j = 0; j < count; j++) first[j + 1] = first[j] + (mats[j].n + NB - 1) / NB;
-    int64_t blocks = first[count];
     int failed = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     uint8_t *au = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
@@ -652,31 +648,37 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
     {
         int32_t *buf = aligned_alloc(64, (size_t)(m * NB * sizeof(int32_t)));
         if (buf == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            if (buf == NULL) continue;
-            int j = 0;
-            while (b >= first[j + 1]) j++;
-            const int8_t *w = mats[j].w;
-            int64_t ldw = mats[j].ldw, n = mats[j].n, b0 = (b - first[j]) * NB, nb = n - b0 < NB ? n - b0 : NB;
+        /* Each matrix's blocks split among the threads as one matrix's, no barrier between the matrices: a thread
+         * goes on to its share of the next. The matrix's fields as locals, as one matrix's arguments were (read from
+         * the array in the loop, a 2048 x 640 matrix at 1 row took 10-20 % longer). */
+        for (int j = 0; j < count; j++) {
+            const int8_t *const w = mats[j].w;
+            const int64_t ldw = mats[j].ldw, n = mats[j].n, blocks = (n + NB - 1) / NB;
+            void *const c = mats[j].c;
+            const float *const scale = mats[j].scale;
+#pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++) {
+                if (buf == NULL) continue;
+                int64_t b0 = b * NB, nb = n - b0 < NB ? n - b0 : NB;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-            int32_t offset[NB]; /* 128 times each weight row's sum, taken off its products with the offset codes */
+                int32_t offset[NB]; /* 128 times each weight row's sum, taken off its products with the offset codes */
 #endif
-            /* MC rows at a time meet the block's tiles: both stay in L2 at a prefill's thousands of rows */
-            for (int64_t c0 = 0; c0 < m; c0 += MC) {
-                int64_t c1 = m - c0 < MC ? m : c0 + MC;
-                for (int64_t r0 = b0; r0 < b0 + nb; r0 += RT) {
-                    int64_t nr = b0 + nb - r0 < RT ? b0 + nb - r0 : RT;
-                    const int8_t *wr[RT];
-                    for (int r = 0; r < RT; r++) wr[r] = w + (r0 + (r < nr ? r : 0)) * ldw;  /* a short tile repeats a row */
+                /* MC rows at a time meet the block's tiles: both stay in L2 at a prefill's thousands of rows */
+                for (int64_t c0 = 0; c0 < m; c0 += MC) {
+                    int64_t c1 = m - c0 < MC ? m : c0 + MC;
+                    for (int64_t r0 = b0; r0 < b0 + nb; r0 += RT) {
+                        int64_t nr = b0 + nb - r0 < RT ? b0 + nb - r0 : RT;
+                        const int8_t *wr[RT];
+                        for (int r = 0; r < RT; r++) wr[r] = w + (r0 + (r < nr ? r : 0)) * ldw;  /* a short tile repeats a row */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                    vnni_rows(au, k, c0, c1, wr, nr, buf + r0 - b0, offset + r0 - b0);
+                        vnni_rows(au, k, c0, c1, wr, nr, buf + r0 - b0, offset + r0 - b0);
 #else
-                    avx2_rows(a, k, c0, c1, wr, asum, buf + r0 - b0);
+                        avx2_rows(a, k, c0, c1, wr, asum, buf + r0 - b0);
 #endif
+                    }
                 }
+                flush_block(c, buf, m, n, b0, nb, scale, row_scale);
             }
-            flush_block(mats[j].c, buf, m, n, b0, nb, mats[j].scale, row_scale);
         }
         free(buf);
     }
