@@ -88,6 +88,24 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
 
 
+def _int8_activations_form(x: Tensor, weight: object, rows: int) -> PackedInt8 | None:
+    """The rotated int8 matrix a CPU call of ``rows`` rows of ``x`` multiplies with int8 activations
+    (:func:`~robot_llm.llm.store.int8act.int8_activations_for`), or None where the call takes another path: an int8
+    matrix rotated in place, or an int4 one's rotated int8 copy (both RAM-homed, made once when the engine opens; a
+    streamed matrix's copy would cost a pass each time). The copy beats the fused int4 kernel from 8 rows (AMX, 1
+    thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows) and ties it at 1 (where ours multiplies, every call takes
+    it)."""
+    if isinstance(weight, PackedInt4):
+        rotated = weight.int8_copy
+    elif isinstance(weight, PackedInt8) and weight.rotation:
+        rotated = weight
+    else:
+        return None
+    if rotated is None or not x.is_cpu or x.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return rotated if int8_activations_for(rows, x.dtype) else None
+
+
 def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias`` for a streamed matrix: a plain tensor, or one the engine handed over packed.
 
@@ -108,32 +126,26 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
         return weight.linear(x, bias)
     rows = x.numel() // x.shape[-1]
     kernel = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
-    if isinstance(weight, PackedInt4):
+    rotated = _int8_activations_form(x, weight, rows)
+    if rotated is not None:
+        y = int8_dynamic_linear(x, rotated, int8_kernels_for(rows))  # it rotates x itself
+    elif isinstance(weight, PackedInt4):
         torch_reads = weight.kernel_codes is not None or int4_kernel_reads_stored_layout()  # its codes as given
-        if kernel and weight.int8_copy is not None and int8_activations_for(rows, x.dtype):
-            # RAM-homed: its rotated int8 copy was made once (a streamed matrix's would cost a pass each time);
-            # it beats the fused int4 kernel from 8 rows (AMX, 1 thread, 2048 x 640: 0.34 against 1.40 ms at 32 rows)
-            # and ties it at 1 (int8_activation_min_rows: where ours multiplies, every call takes it).
-            y = int8_dynamic_linear(x, weight.int8_copy, int8_kernels_for(rows))  # it rotates x itself
-        elif kernel and matmul_serves("int4", rows, torch_reads):
+        if kernel and matmul_serves("int4", rows, torch_reads):
             y = kernels().int4_matmul(x, weight.codes, weight.scales_and_zeros, weight.shape[0])
         elif kernel and rows <= FUSED_MAX_ROWS["int4"]:
             y = int4_linear(x, weight)
         else:
             return F.linear(x, weight.dense(x.dtype), bias)
+    elif kernel and rows <= FUSED_MAX_ROWS["int8"] and gemv_available():
+        y = kernels().int8_gemv(x, weight.q, weight.scale, weight.shape[0], weight.rotation)  # pads, rotates x
+    elif kernel and matmul_serves("int8", rows):
+        y = kernels().int8_matmul(x, weight.q, weight.scale, weight.shape[0], weight.rotation)
     else:
-        quantized_rows = kernel and weight.rotation and int8_activations_for(rows, x.dtype)
-        if kernel and not quantized_rows and rows <= FUSED_MAX_ROWS["int8"] and gemv_available():
-            y = kernels().int8_gemv(x, weight.q, weight.scale, weight.shape[0], weight.rotation)  # pads, rotates x
-        elif kernel and not quantized_rows and matmul_serves("int8", rows):
-            y = kernels().int8_matmul(x, weight.q, weight.scale, weight.shape[0], weight.rotation)
-        elif quantized_rows:  # rotated (rotate_int8_in_place): it rotates x itself
-            y = int8_dynamic_linear(x, weight, int8_kernels_for(rows))
-        else:
-            if weight.rotation:
-                x = rotate_input(x, weight)
-            fused = kernel and rows <= FUSED_MAX_ROWS["int8"]
-            y = int8_linear(x, weight) if fused else int8_linear_widened(x, weight)
+        if weight.rotation:
+            x = rotate_input(x, weight)
+        fused = kernel and rows <= FUSED_MAX_ROWS["int8"]
+        y = int8_linear(x, weight) if fused else int8_linear_widened(x, weight)
     return y if bias is None else y + bias
 
 
@@ -145,14 +157,13 @@ GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 def linears(x: Tensor, p: Params, *keys: str) -> list[Tensor]:
     """``linear(x, p[key], bias)`` for each of ``keys``, matrices that meet one input (:data:`QKV`, :data:`GATE_UP`;
     a ``*.bias`` beside a ``*.weight`` added): where each takes int8 activations (a rotated int8 matrix, or an int4
-    one's rotated int8 copy; :func:`linear`'s rule), in one call of ours (:func:`int8_dynamic_linears`: the rows
+    one's rotated int8 copy: :func:`linear`'s own test), in one call of ours (:func:`int8_dynamic_linears`: the rows
     quantized and the threads woken once, not once a matrix; the same values). A batch-32 decode step of Gemma 3
     270M makes 126 products of its layers, 54 of them q, k and v and 36 gate and up."""
     weights, biases = [p[key] for key in keys], [p.get(key.removesuffix("weight") + "bias") for key in keys]
-    rotated = [c for w in weights if isinstance(c := w.int8_copy if isinstance(w, PackedInt4) else w, PackedInt8)]
     rows = x.numel() // x.shape[-1]
-    quantized = len(rotated) == len(weights) and all(c.rotation for c in rotated) and x.device.type == "cpu"
-    if quantized and x.dtype in (torch.bfloat16, torch.float32) and int8_activations_for(rows, x.dtype):
+    rotated = [r for w in weights if (r := _int8_activations_form(x, w, rows)) is not None]
+    if len(rotated) == len(weights):
         ys = int8_dynamic_linears(x, rotated, int8_kernels_for(rows))
         return [y if b is None else y + b for y, b in zip(ys, biases, strict=True)]
     return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]

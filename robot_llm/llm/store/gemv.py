@@ -317,6 +317,8 @@ class Kernels:
         decode step's smaller matrices spent more there than in their products), the threads woken once."""
         import torch
 
+        if len(matrices) > 4:
+            raise ValueError(f"int8_linears: {len(matrices)} matrices, at most 4 in one call")
         # ~130 products a decode step: x as it comes, y made in its final shape (a reshape, view and cast: 3-4 us of 15)
         rows, bf16 = (x, x.dtype is torch.bfloat16) if plain_rows(x) else self._rows(x)
         k, kp, args, ys = x.shape[-1], matrices[0][0].shape[1], [], []
@@ -331,8 +333,6 @@ class Kernels:
                 )
             ys.append(torch.empty((*x.shape[:-1], n), dtype=rows.dtype))
             args += [codes.data_ptr(), codes.stride(0), n, scale.data_ptr(), ys[-1].data_ptr()]
-        if len(matrices) > 4:
-            raise ValueError(f"int8_linears: {len(matrices)} matrices, at most 4 in one call")
         m, each = rows.numel() // k, (ctypes.c_int64 * len(args))(*args)
         head = (rows.data_ptr(), bf16, m, k, kp, rotation, self.activation_levels)
         if self.lib.rl_int8_linear(*head, each, len(matrices), bf16, torch.get_num_threads()):
