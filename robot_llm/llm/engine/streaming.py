@@ -56,7 +56,7 @@ from robot_llm.llm.families.registry import family_of
 from robot_llm.llm.plan.machine import gpu_has_native_bf16
 from robot_llm.llm.plan.planner import gpu_compute_dtype
 from robot_llm.llm.store.checksum import DamagedStoreError
-from robot_llm.llm.store.diskio import DEFAULT_DEPTH, io_pool
+from robot_llm.llm.store.diskio import DEFAULT_DEPTH, huge_page_buffer, io_pool, round_up
 from robot_llm.llm.store.gemv import matmul_available
 from robot_llm.llm.store.int8act import int8_activations_on_cpu
 from robot_llm.llm.store.layout import (
@@ -164,10 +164,13 @@ class StreamingModel:
         slot_bytes = max(
             layout.data_size if i < self.ram_layers else direct_span(layout) for i, layout in enumerate(self.layouts)
         )
-        # RAM-homed layers: their bytes once in CPU memory (views are used in place on the CPU).
+        # RAM-homed layers: their bytes once in CPU memory (used in place on the CPU), in one arena of huge pages.
         self.ram: list[Tensor | None] = [None] * cfg.num_layers
+        spans = [round_up(layout.data_size) for layout in self.layouts[: self.ram_layers]]
+        arena, start = huge_page_buffer(sum(spans)), 0
         for i in range(self.ram_layers):
-            held = self.ram[i] = torch.empty(self.layouts[i].data_size, dtype=torch.uint8)
+            held = self.ram[i] = arena[start : start + self.layouts[i].data_size]
+            start += spans[i]
             offset = read_into(self.paths[i], self.layouts[i], held, pool=self._io, depth=read_depth)
             self.store.check_read(self.paths[i].name, read_pieces(self.layouts[i], held, offset))
         # Where this CPU's int4 kernel reads another layout than the stored one (AVX2), RAM-homed layers are repacked

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from robot_llm.llm.store.diskio import huge_page_buffer
 from robot_llm.llm.store.gemv import gemv_available, kernels, matmul_serves
 from robot_llm.llm.store.int8act import (
     int8_activations_for,
@@ -32,7 +33,7 @@ from robot_llm.llm.store.int8act import (
     weight_levels,
 )
 from robot_llm.llm.store.int8act import rotate as rotate_rows
-from robot_llm.llm.store.quant import ALIGN, int8_padded_width, quantize_int8
+from robot_llm.llm.store.quant import int8_padded_width, quantize_int8
 
 #: Rows of a head call up to which a fused int8 kernel computes the logits (ours where built, which is faster at
 #: every such row count; the figures here are torch's). At decode sizes it reads
@@ -119,10 +120,10 @@ def _unviewed(t: Tensor) -> bool:
 
 
 def _aligned_int8(rows: int, cols: int) -> Tensor:
-    """An int8 ``[rows, cols]`` tensor whose address is a multiple of :data:`ALIGN` (the kernel needs it)."""
-    raw = torch.empty(rows * cols + ALIGN, dtype=torch.int8)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip : skip + rows * cols].view(rows, cols)
+    """An int8 ``[rows, cols]`` tensor at a multiple of :data:`~robot_llm.llm.store.quant.ALIGN` (the kernel needs
+    it), in huge pages where the kernel grants them (:func:`~robot_llm.llm.store.diskio.huge_page_buffer`: every
+    decode step reads the whole table)."""
+    return huge_page_buffer(rows * cols).view(torch.int8).view(rows, cols)
 
 
 @dataclass
