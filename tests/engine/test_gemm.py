@@ -30,7 +30,6 @@ from robot_llm.llm.store.quant import (
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="gemm.c needs AVX2 and FMA")
 
 
-
 @pytest.fixture(params=["this-cpu", "avx2"])
 def kernels(request: pytest.FixtureRequest, kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> gemv.Kernels:
     """The kernels as this CPU builds them, and as the AVX2 kind does (``ATEN_CPU_CAPABILITY=avx2``'s flags)."""

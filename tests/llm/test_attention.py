@@ -36,7 +36,7 @@ def _mask(pads: list[int], T: int, prefix: int, window: int | None) -> Tensor:
         pos_q = query - pad
         if window is not None:
             forbidden |= pos_k[None, :] <= pos_q[:, None] - window
-        forbidden[: pad] = True  # a pad slot's query sees nothing
+        forbidden[:pad] = True  # a pad slot's query sees nothing
         rows.append(forbidden)
     return torch.stack(rows)[:, None]
 

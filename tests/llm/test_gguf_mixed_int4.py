@@ -169,9 +169,7 @@ def test_wide_matrices_are_stored_int8_and_4_bit_ones_int4(converted: dict[str, 
 
 
 @pytest.mark.parametrize(("dtype", "bound"), [("fp32", 0.05), ("bf16", 0.1)])
-def test_logits_match_the_dequantised_model(
-    converted: dict[str, Path], dtype: str, bound: float, door: Any
-) -> None:
+def test_logits_match_the_dequantised_model(converted: dict[str, Path], dtype: str, bound: float, door: Any) -> None:
     """The mixed store's logits against the fp32 store's (the dequantised model), computed alike; bf16 runs
     the fused kernels, int4 and int8 in one layer. Logits reach about 3.6; measured: 0.021 (fp32) and 0.047
     (bf16, its own rounding included) against 0.37 for the all-int4 store."""

@@ -200,9 +200,7 @@ def int8_on_cpu(cache: Tensor | QuantKV, k: Tensor) -> bool:
     return isinstance(cache, QuantKV) and cache.low is None and cache.device.type == k.device.type == "cpu"
 
 
-def attend_with(
-    q: Tensor, mask: Tensor, keys: Tensor | QuantKV, *, keep_dtype: bool = False
-) -> tuple[Tensor, Tensor]:
+def attend_with(q: Tensor, mask: Tensor, keys: Tensor | QuantKV, *, keep_dtype: bool = False) -> tuple[Tensor, Tensor]:
     """``q`` and ``mask`` moved to where ``keys`` are (:meth:`LayerKV.update`), ``q`` in their dtype; a no-op when they
     are there (an int8 cache read as stored: where q already is). ``keep_dtype``: ``q`` keeps its own, for
     :func:`~robot_llm.llm.families.attention.grouped_attention`, whose ``attend.c`` reads an fp32 query over a bf16

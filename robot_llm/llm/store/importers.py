@@ -325,7 +325,6 @@ def gguf_tokenizer(reader: Any, path: Path) -> tuple[Any, dict[str, Any]]:
 # --------------------------------------------------------------------------- Hugging Face folders
 
 
-
 def hf_config(folder: Path) -> ModelConfig:
     """The family config of a Hugging Face model folder (``config.json``'s ``model_type``)."""
     path = folder / "config.json"
