@@ -25,9 +25,6 @@ def gated(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     if dtype in _KERNEL_DTYPES and up.dtype is dtype and plain_rows(gate) and plain_rows(up):
         lib = kernels()
         if lib is not None and gate.shape == up.shape:
-            out = torch.empty_like(gate)
-            bf16, threads = dtype is torch.bfloat16, torch.get_num_threads()
-            lib.lib.rl_gated(gate.data_ptr(), up.data_ptr(), gate.numel(), kind, bf16, out.data_ptr(), threads)
-            return out
+            return lib.gated(gate, up, kind)
     act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
     return act * up

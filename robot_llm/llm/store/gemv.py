@@ -370,6 +370,16 @@ class Kernels:
         )
         return idx.view(x.shape[:-1])
 
+    def gated(self, gate: Tensor, up: Tensor, kind: int) -> Tensor:
+        """``gated.c``'s ``act(gate) * up`` over contiguous fp32 or bf16 tensors of one shape and dtype (``kind``: the
+        activation's code, :data:`~robot_llm.llm.families.gated.ACTIVATIONS`): a new tensor."""
+        import torch
+
+        out = torch.empty_like(gate)
+        bf16, threads = gate.dtype is torch.bfloat16, torch.get_num_threads()
+        self.lib.rl_gated(gate.data_ptr(), up.data_ptr(), gate.numel(), kind, bf16, out.data_ptr(), threads)
+        return out
+
     def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor) -> Tensor:
         """An int8 x int8 product's fp32 values, in one pass: ``acc int32 [M, N]`` (contiguous) times ``scale fp32
         [N]`` and ``row_scale fp32 [M, 1]``, as ``acc.float().mul_(scale).mul_(row_scale)`` computes them."""
