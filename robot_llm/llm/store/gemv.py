@@ -43,6 +43,8 @@ HEADERS = (SOURCE.with_name("floats.h"), SOURCE.with_name("vectors.h"))
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}  # int8: a KV cache's codes
 ENV = "ROBOT_LLM_GEMV"
+#: The most matrices one rl_int8_linear call multiplies (gemv.c's MAX_MATRICES: q, k and v; gate and up).
+MAX_MATRICES = 4
 #: The largest activation code where the AVX2 body multiplies, unless ``ROBOT_LLM_ACTIVATION_LEVELS`` says otherwise
 #: (:func:`activation_levels`). 63 runs its narrow product (Sapphire Rapids as the AVX2 kind, 1 thread, ms at 32 rows:
 #: the 262,144 x 640 head 112-114 -> 92, 2048 x 640 0.74 -> 0.57, 640 x 2048 0.69-0.72 -> 0.50-0.52; the head at 1
@@ -317,8 +319,8 @@ class Kernels:
         decode step's smaller matrices spent more there than in their products), the threads woken once."""
         import torch
 
-        if len(matrices) > 4:
-            raise ValueError(f"int8_linears: {len(matrices)} matrices, at most 4 in one call")
+        if len(matrices) > MAX_MATRICES:
+            raise ValueError(f"int8_linears: {len(matrices)} matrices, at most {MAX_MATRICES} in one call")
         # ~130 products a decode step: x as it comes, y made in its final shape (a reshape, view and cast: 3-4 us of 15)
         rows, bf16 = (x, x.dtype is torch.bfloat16) if plain_rows(x) else self._rows(x)
         k, kp, args, ys = x.shape[-1], matrices[0][0].shape[1], [], []
