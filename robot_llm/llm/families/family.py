@@ -88,7 +88,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
 
 
-def _int8_activations_form(x: Tensor, weight: object, rows: int) -> PackedInt8 | None:
+def int8_activations_form(x: Tensor, weight: object, rows: int) -> PackedInt8 | None:
     """The rotated int8 matrix a CPU call of ``rows`` rows of ``x`` multiplies with int8 activations
     (:func:`~robot_llm.llm.store.int8act.int8_activations_for`), or None where the call takes another path: an int8
     matrix rotated in place, or an int4 one's rotated int8 copy (both RAM-homed, made once when the engine opens; a
@@ -126,7 +126,7 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
         return weight.linear(x, bias)
     rows = x.numel() // x.shape[-1]
     kernel = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
-    rotated = _int8_activations_form(x, weight, rows)
+    rotated = int8_activations_form(x, weight, rows)
     if rotated is not None:
         y = int8_dynamic_linear(x, rotated, int8_kernels_for(rows))  # it rotates x itself
     elif isinstance(weight, PackedInt4):
@@ -162,7 +162,7 @@ def linears(x: Tensor, p: Params, *keys: str) -> list[Tensor]:
     270M makes 126 products of its layers, 54 of them q, k and v and 36 gate and up."""
     weights, biases = [p[key] for key in keys], [p.get(key.removesuffix("weight") + "bias") for key in keys]
     rows = x.numel() // x.shape[-1]
-    rotated = [r for w in weights if (r := _int8_activations_form(x, w, rows)) is not None]
+    rotated = [r for w in weights if (r := int8_activations_form(x, w, rows)) is not None]
     if len(rotated) == len(weights):
         ys = int8_dynamic_linears(x, rotated, int8_kernels_for(rows))
         return [y if b is None else y + b for y, b in zip(ys, biases, strict=True)]

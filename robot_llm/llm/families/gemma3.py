@@ -19,6 +19,7 @@ scaled) and see everything. The LM head is the embedding matrix (unscaled).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -37,6 +38,7 @@ from robot_llm.llm.families.config import (
     from_fields,
     hf_rope,
 )
+from robot_llm.llm.families.decode_layer import LayerSpec, decode_layer
 from robot_llm.llm.families.family import (
     GATE_UP,
     Family,
@@ -96,13 +98,39 @@ def attention(a_in: Tensor, p: Params, cfg: Gemma3Config, index: int, step: Step
 def transformer_layer(
     x: Tensor, p: Params, cfg: Gemma3Config, layer_index: int, step: StepInfo, kv: LayerKV | None = None
 ) -> Tensor:
-    """One Gemma 3 decoder layer: four norms, attention, GeGLU MLP with the tanh GELU."""
+    """One Gemma 3 decoder layer: four norms, attention, GeGLU MLP with the tanh GELU (a decode step's in one call of
+    ours where it can, :func:`~robot_llm.llm.families.decode_layer.decode_layer`: the same values)."""
+    if (fused := decode_layer(x, p, kv, step, layer_spec(cfg, layer_index))) is not None:
+        return fused
     eps = cfg.rms_norm_eps
     a = attention(norm(x, p["input_layernorm.weight"], eps), p, cfg, layer_index, step, kv)
     h = norm(a, p["post_attention_layernorm.weight"], eps, residual=step.kept(x))
     m = norm(h, p["pre_feedforward_layernorm.weight"], eps)
     hidden = gated(*linears(m, p, *GATE_UP), "gelu_tanh")
     return norm(linear(hidden, p["mlp.down_proj.weight"]), p["post_feedforward_layernorm.weight"], eps, residual=h)
+
+
+@functools.cache
+def layer_spec(cfg: Gemma3Config, index: int) -> LayerSpec:
+    """Layer ``index`` as :func:`transformer_layer` computes it, for ``layer.c``."""
+    return LayerSpec(
+        norms=(
+            "input_layernorm.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "post_attention_layernorm.weight",
+            "pre_feedforward_layernorm.weight",
+            "post_feedforward_layernorm.weight",
+        ),
+        eps=cfg.rms_norm_eps,
+        offset=1.0,
+        gain_rounded=False,
+        activation="gelu_tanh",
+        scale=cfg.query_pre_attn_scalar**-0.5,
+        softcap=cfg.attn_logit_softcapping,
+        window=cfg.sliding_window(index),
+        rotary=cfg.layer_types[index],
+    )
 
 
 def output_head(x: Tensor, resident: Resident, cfg: Gemma3Config) -> Tensor:

@@ -8,11 +8,11 @@ multiplies fp32 activations (no activation rounding) and reads the codes once fo
 every call torch's fused int8 kernel would, faster at every row count measured (the head at one row: 16-20 ms).
 Its int8 x int8 product (AMX tiles, AVX512-VNNI or AVX2) serves the calls whose activations are quantized.
 
-The shared object also holds the families' RMSNorm with its rotary or residual add (``norm.c``), the attention of
-one new position (``attend.c``) and the int8 head's epilogue. Without a compiler, on a CPU without AVX2 and FMA,
-or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available` is False and the callers keep torch's kernels and ops. The
-shared object is cached under ``~/.cache/robot-llm/kernels`` (``XDG_CACHE_HOME``), named by a hash of the
-sources, the flags, the compiler and the CPU's features.
+It also holds the families' RMSNorm with its rotary or residual add (``norm.c``), the attention of one new position
+(``attend.c``), the int8 head's epilogue, and a decode step's layer of them in one call (``layer.c``). Without a
+compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available` is False and the
+callers keep torch's. It is cached under ``~/.cache/robot-llm/kernels`` (``XDG_CACHE_HOME``), named by a hash of
+the sources, the flags, the compiler and the CPU's features.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-#: Every file of the shared object: the few-row products, the many-row ones (``gemm.c``), the norms (``norm.c``),
-#: decode attention (``attend.c``), the gated MLP's activation (``gated.c``), their float conversions and vectors.
-SOURCES = tuple(SOURCE.with_name(name) for name in ("gemv.c", "gemm.c", "norm.c", "attend.c", "gated.c"))
+#: Every file of the shared object: the few-row products, then the many-row ones, norms, attention, gated MLP, layer.
+SOURCES = tuple(SOURCE.with_name(f) for f in ("gemv.c", "gemm.c", "norm.c", "attend.c", "gated.c", "layer.c"))
 HEADERS = (SOURCE.with_name("floats.h"), SOURCE.with_name("vectors.h"))
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}  # int8: a KV cache's codes
@@ -144,6 +143,7 @@ class Kernels:
             "rl_quantize_rows": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _PTR, _INT], _INT),
             "rl_argmax_rows": ([_PTR, _INT, _INT64, _INT64, _PTR, _INT], None),
             "rl_gated": ([_PTR, _PTR, _INT64, _INT, _INT, _PTR, _INT], None),
+            "rl_decode_layer": ([_PTR], _INT),  # its one argument: decode_layer.py's Structure
             "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], _INT),
             "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _INT, _INT, _INT], _INT),
             **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
@@ -313,28 +313,17 @@ class Kernels:
 
     def int8_linears(self, x: Tensor, matrices: tuple[tuple[Tensor, Tensor], ...], rotation: int = 0) -> list[Tensor]:
         """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T`` for each ``(codes, scale)`` of ``matrices`` (at
-        most 4, one width) with int8 activations in one call: the rows quantized once as :meth:`quantize_rows` (padded,
-        rotated by ``rotation``), multiplied and scaled as :meth:`int8_mm`, each ``[..., N]`` rounded to ``x``'s dtype
-        (fp32 or bf16): :func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`'s values without its torch glue (a
-        decode step's smaller matrices spent more there than in their products), the threads woken once."""
+        most 4, one width, :func:`int8_products`) with int8 activations in one call: the rows quantized once as
+        :meth:`quantize_rows` (padded, rotated by ``rotation``), multiplied and scaled as :meth:`int8_mm`, each ``[...,
+        N]`` rounded to ``x``'s dtype (fp32 or bf16): :func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`'s values
+        without its torch glue (~130 products a decode step: x as it comes, y made in its final shape), the threads
+        woken once."""
         import torch
 
-        if len(matrices) > MAX_MATRICES:
-            raise ValueError(f"int8_linears: {len(matrices)} matrices, at most {MAX_MATRICES} in one call")
-        # ~130 products a decode step: x as it comes, y made in its final shape (a reshape, view and cast: 3-4 us of 15)
         rows, bf16 = (x, x.dtype is torch.bfloat16) if plain_rows(x) else self._rows(x)
-        k, kp, args, ys = x.shape[-1], matrices[0][0].shape[1], [], []
-        rotates = not rotation or (kp % rotation == 0 and rotation & (rotation - 1) == 0)
-        for codes, scale in matrices:
-            n = codes.shape[0]
-            aligned = codes.stride(1) == 1 and codes.shape[1] == kp and kp % 64 == 0 and kp >= k and rotates
-            if not aligned or scale.dtype is not torch.float32 or scale.numel() != n or not scale.is_contiguous():
-                raise ValueError(
-                    f"int8_linear: {k} columns, rotation {rotation}, against codes {tuple(codes.shape)} strides "
-                    f"{codes.stride()} (a width of 64s) and {scale.dtype} scales {tuple(scale.shape)} (fp32, one a row)"
-                )
-            ys.append(torch.empty((*x.shape[:-1], n), dtype=rows.dtype))
-            args += [codes.data_ptr(), codes.stride(0), n, scale.data_ptr(), ys[-1].data_ptr()]
+        k, kp, args = x.shape[-1], matrices[0][0].shape[1], int8_products(x.shape[-1], matrices, rotation)
+        ys = [torch.empty((*x.shape[:-1], codes.shape[0]), dtype=rows.dtype) for codes, _ in matrices]
+        args[4::5] = [y.data_ptr() for y in ys]
         m, each = rows.numel() // k, (ctypes.c_int64 * len(args))(*args)
         head = (rows.data_ptr(), bf16, m, k, kp, rotation, self.activation_levels)
         if self.lib.rl_int8_linear(*head, each, len(matrices), bf16, torch.get_num_threads()):
@@ -429,6 +418,26 @@ class Kernels:
         if failed:
             raise MemoryError(f"rms_norm: no memory for a row of {n}")
         return out
+
+
+def int8_products(k: int, matrices: tuple[tuple[Tensor, Tensor], ...], rotation: int) -> list[int]:
+    """``rl_int8_linear``'s five int64 for each ``(codes, scale)`` of ``matrices`` meeting ``k`` columns (its output's
+    address 0: the caller's); ``ValueError`` past :data:`MAX_MATRICES` or for codes or scales it cannot read."""
+    import torch
+
+    if len(matrices) > MAX_MATRICES:
+        raise ValueError(f"int8_linears: {len(matrices)} matrices, at most {MAX_MATRICES} in one call")
+    kp, args = matrices[0][0].shape[1], []
+    rotates = not rotation or (kp % rotation == 0 and rotation & (rotation - 1) == 0)
+    for codes, scale in matrices:
+        n, aligned = codes.shape[0], codes.stride(1) == 1 and codes.shape[1] == kp and kp % 64 == 0 and kp >= k
+        if not (aligned and rotates and scale.dtype is torch.float32 and scale.numel() == n and scale.is_contiguous()):
+            raise ValueError(
+                f"int8_linear: {k} columns, rotation {rotation}, against codes {tuple(codes.shape)} strides "
+                f"{codes.stride()} (a width of 64s) and {scale.dtype} scales {tuple(scale.shape)} (fp32, one a row)"
+            )
+        args += [codes.data_ptr(), codes.stride(0), n, scale.data_ptr(), 0]
+    return args
 
 
 def plain_rows(x: Tensor) -> bool:

@@ -1,0 +1,166 @@
+"""A decode step's decoder layer in one call of ours (``layer.c``): the same kernels the family's Python path calls,
+in the same order on the same operands (so the same output, to the bit), without the Python between them.
+
+A batch-1 decode step of Gemma 3 270M makes some 15 kernel calls a layer; between them its Python (the checks of
+each call, views, a new tensor each) took about 3 ms of a 30 ms step at 1 thread and of an 18 ms one at 2 (2-core
+Emerald Rapids VM, AVX512-VNNI, fp32 compute): time no thread count shrinks. :func:`decode_layer` takes a layer
+whole where every part of it is one of our kernels' (:func:`decode_layer`'s list), and says None otherwise: the
+family then runs its Python path, which handles every case. ``ROBOT_LLM_ONE_CALL_LAYER=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from robot_llm.llm.engine.kv_cache import LayerKV
+from robot_llm.llm.families.family import GATE_UP, QKV, Params, StepInfo, int8_activations_form
+from robot_llm.llm.families.gated import ACTIVATIONS
+from robot_llm.llm.store.gemv import int8_products, kernels, plain_rows
+from robot_llm.llm.store.int8act import int8_kernels_for
+
+ENV = "ROBOT_LLM_ONE_CALL_LAYER"
+_I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class _Products(ctypes.Structure):
+    """``layer.c``'s ``products``: matrices that meet one input."""
+
+    _fields_ = [("mats", _I64 * 15), ("width", _I64), ("rotation", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    """``layer.c``'s ``decode_layer``, field for field."""
+
+    _fields_ = [
+        ("x", _PTR), ("out", _PTR),
+        *[(name, _I64) for name in ("rows", "hidden", "heads", "kv_heads", "hd", "intermediate")],
+        *[(name, _I32) for name in ("dtype", "norm_dtype", "gain_rounded", "act", "levels", "threads")],
+        *[(name, _F32) for name in ("eps", "offset", "scale", "softcap")],
+        *[(name, _PTR) for name in ("input_norm", "q_norm", "k_norm", "post_attention_norm", "pre_mlp_norm")],
+        ("post_mlp_norm", _PTR),
+        *[(name, _Products) for name in ("qkv", "o", "gate_up", "down")],
+        ("k_cache", _PTR), ("v_cache", _PTR),
+        *[(name, _I64) for name in ("sb", "ss", "sh", "slot", "S", "mb", "ms")],
+        ("kv_dtype", _I32), ("pad", _I32),
+        ("mask", _PTR), ("cos", _PTR), ("sin", _PTR),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a family's decoder layer is, for ``layer.c``: its norms' keys (``None``: that norm is not in the family's
+    layer; the post norms then add their residual to the product as it is), how they scale (``offset``,
+    ``gain_rounded``: :func:`~robot_llm.llm.families.norm.rms_norm`'s), the MLP's activation
+    (:data:`~robot_llm.llm.families.gated.ACTIVATIONS`), the attention's score scale and soft-cap, the layer's
+    sliding window (None: causal) and rotary table."""
+
+    norms: tuple[str | None, ...]  # input, q, k, post-attention, pre-MLP, post-MLP
+    eps: float
+    offset: float
+    gain_rounded: bool
+    activation: str
+    scale: float
+    softcap: float | None
+    window: int | None
+    rotary: str
+
+
+@functools.cache
+def enabled() -> bool:
+    """False where ``ROBOT_LLM_ONE_CALL_LAYER`` turns the one-call layer off (e.g. to measure one path against the
+    other), else True."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec: LayerSpec) -> Tensor | None:
+    """The decoder layer ``spec`` over ``x [B, 1, H]`` in one call of ``layer.c`` (the step's keys and values written
+    into ``kv``), or None where a part of it is not one of our kernels' and the family's Python path must run it:
+
+    * a decode step (one position a row) with a cache: plain fp32 or bf16 tensors (not int8 or int4 codes, no shared
+      prefix), in x's dtype or bf16 under fp32 compute (:func:`~robot_llm.llm.engine.kv_cache.reads_in_place`);
+    * x contiguous fp32 or bf16 on the CPU, of at most :data:`~robot_llm.llm.store.int8act.ONE_CALL_ROWS` rows;
+    * every matrix multiplied with int8 activations (:func:`~robot_llm.llm.families.family.int8_activations_form`),
+      no biases, and each group (q, k, v; gate, up) of one width and rotation;
+    * the norms' gains contiguous and in one float dtype, the rotary and the mask as the step makes them."""
+    if x.shape[1] != 1 or kv is None or step.last_only or not plain_rows(x) or not enabled():
+        return None
+    lib, kc, vc, dtype, rows = kernels(), kv.k, kv.v, x.dtype, x.shape[0]
+    ours = int8_kernels_for(rows)
+    if lib is None or ours is None or ours.linears is None or not _cache_serves(kv, dtype):
+        return None
+    H, cos, sin, mask = x.shape[-1], *step.rotary[spec.rotary], step.mask_for(spec.window)
+    hd, kv_heads, S = cos.shape[-1], kc.shape[2], kv.start + 1
+    qkv, gate_up = _products(x, p, QKV, rows, H), _products(x, p, GATE_UP, rows, H)
+    if qkv is None or gate_up is None:
+        return None
+    (q_n, k_n, v_n), (inter, up_n) = qkv[1], gate_up[1]
+    o = _products(x, p, ("self_attn.o_proj.weight",), rows, q_n)
+    down = _products(x, p, ("mlp.down_proj.weight",), rows, inter)
+    if o is None or down is None or o[1] != [H] or down[1] != [H] or up_n != inter or k_n != v_n:
+        return None
+    heads = q_n // hd
+    if heads * hd != q_n or k_n != kv_heads * hd or heads % kv_heads or hd % 8 or kc.shape[3] != hd or kc.shape[1] < S:
+        return None
+    norms, sizes = [None if key is None else p[key] for key in spec.norms], (H, hd, hd, H, H, H)
+    gains, shape = {w.dtype for w in norms if w is not None}, (rows, 1, 1, hd)
+    if len(gains) != 1 or not all(
+        w is None or _gain_serves(w, n, dtype, spec) for w, n in zip(norms, sizes, strict=True)
+    ):
+        return None
+    if cos.dtype is not dtype or sin.dtype is not dtype or cos.shape != shape or sin.shape != shape:
+        return None
+    if not (cos.is_contiguous() and sin.is_contiguous() and mask.dtype is torch.bool and mask.shape == (rows, 1, 1, S)):
+        return None
+    codes, out = lib.dtype_codes, torch.empty_like(x)
+    layer = _Layer(
+        x.data_ptr(), out.data_ptr(), rows, H, heads, kv_heads, hd, inter, codes[dtype], codes[gains.pop()],
+        spec.gain_rounded, ACTIVATIONS[spec.activation], lib.activation_levels, torch.get_num_threads(),
+        spec.eps, spec.offset, spec.scale, spec.softcap or 0.0,
+        *[0 if w is None else w.data_ptr() for w in norms], qkv[0], o[0], gate_up[0], down[0],
+        kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], kv.start, S, mask.stride(0), mask.stride(3),
+        codes[kc.dtype], 0, mask.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    )  # fmt: skip
+    if lib.lib.rl_decode_layer(ctypes.byref(layer)):
+        raise MemoryError(f"decode_layer: no memory for the buffers of {rows} rows")
+    return out
+
+
+def _cache_serves(kv: LayerKV, dtype: torch.dtype) -> bool:
+    """Whether ``layer.c`` writes and reads this layer's cache as the Python path does: plain CPU tensors alike in
+    dtype and strides, their head dimension contiguous, in the compute dtype or bf16 under fp32, no shared prefix."""
+    kc, vc = kv.k, kv.v
+    if not isinstance(kc, Tensor) or not isinstance(vc, Tensor) or kv.prefix_k is not None or kv.attend_where_stored:
+        return False
+    read = kc.dtype is dtype or (kc.dtype is torch.bfloat16 and dtype is torch.float32)
+    return (
+        read and vc.dtype is kc.dtype and kc.is_cpu and vc.is_cpu and kc.stride() == vc.stride() and kc.stride(-1) == 1
+    )
+
+
+def _products(x: Tensor, p: Params, keys: tuple[str, ...], rows: int, k: int) -> tuple[_Products, list[int]] | None:
+    """The matrices ``keys`` of ``p`` as ``layer.c`` multiplies rows of ``k`` columns by them with int8 activations,
+    and each one's outputs; None where one of them is not multiplied so, has a bias, or differs from the first in
+    width or rotation."""
+    forms = [int8_activations_form(x, p[key], rows) for key in keys]
+    if any(f is None for f in forms) or any(key.removesuffix("weight") + "bias" in p for key in keys):
+        return None
+    first = forms[0]
+    assert first is not None
+    if any(f is None or (f.shape[1], f.rotation) != (first.shape[1], first.rotation) for f in forms):
+        return None
+    args = int8_products(k, tuple((f.q, f.scale32()) for f in forms if f is not None), first.rotation)
+    outputs = [f.shape[0] for f in forms if f is not None]
+    return _Products((_I64 * 15)(*args), first.shape[1], first.rotation), outputs
+
+
+def _gain_serves(w: Tensor, n: int, dtype: torch.dtype, spec: LayerSpec) -> bool:
+    """A norm's gain as ``norm.c`` reads it (:func:`~robot_llm.llm.families.norm.rms_norm`'s own test): ``n``
+    values, contiguous, on the CPU, in x's dtype where it is applied in that dtype, else a float dtype."""
+    dtypes = (dtype,) if spec.gain_rounded else (torch.float32, torch.bfloat16, torch.float16)
+    return w.is_cpu and w.is_contiguous() and w.numel() == n and w.dtype in dtypes

@@ -1,0 +1,147 @@
+"""A decode step's Gemma 3 layer in one call of ours (``layer.c``): the family's Python path to the bit (logits and
+the cache the step wrote), over left-padded rows, sliding and global layers, int4 and int8 stores, fp32 and bf16
+compute, both caches the plan makes, one and two threads; and the Python path wherever the call cannot serve."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from robot_llm.llm.engine.streaming import StreamingModel
+from robot_llm.llm.families import decode_layer, gemma3
+from robot_llm.llm.families.config import module_plan
+from robot_llm.llm.families.family import random_weights
+from robot_llm.llm.families.gemma3 import Gemma3Config
+from robot_llm.llm.plan.cpu import cpu_flags
+from robot_llm.llm.store.int8act import ONE_CALL_ROWS, int8_activations_on_cpu
+from robot_llm.llm.store.writer import write_store
+
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="built where gemv.c is (AVX2, FMA)")
+
+#: Four query heads on two KV heads, a sliding window shorter than the prompt, every width our int8 products pad.
+CFG = Gemma3Config(
+    num_layers=2,
+    hidden_size=128,
+    intermediate_size=192,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=64,
+    vocab_size=500,
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window_size=5,
+    query_pre_attn_scalar=32,
+)
+
+
+@pytest.fixture(autouse=True)
+def int8_activations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """int8 activations on whatever this CPU's probe would say (``layer.c`` multiplies only with them)."""
+    monkeypatch.setenv("ROBOT_LLM_INT8_ACTIVATIONS", "1")
+    int8_activations_on_cpu.cache_clear()
+    yield
+    monkeypatch.undo()
+    int8_activations_on_cpu.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def gemma_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    weights = random_weights(CFG, seed=5, std=0.2)
+    root, out = tmp_path_factory.mktemp("gemma-layer"), {}
+    for dtype in ("int4", "int8"):
+        modules = (
+            (kind, index, weights.layers[index] if kind == "layer" else weights.resident[kind])
+            for kind, index, _ in module_plan(CFG)
+        )
+        write_store(root / dtype, CFG, modules, dtype=dtype)
+        out[dtype] = root / dtype
+    return out
+
+
+def _night(model: StreamingModel, ids: Tensor, pad: Tensor, steps: int) -> tuple[Tensor, list[Tensor]]:
+    """The prompt, then ``steps`` greedy tokens a row: every step's logits, and the cache's keys and values."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + steps, pad)
+    logits = [model.forward(ids, cache)[:, -1]]
+    for _ in range(steps):
+        logits.append(model.forward(logits[-1].argmax(-1)[:, None], cache)[:, -1])
+    held = [t for i in range(CFG.num_layers) for t in (cache.layer(i).k, cache.layer(i).v)]
+    return torch.stack(logits), [t.clone() if isinstance(t, Tensor) else t for t in held]
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every layer call's answer from decode_layer: True where it computed the layer."""
+    served: list[bool] = []
+    real = decode_layer.decode_layer
+
+    def counted(*args: object) -> Tensor | None:
+        out = real(*args)  # type: ignore[arg-type]
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(gemma3, "decode_layer", counted)
+    return served
+
+
+@pytest.mark.parametrize(
+    ("store", "dtype", "kv_dtype", "threads"),
+    [("int4", "fp32", "bf16", 1), ("int4", "fp32", None, 2), ("int8", "bf16", None, 2), ("int4", "bf16", None, 1)],
+)
+def test_the_one_call_layer_is_the_python_paths_to_the_bit(
+    gemma_stores: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    store: str,
+    dtype: str,
+    kv_dtype: str | None,
+    threads: int,
+) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = StreamingModel(gemma_stores[store], home="ram", device="cpu", dtype=dtype, kv_dtype=kv_dtype)
+        ids = torch.randint(3, 500, (3, 9), generator=torch.Generator().manual_seed(1))
+        pad = torch.tensor([0, 2, 6])  # the last row's prompt is three tokens: its masks differ from the others'
+        served = _counting(monkeypatch)
+        ours, our_cache = _night(model, ids, pad, steps=8)
+        assert sum(served) == 8 * CFG.num_layers  # every decode step's every layer, no prefill
+        monkeypatch.setattr(decode_layer, "enabled", lambda: False)
+        python, python_cache = _night(model, ids, pad, steps=8)
+        model.close()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(ours, python)
+    assert all(torch.equal(a, b) for a, b in zip(our_cache, python_cache, strict=True))
+    assert our_cache[0].dtype == getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[kv_dtype or dtype])
+
+
+def test_the_python_path_runs_what_one_call_cannot(
+    gemma_stores: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = _counting(monkeypatch)
+    ids = torch.randint(3, 500, (ONE_CALL_ROWS + 1, 4), generator=torch.Generator().manual_seed(2))
+    model = StreamingModel(gemma_stores["int4"], home="ram", device="cpu", dtype="fp32")
+    _night(model, ids, torch.zeros(ids.shape[0], dtype=torch.long), steps=1)  # more rows than one call takes
+    _night(model, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)
+    assert served == [False] * 3 * CFG.num_layers + [True] * CFG.num_layers  # prefills: the Python path
+    model.close()
+    served.clear()
+    for kv_dtype in ("int8", "int4"):  # a compressed cache: its codes are written and read by the Python path
+        model = StreamingModel(gemma_stores["int4"], home="ram", device="cpu", dtype="fp32", kv_dtype=kv_dtype)
+        _night(model, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)
+        model.close()
+    bf16 = StreamingModel(gemma_stores["int4"], home="ram", device="cpu", dtype="bf16", kv_dtype="fp32")
+    _night(bf16, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)  # an fp32 cache under bf16: cast for torch
+    bf16.close()
+    disk = StreamingModel(gemma_stores["int4"], home="disk", device="cpu", dtype="fp32")  # streamed: no int8 copy
+    _night(disk, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)
+    disk.close()
+    assert served and not any(served)
+    monkeypatch.setenv(decode_layer.ENV, "0")
+    decode_layer.enabled.cache_clear()
+    assert not decode_layer.enabled()
+    monkeypatch.undo()
+    decode_layer.enabled.cache_clear()
+    assert decode_layer.enabled()
