@@ -542,3 +542,21 @@ def test_rotated_quantization_is_the_fast_transform_then_the_rounding(dtype: tor
     exact = x @ w.T
     for y in (ours, torchs):
         assert float((y - exact).norm() / exact.norm()) < 0.02
+
+
+def test_a_busy_probe_does_not_turn_int8_activations_off_where_ours_multiplies(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = kernels()
+    assert lib is not None
+    exact = int8act._int8_gemm_exact()
+    monkeypatch.setattr(int8act, "_int8_gemm_fast", lambda: False)  # what a busy minute can make the timing say
+    int8act.int8_activations_on_cpu.cache_clear()
+    try:
+        # Where ours multiplies (its AVX2 body every call; its VNNI or AMX body: the CPU has what makes oneDNN's int8
+        # GEMM fast too), the timing is not asked: the same path whatever else the machine runs.
+        assert int8act.int8_activations_on_cpu() == (lib.int8_mm_body == "avx2" or bool(exact))
+        monkeypatch.setattr(int8act, "_ours_vnni", lambda: False)  # elsewhere the probe still decides
+        int8act.int8_activations_on_cpu.cache_clear()
+        assert int8act.int8_activations_on_cpu() == (lib.int8_mm_body == "avx2")
+    finally:
+        monkeypatch.undo()
+        int8act.int8_activations_on_cpu.cache_clear()

@@ -1,6 +1,7 @@
-"""A decode step's Gemma 3 layer in one call of ours (``layer.c``): the family's Python path to the bit (logits and
-the cache the step wrote), over left-padded rows, sliding and global layers, int4 and int8 stores, fp32 and bf16
-compute, both caches the plan makes, one and two threads; and the Python path wherever the call cannot serve."""
+"""A decode step's layer in one call of ours (``layer.c``): the family's Python path to the bit (logits and the cache
+the step wrote) for Gemma 3, Qwen 3 (q/k norms) and Mistral (Llama's layer, a sliding window), over left-padded rows,
+sliding and global layers, int4 and int8 stores, fp32 and bf16 compute, both caches the plan makes, one and two
+threads; and the Python path wherever the call cannot serve."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 from torch import Tensor
 
 from robot_llm.llm.engine.streaming import StreamingModel
-from robot_llm.llm.families import decode_layer, gemma3
-from robot_llm.llm.families.config import module_plan
+from robot_llm.llm.families import decode_layer, gemma3, llama
+from robot_llm.llm.families.config import ModelConfig, module_plan
 from robot_llm.llm.families.family import random_weights
 from robot_llm.llm.families.gemma3 import Gemma3Config
+from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.cpu import cpu_flags
 from robot_llm.llm.store.int8act import ONE_CALL_ROWS, int8_activations_on_cpu
 from robot_llm.llm.store.writer import write_store
@@ -36,6 +38,18 @@ CFG = Gemma3Config(
     sliding_window_size=5,
     query_pre_attn_scalar=32,
 )
+LLAMA = dict(CFG.to_dict(), rms_norm_eps=1e-5)
+for key in ("layer_types", "sliding_window_size", "query_pre_attn_scalar", "rope_local_base_freq"):
+    LLAMA.pop(key)
+for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope_scaling_factor"):
+    LLAMA.pop(key, None)
+CONFIGS: dict[str, ModelConfig] = {
+    "gemma3": CFG,
+    "qwen3": LlamaConfig(**LLAMA, qk_norm=True),
+    "mistral": LlamaConfig(**LLAMA, sliding_window_size=5),
+}
+#: Qwen 2's q, k and v have biases, which ``layer.c`` does not add.
+BIASED = LlamaConfig(**LLAMA, qkv_bias=True)
 
 
 @pytest.fixture(autouse=True)
@@ -49,16 +63,18 @@ def int8_activations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def gemma_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    weights = random_weights(CFG, seed=5, std=0.2)
-    root, out = tmp_path_factory.mktemp("gemma-layer"), {}
-    for dtype in ("int4", "int8"):
-        modules = (
-            (kind, index, weights.layers[index] if kind == "layer" else weights.resident[kind])
-            for kind, index, _ in module_plan(CFG)
-        )
-        write_store(root / dtype, CFG, modules, dtype=dtype)
-        out[dtype] = root / dtype
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Each family's random weights as an int4 and an int8 store."""
+    root, out = tmp_path_factory.mktemp("one-call-layer"), {}
+    for name, cfg in {**CONFIGS, "qwen2": BIASED}.items():
+        weights = random_weights(cfg, seed=5, std=0.2)
+        for dtype in ("int4", "int8"):
+            modules = (
+                (kind, index, weights.layers[index] if kind == "layer" else weights.resident[kind])
+                for kind, index, _ in module_plan(cfg)
+            )
+            write_store(root / name / dtype, cfg, modules, dtype=dtype)
+            out[name, dtype] = root / name / dtype
     return out
 
 
@@ -83,16 +99,19 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return out
 
     monkeypatch.setattr(gemma3, "decode_layer", counted)
+    monkeypatch.setattr(llama, "decode_layer", counted)
     return served
 
 
+@pytest.mark.parametrize("family", CONFIGS)
 @pytest.mark.parametrize(
     ("store", "dtype", "kv_dtype", "threads"),
     [("int4", "fp32", "bf16", 1), ("int4", "fp32", None, 2), ("int8", "bf16", None, 2), ("int4", "bf16", None, 1)],
 )
 def test_the_one_call_layer_is_the_python_paths_to_the_bit(
-    gemma_stores: dict[str, Path],
+    stores: dict[tuple[str, str], Path],
     monkeypatch: pytest.MonkeyPatch,
+    family: str,
     store: str,
     dtype: str,
     kv_dtype: str | None,
@@ -101,7 +120,7 @@ def test_the_one_call_layer_is_the_python_paths_to_the_bit(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = StreamingModel(gemma_stores[store], home="ram", device="cpu", dtype=dtype, kv_dtype=kv_dtype)
+        model = StreamingModel(stores[family, store], home="ram", device="cpu", dtype=dtype, kv_dtype=kv_dtype)
         ids = torch.randint(3, 500, (3, 9), generator=torch.Generator().manual_seed(1))
         pad = torch.tensor([0, 2, 6])  # the last row's prompt is three tokens: its masks differ from the others'
         served = _counting(monkeypatch)
@@ -118,27 +137,30 @@ def test_the_one_call_layer_is_the_python_paths_to_the_bit(
 
 
 def test_the_python_path_runs_what_one_call_cannot(
-    gemma_stores: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    stores: dict[tuple[str, str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     served = _counting(monkeypatch)
     ids = torch.randint(3, 500, (ONE_CALL_ROWS + 1, 4), generator=torch.Generator().manual_seed(2))
-    model = StreamingModel(gemma_stores["int4"], home="ram", device="cpu", dtype="fp32")
+    model = StreamingModel(stores["gemma3", "int4"], home="ram", device="cpu", dtype="fp32")
     _night(model, ids, torch.zeros(ids.shape[0], dtype=torch.long), steps=1)  # more rows than one call takes
     _night(model, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)
     assert served == [False] * 3 * CFG.num_layers + [True] * CFG.num_layers  # prefills: the Python path
     model.close()
     served.clear()
     for kv_dtype in ("int8", "int4"):  # a compressed cache: its codes are written and read by the Python path
-        model = StreamingModel(gemma_stores["int4"], home="ram", device="cpu", dtype="fp32", kv_dtype=kv_dtype)
+        model = StreamingModel(stores["gemma3", "int4"], home="ram", device="cpu", dtype="fp32", kv_dtype=kv_dtype)
         _night(model, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)
         model.close()
-    bf16 = StreamingModel(gemma_stores["int4"], home="ram", device="cpu", dtype="bf16", kv_dtype="fp32")
+    bf16 = StreamingModel(stores["gemma3", "int4"], home="ram", device="cpu", dtype="bf16", kv_dtype="fp32")
     _night(bf16, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)  # an fp32 cache under bf16: cast for torch
     bf16.close()
-    disk = StreamingModel(gemma_stores["int4"], home="disk", device="cpu", dtype="fp32")  # streamed: no int8 copy
+    disk = StreamingModel(stores["gemma3", "int4"], home="disk", device="cpu", dtype="fp32")  # streamed: no int8 copy
     _night(disk, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)
     disk.close()
-    assert served and not any(served)
+    biased = StreamingModel(stores["qwen2", "int4"], home="ram", device="cpu", dtype="fp32")
+    _night(biased, ids[:2], torch.zeros(2, dtype=torch.long), steps=1)
+    biased.close()
+    assert len(served) == 5 * 2 * CFG.num_layers and not any(served)  # five nights of a prefill and a step
     monkeypatch.setenv(decode_layer.ENV, "0")
     decode_layer.enabled.cache_clear()
     assert not decode_layer.enabled()

@@ -496,7 +496,8 @@ def test_int8_activations_need_an_int8_gemm_faster_than_fp32(monkeypatch: pytest
     """Exact is not enough: an exact but slow int8 GEMM (torch's fallback on an AVX2 EPYC, 20x under fp32) keeps
     the weight-only kernels unless they are asked for."""
     assert isinstance(int8act._int8_gemm_fast(), bool)
-    monkeypatch.setattr(int8act, "_ours_multiply_every_call", lambda: False)  # a VNNI build, or none of ours
+    monkeypatch.setattr(int8act, "_ours_multiply_every_call", lambda: False)  # none of ours: the timing decides
+    monkeypatch.setattr(int8act, "_ours_vnni", lambda: False)
     monkeypatch.setattr(int8act, "_int8_gemm_exact", lambda: True)
     monkeypatch.setattr(int8act, "_int8_gemm_fast", lambda: False)
     int8_activations_on_cpu.cache_clear()

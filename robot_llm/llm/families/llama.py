@@ -35,6 +35,7 @@ from robot_llm.llm.families.config import (
     from_fields,
     hf_rope,
 )
+from robot_llm.llm.families.decode_layer import LayerSpec, decode_layer
 from robot_llm.llm.families.family import (
     GATE_UP,
     Family,
@@ -103,12 +104,32 @@ def attention(a_in: Tensor, p: Params, cfg: LlamaConfig, step: StepInfo, kv: Lay
 def transformer_layer(
     x: Tensor, p: Params, cfg: LlamaConfig, layer_index: int, step: StepInfo, kv: LayerKV | None = None
 ) -> Tensor:
-    """One pre-RMSNorm decoder layer with a SwiGLU MLP."""
+    """One pre-RMSNorm decoder layer with a SwiGLU MLP (a decode step's in one call of ours where it can,
+    :func:`~robot_llm.llm.families.decode_layer.decode_layer`: the same values)."""
     del layer_index
+    if (fused := decode_layer(x, p, kv, step, layer_spec(cfg))) is not None:
+        return fused
     h = step.kept(x) + attention(norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), p, cfg, step, kv)
     m = norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     hidden = gated(*linears(m, p, *GATE_UP), "silu")
     return h + linear(hidden, p["mlp.down_proj.weight"])
+
+
+def layer_spec(cfg: LlamaConfig) -> LayerSpec:
+    """Every layer as :func:`transformer_layer` computes it, for ``layer.c``: no norm after the attention or the MLP
+    (their residual added as it is), Qwen 3's q/k norms where the config has them."""
+    qk = ("self_attn.q_norm.weight", "self_attn.k_norm.weight") if cfg.qk_norm else (None, None)
+    return LayerSpec(
+        norms=("input_layernorm.weight", *qk, None, "post_attention_layernorm.weight", None),
+        eps=cfg.rms_norm_eps,
+        offset=0.0,
+        gain_rounded=True,
+        activation="silu",
+        scale=1.0 / math.sqrt(cfg.head_dim),
+        softcap=None,
+        window=cfg.sliding_window_size,
+        rotary="rope",
+    )
 
 
 def output_head(x: Tensor, resident: Resident, cfg: LlamaConfig) -> Tensor:

@@ -44,7 +44,8 @@ def int8_activations_on_cpu() -> bool:
     """True when calls on the CPU quantize their activations to int8 and multiply int8 by int8 (ours, or
     ``torch._int_mm``, oneDNN's s8s8s32 GEMM; which rows, :func:`int8_activations_for`), as llama.cpp multiplies its
     blocks: by default where that GEMM is exact (VNNI: AVX512-VNNI, AVX-VNNI, AMX; :func:`weight_levels`) and faster
-    than the fp32 GEMM (:func:`_int8_gemm_fast`). ``ROBOT_LLM_INT8_ACTIVATIONS=1`` turns them on on any CPU with the
+    than the fp32 GEMM: where ours multiplies with VNNI or AMX (:func:`_ours_vnni`), else as :func:`_int8_gemm_fast`
+    measures. ``ROBOT_LLM_INT8_ACTIVATIONS=1`` turns them on on any CPU with the
     kernel (without VNNI the rotated weights then keep 7 bits, which costs accuracy: Gemma 3 270M +1.2 % ru
     perplexity on the AVX2 kernels), ``0`` off (the weight-only kernels), e.g. to measure one path against the other
     in separate processes.
@@ -62,7 +63,7 @@ def int8_activations_on_cpu() -> bool:
     exact = _int8_gemm_exact()
     if exact is None:
         return False
-    return asked in ("1", "true", "yes", "on") or (exact and _int8_gemm_fast())
+    return asked in ("1", "true", "yes", "on") or (exact and (_ours_vnni() or _int8_gemm_fast()))
 
 
 def weight_levels() -> int:
@@ -81,6 +82,16 @@ def _ours_multiply_every_call() -> bool:
     GEMM's 40-60 GFLOP/s at a batched decode step's shapes."""
     lib = gemv.kernels()
     return lib is not None and lib.int8_mm_body == "avx2"
+
+
+def _ours_vnni() -> bool:
+    """Whether our int8 x int8 product was built with VNNI or AMX (:attr:`~robot_llm.llm.store.gemv.Kernels.
+    int8_mm_body`): then the CPU has what makes oneDNN's int8 GEMM 2-8x the fp32 one, and :func:`_int8_gemm_fast`'s
+    timing is not asked. Its microseconds turn on a busy minute (2 threads beside two busy processes: 1 probe in 6
+    said slower, seen on a 2-core AVX512-VNNI VM), and its answer would switch the whole process's int8 activations
+    off: a night computing other numbers, slower, because something else ran when it started."""
+    lib = gemv.kernels()
+    return lib is not None and lib.int8_mm_body in ("vnni", "amx")
 
 
 @functools.cache
