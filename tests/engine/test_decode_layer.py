@@ -5,6 +5,7 @@ threads; and the Python path wherever the call cannot serve."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -167,3 +168,29 @@ def test_the_python_path_runs_what_one_call_cannot(
     monkeypatch.undo()
     decode_layer.enabled.cache_clear()
     assert decode_layer.enabled()
+
+
+def test_what_a_layer_keeps_of_its_weights_goes_with_them(
+    stores: dict[tuple[str, str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = torch.randint(3, 500, (2, 4), generator=torch.Generator().manual_seed(3))
+    before = set(decode_layer._HELD)
+    model = StreamingModel(stores["gemma3", "int4"], home="ram", device="cpu", dtype="fp32")
+    first, _ = _night(model, ids, torch.zeros(2, dtype=torch.long), steps=2)
+    assert len(set(decode_layer._HELD) - before) == CFG.num_layers  # one entry a layer, made on the first step
+    # Another matrix in a layer's place (layer 1's q in layer 0): that layer's products are gathered again.
+    params = model.ram_params[0]
+    params["self_attn.q_proj.weight"] = model.ram_params[1]["self_attn.q_proj.weight"]
+    swapped, _ = _night(model, ids, torch.zeros(2, dtype=torch.long), steps=2)
+    monkeypatch.setattr(decode_layer, "enabled", lambda: False)
+    python, _ = _night(model, ids, torch.zeros(2, dtype=torch.long), steps=2)
+    monkeypatch.undo()
+    assert torch.equal(swapped, python) and not torch.equal(swapped[1:], first[1:])
+    model.close()
+    del model, params
+    gc.collect()
+    assert set(decode_layer._HELD) <= before  # the engine's weights are gone, and what was kept of them
+    again = StreamingModel(stores["gemma3", "int4"], home="ram", device="cpu", dtype="fp32")
+    second, _ = _night(again, ids, torch.zeros(2, dtype=torch.long), steps=2)
+    again.close()
+    assert torch.equal(first, second)

@@ -1,19 +1,21 @@
 """A decode step's decoder layer in one call of ours (``layer.c``): the same kernels the family's Python path calls,
 in the same order on the same operands (so the same output, to the bit), without the Python between them.
 
-A batch-1 decode step of Gemma 3 270M makes some 15 kernel calls a layer; between them its Python (the checks of
-each call, views, a new tensor each) took about 3 ms of a 30 ms step at 1 thread and of an 18 ms one at 2 (2-core
-Emerald Rapids VM, AVX512-VNNI, fp32 compute): time no thread count shrinks. :func:`decode_layer` takes a layer
-whole where every part of it is one of our kernels' (:func:`decode_layer`'s list), and says None otherwise: the
-family then runs its Python path, which handles every case. ``ROBOT_LLM_ONE_CALL_LAYER=0`` turns it off.
-"""
+A batch-1 decode step of Gemma 3 270M made some 15 kernel calls a layer; the Python between them (each call's
+checks, views, a new tensor) took about 5 ms of a 31 ms step at 1 thread and of a 20 ms one at 2 (2-core Emerald
+Rapids VM, AVX512-VNNI, fp32 compute): time no thread count shrinks. Now it is one call a layer and under 1 ms a
+step. :func:`decode_layer` takes a layer whole where every part of it is one of our kernels' (its list), and says
+None otherwise: the family then runs its Python path, which handles every case. ``ROBOT_LLM_ONE_CALL_LAYER=0``
+turns it off."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import os
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,8 +23,8 @@ from torch import Tensor
 from robot_llm.llm.engine.kv_cache import LayerKV
 from robot_llm.llm.families.family import GATE_UP, QKV, Params, StepInfo, int8_activations_form
 from robot_llm.llm.families.gated import ACTIVATIONS
-from robot_llm.llm.store.gemv import int8_products, kernels, plain_rows
-from robot_llm.llm.store.int8act import int8_kernels_for
+from robot_llm.llm.store.gemv import Kernels, int8_products, kernels, plain_rows
+from robot_llm.llm.store.int8act import int8_activations_for, int8_kernels_for
 
 ENV = "ROBOT_LLM_ONE_CALL_LAYER"
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -58,7 +60,7 @@ class LayerSpec:
     layer; the post norms then add their residual to the product as it is), how they scale (``offset``,
     ``gain_rounded``: :func:`~robot_llm.llm.families.norm.rms_norm`'s), the MLP's activation
     (:data:`~robot_llm.llm.families.gated.ACTIVATIONS`), the attention's score scale and soft-cap, the layer's
-    sliding window (None: causal) and rotary table."""
+    sliding window (None: causal), rotary table and head size."""
 
     norms: tuple[str | None, ...]  # input, q, k, post-attention, pre-MLP, post-MLP
     eps: float
@@ -69,6 +71,7 @@ class LayerSpec:
     softcap: float | None
     window: int | None
     rotary: str
+    head_dim: int
 
 
 @functools.cache
@@ -87,15 +90,63 @@ def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec:
     * x contiguous fp32 or bf16 on the CPU, of at most :data:`~robot_llm.llm.store.int8act.ONE_CALL_ROWS` rows;
     * every matrix multiplied with int8 activations (:func:`~robot_llm.llm.families.family.int8_activations_form`),
       no biases, and each group (q, k, v; gate, up) of one width and rotation;
-    * the norms' gains contiguous and in one float dtype, the rotary and the mask as the step makes them."""
+    * the norms' gains contiguous and in one float dtype, the rotary and the mask as the step makes them.
+
+    What comes of the weights alone is made once per layer and kept while they live (:func:`_weights`)."""
     if x.shape[1] != 1 or kv is None or step.last_only or not plain_rows(x) or not enabled():
         return None
     lib, kc, vc, dtype, rows = kernels(), kv.k, kv.v, x.dtype, x.shape[0]
     ours = int8_kernels_for(rows)
-    if lib is None or ours is None or ours.linears is None or not _cache_serves(kv, dtype):
+    if lib is None or ours is None or ours.linears is None or not int8_activations_for(rows, dtype):
         return None
-    H, cos, sin, mask = x.shape[-1], *step.rotary[spec.rotary], step.mask_for(spec.window)
-    hd, kv_heads, S = cos.shape[-1], kc.shape[2], kv.start + 1
+    held = _weights(x, p, spec, lib) if _cache_serves(kv, dtype) else None
+    if held is None:
+        return None
+    (cos, sin), mask, S, hd = step.rotary[spec.rotary], step.mask_for(spec.window), kv.start + 1, spec.head_dim
+    shape = (rows, 1, 1, hd)
+    if x.shape[-1] != held.hidden or kc.shape[2] != held.kv_heads or kc.shape[3] != hd or kc.shape[1] < S:
+        return None
+    if cos.dtype is not dtype or sin.dtype is not dtype or cos.shape != shape or sin.shape != shape:
+        return None
+    if not (cos.is_contiguous() and sin.is_contiguous() and mask.dtype is torch.bool and mask.shape == (rows, 1, 1, S)):
+        return None
+    out, layer = torch.empty_like(x), _Layer.from_buffer_copy(held)
+    layer.x, layer.out, layer.rows, layer.threads = x.data_ptr(), out.data_ptr(), rows, torch.get_num_threads()
+    layer.k_cache, layer.v_cache, layer.kv_dtype = kc.data_ptr(), vc.data_ptr(), lib.dtype_codes[kc.dtype]
+    layer.sb, layer.ss, layer.sh = kc.stride()[:3]
+    layer.slot, layer.S, layer.mb, layer.ms = kv.start, S, mask.stride(0), mask.stride(3)
+    layer.mask, layer.cos, layer.sin = mask.data_ptr(), cos.data_ptr(), sin.data_ptr()
+    if lib.lib.rl_decode_layer(ctypes.byref(layer)):
+        raise MemoryError(f"decode_layer: no memory for the buffers of {rows} rows")
+    return out
+
+
+#: :func:`_weights`' answers by the id of the layer's down projection: weak references to every weight it read (the
+#: answer stands while they are these), x's dtype, the spec, and the answer. An entry goes with that matrix.
+_HELD: dict[int, tuple[tuple[weakref.ref[Any], ...], torch.dtype, LayerSpec, _Layer | None]] = {}
+
+
+def _weights(x: Tensor, p: Params, spec: LayerSpec, lib: Kernels) -> _Layer | None:
+    """The layer's fields that come of its weights and x's dtype (the products, norms, sizes and constants), the
+    rest zero; None where they are not what ``layer.c`` multiplies and norms. Made once per layer: checking and
+    gathering them took some 150 us a layer, 2-3 ms of a batch-1 step (Gemma 3 270M, 1 thread)."""
+    weights = [p[key] for key in (*QKV, "self_attn.o_proj.weight", *GATE_UP, "mlp.down_proj.weight")]
+    weights += [p[key] for key in spec.norms if key is not None]
+    down = weights[6]
+    known = _HELD.get(id(down))
+    if known is not None and known[1] is x.dtype and known[2] == spec and len(known[0]) == len(weights):
+        if all(ref() is w for ref, w in zip(known[0], weights, strict=True)):
+            return known[3]
+    elif known is None:
+        weakref.finalize(down, _HELD.pop, id(down), None)
+    answer = _fields(x, p, spec, lib)
+    _HELD[id(down)] = (tuple(weakref.ref(w) for w in weights), x.dtype, spec, answer)
+    return answer
+
+
+def _fields(x: Tensor, p: Params, spec: LayerSpec, lib: Kernels) -> _Layer | None:
+    """:func:`_weights`' answer, made."""
+    rows, H, hd, dtype = x.shape[0], x.shape[-1], spec.head_dim, x.dtype
     qkv, gate_up = _products(x, p, QKV, rows, H), _products(x, p, GATE_UP, rows, H)
     if qkv is None or gate_up is None:
         return None
@@ -104,31 +155,21 @@ def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec:
     down = _products(x, p, ("mlp.down_proj.weight",), rows, inter)
     if o is None or down is None or o[1] != [H] or down[1] != [H] or up_n != inter or k_n != v_n:
         return None
-    heads = q_n // hd
-    if heads * hd != q_n or k_n != kv_heads * hd or heads % kv_heads or hd % 8 or kc.shape[3] != hd or kc.shape[1] < S:
+    heads, kv_heads = q_n // hd, k_n // hd
+    if heads * hd != q_n or kv_heads * hd != k_n or heads % kv_heads or hd % 8:
         return None
     norms, sizes = [None if key is None else p[key] for key in spec.norms], (H, hd, hd, H, H, H)
-    gains, shape = {w.dtype for w in norms if w is not None}, (rows, 1, 1, hd)
+    gains = {w.dtype for w in norms if w is not None}
     if len(gains) != 1 or not all(
         w is None or _gain_serves(w, n, dtype, spec) for w, n in zip(norms, sizes, strict=True)
     ):
         return None
-    if cos.dtype is not dtype or sin.dtype is not dtype or cos.shape != shape or sin.shape != shape:
-        return None
-    if not (cos.is_contiguous() and sin.is_contiguous() and mask.dtype is torch.bool and mask.shape == (rows, 1, 1, S)):
-        return None
-    codes, out = lib.dtype_codes, torch.empty_like(x)
-    layer = _Layer(
-        x.data_ptr(), out.data_ptr(), rows, H, heads, kv_heads, hd, inter, codes[dtype], codes[gains.pop()],
-        spec.gain_rounded, ACTIVATIONS[spec.activation], lib.activation_levels, torch.get_num_threads(),
-        spec.eps, spec.offset, spec.scale, spec.softcap or 0.0,
+    codes = lib.dtype_codes
+    return _Layer(
+        0, 0, 0, H, heads, kv_heads, hd, inter, codes[dtype], codes[gains.pop()], spec.gain_rounded,
+        ACTIVATIONS[spec.activation], lib.activation_levels, 0, spec.eps, spec.offset, spec.scale, spec.softcap or 0.0,
         *[0 if w is None else w.data_ptr() for w in norms], qkv[0], o[0], gate_up[0], down[0],
-        kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], kv.start, S, mask.stride(0), mask.stride(3),
-        codes[kc.dtype], 0, mask.data_ptr(), cos.data_ptr(), sin.data_ptr(),
     )  # fmt: skip
-    if lib.lib.rl_decode_layer(ctypes.byref(layer)):
-        raise MemoryError(f"decode_layer: no memory for the buffers of {rows} rows")
-    return out
 
 
 def _cache_serves(kv: LayerKV, dtype: torch.dtype) -> bool:

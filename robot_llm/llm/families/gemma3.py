@@ -130,6 +130,7 @@ def layer_spec(cfg: Gemma3Config, index: int) -> LayerSpec:
         softcap=cfg.attn_logit_softcapping,
         window=cfg.sliding_window(index),
         rotary=cfg.layer_types[index],
+        head_dim=cfg.head_dim,
     )
 
 

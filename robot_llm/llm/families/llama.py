@@ -129,6 +129,7 @@ def layer_spec(cfg: LlamaConfig) -> LayerSpec:
         softcap=None,
         window=cfg.sliding_window_size,
         rotary="rope",
+        head_dim=cfg.head_dim,
     )
 
 

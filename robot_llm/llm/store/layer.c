@@ -3,7 +3,7 @@
  * kernel the families' Python path calls for it (rl_rms_norm, rl_int8_linear, rl_decode_attention, rl_gated), in
  * the same order on the same operands, so the layer's output is that path's to the bit.
  *
- * A batch-1 step of Gemma 3 270M spent about 3 ms of its 18-30 in the Python between those calls (some 15 calls a
+ * A batch-1 step of Gemma 3 270M spent about 5 ms of its 20-31 in the Python between those calls (some 15 calls a
  * layer, each with its checks, views and a new tensor), whatever the threads: a share of the step that grows as
  * the threads shrink the kernels' own time. */
 #include <stdint.h>
