@@ -212,6 +212,7 @@ class StepInfo:
 
         Made on first use, for these rows only: a prefill split into micro-batches makes each one's (the whole batch's
         at once were 4 x 17 MB of Gemma 3 270M's two tables at 32 rows of 512, resident all the prefill long)."""
+        warm_trigonometry(torch.get_num_threads())
         rotary = {}
         for name, inv_freq in self.rope.items():
             # float32 angles exactly as torch.outer(t, inv_freq) computes them, then cos/sin, then the dtype.
@@ -248,6 +249,16 @@ class StepInfo:
             dtype=self.dtype,
             last_only=self.last_only,
         )
+
+
+@functools.cache
+def warm_trigonometry(threads: int) -> None:
+    """One cos and sin over enough values to reach ``threads`` threads, once, before the rotary tables: torch 2.13's
+    first cos of a process split over threads can compute one thread's part another way (a 2-core Emerald Rapids
+    VM, 2 threads, 1 process in 4-6: 32,252 of 65,536 values not the next call's; 34,068 not the fp64 cos rounded,
+    against 3,632 on every later call), and a night's first prefill then differed from an identical later one."""
+    x = torch.linspace(0.0, 1000.0, threads * 65536)
+    x.cos(), x.sin()
 
 
 def prepare_step(
