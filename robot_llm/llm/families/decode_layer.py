@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from robot_llm.llm.engine.kv_cache import LayerKV
+from robot_llm.llm.engine.kv_cache import LayerKV, reads_in_place
 from robot_llm.llm.families.family import GATE_UP, QKV, Params, StepInfo, int8_activations_form
 from robot_llm.llm.families.gated import ACTIVATIONS
+from robot_llm.llm.families.norm import gain_serves
 from robot_llm.llm.store.gemv import Kernels, int8_products, kernels, plain_rows
 from robot_llm.llm.store.int8act import int8_activations_for, int8_kernels_for
 
@@ -99,12 +100,12 @@ def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec:
     ours = int8_kernels_for(rows)
     if lib is None or ours is None or ours.linears is None or not int8_activations_for(rows, dtype):
         return None
-    held = _weights(x, p, spec, lib) if _cache_serves(kv, dtype) else None
+    held = _weights(x, p, spec, lib) if _cache_serves(kv, x) else None
     if held is None:
         return None
     (cos, sin), mask, S, hd = step.rotary[spec.rotary], step.mask_for(spec.window), kv.start + 1, spec.head_dim
     shape = (rows, 1, 1, hd)
-    if x.shape[-1] != held.hidden or kc.shape[2] != held.kv_heads or kc.shape[3] != hd or kc.shape[1] < S:
+    if kc.shape[2] != held.kv_heads or kc.shape[3] != hd or kc.shape[1] < S:
         return None
     if cos.dtype is not dtype or sin.dtype is not dtype or cos.shape != shape or sin.shape != shape:
         return None
@@ -161,7 +162,7 @@ def _fields(x: Tensor, p: Params, spec: LayerSpec, lib: Kernels) -> _Layer | Non
     norms, sizes = [None if key is None else p[key] for key in spec.norms], (H, hd, hd, H, H, H)
     gains = {w.dtype for w in norms if w is not None}
     if len(gains) != 1 or not all(
-        w is None or _gain_serves(w, n, dtype, spec) for w, n in zip(norms, sizes, strict=True)
+        w is None or gain_serves(w, n, dtype, spec.gain_rounded) for w, n in zip(norms, sizes, strict=True)
     ):
         return None
     codes = lib.dtype_codes
@@ -172,13 +173,13 @@ def _fields(x: Tensor, p: Params, spec: LayerSpec, lib: Kernels) -> _Layer | Non
     )  # fmt: skip
 
 
-def _cache_serves(kv: LayerKV, dtype: torch.dtype) -> bool:
+def _cache_serves(kv: LayerKV, x: Tensor) -> bool:
     """Whether ``layer.c`` writes and reads this layer's cache as the Python path does: plain CPU tensors alike in
     dtype and strides, their head dimension contiguous, in the compute dtype or bf16 under fp32, no shared prefix."""
     kc, vc = kv.k, kv.v
     if not isinstance(kc, Tensor) or not isinstance(vc, Tensor) or kv.prefix_k is not None or kv.attend_where_stored:
         return False
-    read = kc.dtype is dtype or (kc.dtype is torch.bfloat16 and dtype is torch.float32)
+    read = kc.dtype is x.dtype or reads_in_place(kc, x)
     return (
         read and vc.dtype is kc.dtype and kc.is_cpu and vc.is_cpu and kc.stride() == vc.stride() and kc.stride(-1) == 1
     )
@@ -198,10 +199,3 @@ def _products(x: Tensor, p: Params, keys: tuple[str, ...], rows: int, k: int) ->
     args = int8_products(k, tuple((f.q, f.scale32()) for f in forms if f is not None), first.rotation)
     outputs = [f.shape[0] for f in forms if f is not None]
     return _Products((_I64 * 15)(*args), first.shape[1], first.rotation), outputs
-
-
-def _gain_serves(w: Tensor, n: int, dtype: torch.dtype, spec: LayerSpec) -> bool:
-    """A norm's gain as ``norm.c`` reads it (:func:`~robot_llm.llm.families.norm.rms_norm`'s own test): ``n``
-    values, contiguous, on the CPU, in x's dtype where it is applied in that dtype, else a float dtype."""
-    dtypes = (dtype,) if spec.gain_rounded else (torch.float32, torch.bfloat16, torch.float16)
-    return w.is_cpu and w.is_contiguous() and w.numel() == n and w.dtype in dtypes

@@ -54,12 +54,7 @@ def _norm_kernel_serves(
     if not plain_rows(x):
         return False
     dtype = x.dtype
-    if weight is not None and not (
-        weight.is_cpu
-        and weight.is_contiguous()
-        and weight.numel() == x.shape[-1]
-        and weight.dtype in ((dtype,) if gain_rounded else _GAIN_DTYPES)
-    ):
+    if weight is not None and not gain_serves(weight, x.shape[-1], dtype, gain_rounded):
         return False
     if rotary is not None:
         if x.dim() < 2:
@@ -73,6 +68,13 @@ def _norm_kernel_serves(
     ):
         return False
     return kernels() is not None
+
+
+def gain_serves(weight: Tensor, n: int, dtype: torch.dtype, gain_rounded: bool) -> bool:
+    """Whether ``norm.c`` reads ``weight`` as the gain of rows of ``n`` values in ``dtype``: contiguous, on the CPU,
+    ``n`` values, in that dtype where it is applied in it (``gain_rounded``), else a float dtype."""
+    dtypes = (dtype,) if gain_rounded else _GAIN_DTYPES
+    return weight.is_cpu and weight.is_contiguous() and weight.numel() == n and weight.dtype in dtypes
 
 
 #: The dtypes of a gain ``norm.c`` applies in float32 (not rounded to x's dtype first).

@@ -66,20 +66,18 @@ static int norm(const decode_layer *L, const void *x, int64_t rows, int64_t n, c
                        rotary ? L->cos : NULL, rotary ? L->sin : NULL, heads, residual, out, L->threads);
 }
 
-/* Row b's `heads` x hd values of `from` (dtype) into the cache's slot, rounded to its dtype as torch's copy rounds. */
+/* Each row's kv_heads x hd values of `from` (dtype) into the cache's slot: as they are in the cache's dtype, or fp32
+ * rounded to a bf16 cache as torch's copy rounds (the two caches decode_layer.py lets through). */
 static void store(const decode_layer *L, const void *from, void *cache) {
     size_t esize = L->kv_dtype == RL_BF16 ? 2 : 4;
     for (int64_t b = 0; b < L->rows; b++)
         for (int64_t g = 0; g < L->kv_heads; g++) {
             int64_t at = (b * L->kv_heads + g) * L->hd;
             char *to = (char *)cache + (size_t)(b * L->sb + L->slot * L->ss + g * L->sh) * esize;
-            if (L->kv_dtype == L->dtype) {
+            if (L->kv_dtype == L->dtype)
                 memcpy(to, (const char *)from + (size_t)at * esize, (size_t)L->hd * esize);
-            } else if (L->kv_dtype == RL_BF16) {
+            else
                 for (int64_t j = 0; j < L->hd; j++) ((uint16_t *)to)[j] = float_to_bf16(((const float *)from)[at + j]);
-            } else {
-                for (int64_t j = 0; j < L->hd; j++) ((float *)to)[j] = load_float(from, L->dtype, at + j);
-            }
         }
 }
 
