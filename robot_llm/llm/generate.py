@@ -25,11 +25,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from robot_llm.llm.engine.finite import check_logits
+from robot_llm.llm.engine.finite import check_logits, check_rows
 from robot_llm.llm.engine.kv_cache import KVCache
 from robot_llm.llm.engine.slots import tree_layout
 from robot_llm.llm.families.family import ForwardModel
-from robot_llm.llm.sampling import choose_token
+from robot_llm.llm.sampling import choose_tokens
 from robot_llm.llm.scoring import (
     Followup,
     StepLogits,
@@ -229,12 +229,13 @@ def _run_batch(
     while True:
         trees: dict[int, Tree] = carried
         seconds, carried = set(trees), {}
-        for b, r in enumerate(rows):
-            if not bool(cache.slots.active[b]):
-                continue
-            # Only live rows: a finished row's masked position means nothing.
-            check_logits(logits[b], model)
-            r.push(choose_token(logits[b], r.params, r.generator), tokenizer)
+        # Only live rows: a finished row's masked position means nothing.
+        live = cache.slots.active.nonzero().flatten().tolist()
+        check_rows(logits, live, model)
+        chosen = choose_tokens(logits, live, [rows[b].params for b in live], [rows[b].generator for b in live])
+        for b, token in zip(live, chosen, strict=True):
+            r = rows[b]
+            r.push(token, tokenizer)
             if r.finish is None:
                 continue
             cache.slots.active[b] = False

@@ -2,11 +2,14 @@
 
 The filter keeps the set the original keeps by sorting the whole vocabulary, without the sort
 (:func:`kept_tokens`); a draw is one uniform number of the row's own generator against the kept tokens'
-cumulative weights.
+cumulative weights. A decode step's rows are chosen together (:func:`choose_tokens`) by ``sample.c``, the same
+filter and draw in one pass or three over each row, where our kernels are built; torch's ops are the reference
+and the fallback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,8 +89,44 @@ def greedy_tokens(logits: Tensor) -> Tensor:
 def choose_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token from one row of fp32 logits ``[V]``: the argmax, or one draw from the softmax over
     :func:`kept_tokens` (one uniform number of ``generator`` against their cumulative weights)."""
+    return choose_tokens(logits.reshape(1, -1), [0], [params], [generator])[0]
+
+
+def choose_tokens(
+    logits: Tensor,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """The next token of each row ``rows[j]`` of fp32 logits ``[B, V]`` by ``params[j]``, as :func:`choose_token`
+    picks it (a sampled row's draw one uniform number of ``generators[j]``): ``sample.c``'s, every row in one call
+    spread over the threads, where it is built and the rows are CPU fp32; else torch's, a row at a time
+    (:func:`kept_tokens`). torch's took 57 ms to sample a batch-32 step of Gemma 3 270M's 262k vocabulary at
+    temperature 0.7 and top-p 0.9 (one core), more than the forward step."""
+    lib = kernels()
+    if lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        return [choose_in_torch(logits[b], p, g) for b, p, g in zip(rows, params, generators, strict=True)]
+    draws = [
+        0.0 if p.greedy else float(torch.rand(1, generator=g, dtype=torch.float64))
+        for p, g in zip(params, generators, strict=True)
+    ]
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    u, index = torch.tensor(draws, dtype=torch.float64), torch.tensor(rows, dtype=torch.int64)
+    out = torch.empty(len(rows), dtype=torch.int64)
+    args = (temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), out.data_ptr())
+    vocab, threads = logits.shape[-1], torch.get_num_threads()
+    if lib.lib.rl_sample_rows(logits.data_ptr(), logits.stride(0), vocab, index.data_ptr(), len(rows), *args, threads):
+        raise MemoryError(f"choose_tokens: no memory for a row of {vocab} logits")
+    return out.tolist()
+
+
+def choose_in_torch(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """:func:`choose_token` by torch's ops, a row at a time: the reference ``sample.c`` is tested against, and the
+    way where it is not built."""
     if params.greedy:
-        return int(greedy_tokens(logits))
+        return int(torch.argmax(logits, dim=-1))
     ids, values = kept_tokens(logits, params.temperature, params.top_k, params.top_p)
     cumulative = torch.cumsum(torch.exp(values - values.max()).double(), dim=0)  # fp32 sums lose the tail
     draw = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]

@@ -3,10 +3,20 @@ as sorting every token, the draws distributed as the filtered softmax."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from robot_llm.llm.generate import SamplingParams
-from robot_llm.llm.sampling import TOP_P_REACH, choose_token, filter_logits, greedy_tokens, kept_tokens
+from robot_llm.llm.sampling import (
+    TOP_P_REACH,
+    choose_in_torch,
+    choose_token,
+    choose_tokens,
+    filter_logits,
+    greedy_tokens,
+    kept_tokens,
+)
+from robot_llm.llm.store.gemv import kernels
 
 
 def _sorted_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[list[float], float]:
@@ -93,3 +103,72 @@ def test_greedy_tokens_are_torchs_argmax() -> None:
         assert torch.equal(greedy_tokens(x), torch.argmax(x, -1)), dtype
         assert greedy_tokens(x[1]).shape == () and int(greedy_tokens(x[1])) == 7
     assert greedy_tokens(rows[:, :5].t().contiguous().t()).tolist() == torch.argmax(rows[:, :5], -1).tolist()
+
+
+@pytest.mark.skipif(kernels() is None, reason="sample.c is built where gemv.c is (AVX2, FMA, a C compiler)")
+def test_a_batch_of_rows_is_chosen_as_torch_chooses_each() -> None:
+    """sample.c, every row in one call, against torch's ops a row at a time: the same tokens, with the same draws
+    of each row's generator, for logits as peaked as a model's (a few dozen tokens within reach of the top; a flat
+    row keeps thousands, and there the exponentials' last bits move a draw by a rank)."""
+    g = torch.Generator().manual_seed(7)
+    for case in range(24):
+        vocab = (7, 50, 5003, 262144)[case % 4]  # below, at and past a vector's width; a tail past the last vector
+        rows = 9
+        logits = torch.randn(rows, vocab, generator=g) * (4.0, 6.0, 10.0)[case % 3]
+        if case % 5 == 0:
+            logits = logits.bfloat16().float()  # ties
+        if case % 6 == 1:
+            logits[:, ::4] = float("-inf")  # masked tokens
+        logits[3] = logits[3].max() + 1.0  # a whole row tied at its top
+        logits = torch.cat([logits, torch.zeros(rows, 3)], 1)[:, :vocab]  # rows apart by more than their width
+        params = [
+            SamplingParams(
+                temperature=(0.7, 1.0, 1.3)[(case + b) % 3],
+                top_k=(0, 0, 5, 40, 3000)[(case + b) % 5],
+                top_p=(0.9, 0.0, 0.5, 1.0)[(case + b) % 4],
+                greedy=b == 4,
+            )
+            for b in range(rows)
+        ]
+        chosen = [1, 3, 4, 6, 8]  # some rows only, in order: a finished row is not chosen for
+        generators = [torch.Generator().manual_seed(100 * case + b) for b in chosen]
+        ours = choose_tokens(logits, chosen, [params[b] for b in chosen], generators)
+        generators_again = [torch.Generator().manual_seed(100 * case + b) for b in chosen]
+        want = [choose_in_torch(logits[b], params[b], gen) for b, gen in zip(chosen, generators_again, strict=True)]
+        assert ours == want, (case, vocab)
+        # one draw of each sampled row's generator, none of the greedy row's: the next draws are torch's next
+        assert [float(torch.rand(1, generator=a)) for a in generators] == [
+            float(torch.rand(1, generator=b)) for b in generators_again
+        ]
+
+
+@pytest.mark.skipif(kernels() is None, reason="sample.c is built where gemv.c is (AVX2, FMA, a C compiler)")
+def test_the_draws_ends_are_the_kept_sets() -> None:
+    """A uniform number of 0 draws the most probable kept token and one just below 1 the least probable: the
+    kept set's ends, which must be kept_tokens' (the sorted vocabulary's) on flat rows too."""
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(9)
+    checked = 0
+    for case in range(30):
+        vocab = (50, 5000, 262144)[case % 3]
+        logits = torch.randn(vocab, generator=g) * (0.3, 1.0, 3.0)[case % 3]
+        temperature, top_k, top_p = (0.7, 1.3)[case % 2], (0, 40, 3000)[case % 3], (0.5, 0.9)[case % 2]
+        _, margin = _sorted_filter(logits, temperature, top_k, top_p)
+        if margin < 1e-6:  # a cut within rounding of p: either side is right
+            continue
+        ids, _ = kept_tokens(logits, temperature, top_k, top_p)
+        ends = []
+        for u in (0.0, 1.0 - 2.0**-53):
+            out = torch.empty(1, dtype=torch.int64)
+            args = [torch.tensor(v, dtype=d) for v, d in ((temperature, torch.float32), (top_k, torch.int64))]
+            args += [torch.tensor(top_p, dtype=torch.float64), torch.tensor(u, dtype=torch.float64)]
+            index = torch.zeros(1, dtype=torch.int64)
+            failed = lib.lib.rl_sample_rows(
+                logits.data_ptr(), vocab, vocab, index.data_ptr(), 1, *[a.data_ptr() for a in args], out.data_ptr(), 1
+            )
+            assert failed == 0
+            ends.append(int(out))
+        assert ends == [int(ids[0]), int(ids[-1])], (case, len(ids))
+        checked += 1
+    assert checked >= 20

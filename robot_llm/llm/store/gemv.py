@@ -9,10 +9,10 @@ every call torch's fused int8 kernel would, faster at every row count measured (
 Its int8 x int8 product (AMX tiles, AVX512-VNNI or AVX2) serves the calls whose activations are quantized.
 
 It also holds the families' RMSNorm with its rotary or residual add (``norm.c``), the attention of one new position
-(``attend.c``), the int8 head's epilogue, and a decode step's layer of them in one call (``layer.c``). Without a
-compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``, :func:`gemv_available` is False and the
-callers keep torch's. It is cached under ``~/.cache/robot-llm/kernels`` (``XDG_CACHE_HOME``), named by a hash of
-the sources, the flags, the compiler and the CPU's features.
+(``attend.c``), the int8 head's epilogue, a decode step's layer of them in one call (``layer.c``) and the choice of
+the next tokens (``sample.c``). Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``,
+:func:`gemv_available` is False and the callers keep torch's. It is cached under ``~/.cache/robot-llm/kernels``
+(``XDG_CACHE_HOME``), named by a hash of the sources, the flags, the compiler and the CPU's features.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-#: Every file of the shared object: the few-row products, then the many-row ones, norms, attention, gated MLP, layer.
-SOURCES = tuple(SOURCE.with_name(f) for f in ("gemv.c", "gemm.c", "norm.c", "attend.c", "gated.c", "layer.c"))
+#: Every file of the shared object: few-row products, many-row ones, norms, attention, gated MLP, layer, sampling.
+SOURCES = tuple(
+    SOURCE.with_name(f) for f in ("gemv.c", "gemm.c", "norm.c", "attend.c", "gated.c", "layer.c", "sample.c")
+)
 HEADERS = (SOURCE.with_name("floats.h"), SOURCE.with_name("vectors.h"))
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}  # int8: a KV cache's codes
@@ -144,6 +146,7 @@ class Kernels:
             "rl_argmax_rows": ([_PTR, _INT, _INT64, _INT64, _PTR, _INT], None),
             "rl_gated": ([_PTR, _PTR, _INT64, _INT, _INT, _PTR, _INT], None),
             "rl_decode_layer": ([_PTR], _INT),  # its one argument: decode_layer.py's Structure
+            "rl_sample_rows": ([_PTR, _INT64, _INT64, _PTR, _INT64, *[_PTR] * 5, _INT], _INT),
             "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], _INT),
             "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _INT, _INT, _INT], _INT),
             **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
@@ -202,14 +205,9 @@ class Kernels:
 
         np_, kp = codes.shape[0], 2 * codes.shape[1]
         groups = scales_and_zeros.shape[0]
-        if (
-            not codes.is_contiguous()
-            or np_ % 64
-            or scales_and_zeros.dtype != torch.bfloat16
-            or not scales_and_zeros.is_contiguous()
-            or scales_and_zeros.shape[1:] != (np_, 2)
-            or kp % groups
-        ):
+        sz = scales_and_zeros
+        aligned = codes.is_contiguous() and np_ % 64 == 0 and kp % groups == 0
+        if not aligned or sz.dtype != torch.bfloat16 or not sz.is_contiguous() or sz.shape[1:] != (np_, 2):
             raise ValueError(
                 f"int4_matmul needs contiguous codes of 64-row blocks and bf16 scales and zeros [groups, Np, 2], "
                 f"got codes {tuple(codes.shape)} and {scales_and_zeros.dtype} {tuple(scales_and_zeros.shape)}"
