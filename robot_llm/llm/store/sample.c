@@ -2,10 +2,11 @@
  * sampling.py's kept_tokens and choose_token define them, a row to a thread.
  *
  * A night samples (temperature 0.7, top-p 0.9 by default), and torch's way took some ten whole-vocabulary ops a
- * row, each a new tensor: Gemma 3 270M's 262k vocabulary, a batch-32 step on one core, 57 ms to choose its tokens
- * against 54 ms for the forward step that made their logits. Here a row is divided by its temperature once into a
- * buffer that stays in L2, and its largest value, its sum of exponentials and its candidates (the tokens within
- * `reach` of the largest, which top-p sorts) each take one pass over it.
+ * row, each a new tensor: Gemma 3 270M's 262k vocabulary, a batch-32 step on one core, 33-89 ms to choose its
+ * tokens (benchmarks/sampling.py, Zen 5) against 54 ms for the forward step that made their logits; here 4.5-5.7.
+ * A row is divided by its temperature once into a buffer that stays in L2, and its largest value, its sum of
+ * exponentials and its candidates (the tokens within `reach` of the largest, which top-p sorts) each take one pass
+ * over it; top-k's k-th largest value is a heap of the k largest, which most vectors of the row pass untouched.
  *
  * The same set as kept_tokens keeps, and the same draw: the candidates in the same order (most probable first, ties
  * by id), the same comparisons in the same precision (the cumulative probabilities in double, each term divided by
