@@ -102,7 +102,8 @@ def choose_tokens(
     picks it (a sampled row's draw one uniform number of ``generators[j]``): ``sample.c``'s, every row in one call
     spread over the threads, where it is built and the rows are CPU fp32; else torch's, a row at a time
     (:func:`kept_tokens`). torch's took 33-89 ms to sample a batch-32 step of Gemma 3 270M's 262k vocabulary at
-    temperature 0.7 and top-p 0.9 on one core, as much as the forward step; ours 4.5-5.7 (``benchmarks/sampling.py``)."""
+    temperature 0.7 and top-p 0.9 on one core, as much as the forward step; ours 4.5-5.7
+    (``benchmarks/sampling.py``)."""
     lib = kernels()
     if lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
         return [choose_in_torch(logits[b], p, g) for b, p, g in zip(rows, params, generators, strict=True)]
