@@ -311,6 +311,8 @@ def test_the_heads_int8_product_comes_out_in_fp32_in_one_pass(monkeypatch: pytes
     acc = torch.randint(-(2**20), 2**20, (5, 1003), dtype=torch.int32, generator=g)
     scale, row_scale = torch.rand(1003, generator=g), torch.rand(5, 1, generator=g)
     assert torch.equal(lib.scale_int32(acc, scale, row_scale), acc.float().mul_(scale).mul_(row_scale))
+    want = acc.float().mul_(scale).mul_(row_scale).bfloat16()  # rounded once, to nearest even, as torch's cast
+    assert torch.equal(lib.scale_int32(acc, scale, row_scale, bf16=True), want)
     with pytest.raises(ValueError, match="products"):
         lib.scale_int32(acc.t(), scale, row_scale)
     # The int8 head at a batch-32 decode step with int8 activations (on wherever the CPU has VNNI; taken here on
@@ -542,6 +544,9 @@ def test_rotated_quantization_is_the_fast_transform_then_the_rounding(dtype: tor
     exact = x @ w.T
     for y in (ours, torchs):
         assert float((y - exact).norm() / exact.norm()) < 0.02
+    for dtype in (torch.float32, torch.bfloat16):  # torch's product (oneDNN's: a VNNI build's prefill), our epilogue
+        want = int8act.int8_gemm(x.to(dtype), packed.q, packed.scale32(), packed.rotation).to(dtype)
+        assert torch.equal(int8_dynamic_linear(x.to(dtype), packed), want), dtype
 
 
 def test_a_busy_probe_does_not_turn_int8_activations_off_where_ours_multiplies(monkeypatch: pytest.MonkeyPatch) -> None:

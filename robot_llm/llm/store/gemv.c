@@ -95,15 +95,21 @@ int rl_int8_gemv(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, in
     return 0;
 }
 
-/* The epilogue of an int8 x int8 product: out [m, n] = (float)acc * scale[col] * row_scale[row], fp32, in one pass
- * and in torch's order of ops (int32 -> fp32, times the weight's scale, times the row's). For the LM head's
- * 32 x 262,144 logits the torch ops (a conversion, two in-place products, then casts to the compute dtype and back)
- * made five passes over 33 MB: 51 ms of a 250 ms batch-32 decode step, 1 thread. */
-void rl_scale_int32(const int32_t *acc, int64_t m, int64_t n, const float *scale, const float *row_scale, float *out,
-                    int threads) {
+/* The epilogue of an int8 x int8 product: out [m, n] = (float)acc * scale[col] * row_scale[row], fp32 (or rounded
+ * to bf16 where out_bf16), in one pass and in torch's order of ops (int32 -> fp32, times the weight's scale, times
+ * the row's, then the cast). For the LM head's 32 x 262,144 logits the torch ops (a conversion, two in-place
+ * products, then casts to the compute dtype and back) made five passes over 33 MB: 51 ms of a 250 ms batch-32 decode
+ * step, 1 thread; a prefill's products, oneDNN's past our VNNI body's rows, spent a fifth of the prefill in theirs. */
+void rl_scale_int32(const int32_t *acc, int64_t m, int64_t n, const float *scale, const float *row_scale, void *out,
+                    int out_bf16, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) out[i * n + j] = (float)acc[i * n + j] * scale[j] * row_scale[i];
+    for (int64_t i = 0; i < m; i++) {
+        if (out_bf16)
+            for (int64_t j = 0; j < n; j++)
+                ((uint16_t *)out)[i * n + j] = float_to_bf16((float)acc[i * n + j] * scale[j] * row_scale[i]);
+        else
+            for (int64_t j = 0; j < n; j++) ((float *)out)[i * n + j] = (float)acc[i * n + j] * scale[j] * row_scale[i];
+    }
 }
 
 /* idx[i] = the first column of row i of x [m, n] (fp32 or bf16, rows contiguous) holding the row's largest value,

@@ -141,7 +141,7 @@ class Kernels:
             **{name: (int4, _INT) for name in ("rl_int4_gemm", "rl_int4_gemv")},
             "rl_rms_norm": ([*norm, _PTR, _PTR, _INT64, _PTR, _PTR, _INT], _INT),
             "rl_decode_attention": ([*attend, _PTR, *[_INT64] * 3, _FLOAT, _FLOAT, _PTR, _INT], _INT),
-            "rl_scale_int32": ([_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT], None),
+            "rl_scale_int32": ([_PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], None),
             "rl_quantize_rows": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _PTR, _INT], _INT),
             "rl_argmax_rows": ([_PTR, _INT, _INT64, _INT64, _PTR, _INT], None),
             "rl_gated": ([_PTR, _PTR, _INT64, _INT, _INT, _PTR, _INT], None),
@@ -369,9 +369,10 @@ class Kernels:
         self.lib.rl_gated(gate.data_ptr(), up.data_ptr(), gate.numel(), kind, bf16, out.data_ptr(), threads)
         return out
 
-    def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor) -> Tensor:
-        """An int8 x int8 product's fp32 values, in one pass: ``acc int32 [M, N]`` (contiguous) times ``scale fp32
-        [N]`` and ``row_scale fp32 [M, 1]``, as ``acc.float().mul_(scale).mul_(row_scale)`` computes them."""
+    def scale_int32(self, acc: Tensor, scale: Tensor, row_scale: Tensor, bf16: bool = False) -> Tensor:
+        """An int8 x int8 product's fp32 values (rounded to bf16 with ``bf16``), in one pass: ``acc int32 [M, N]``
+        (contiguous) times ``scale fp32 [N]`` and ``row_scale fp32 [M, 1]``, as ``acc.float().mul_(scale).mul_(
+        row_scale)`` (then ``.bfloat16()``) computes them."""
         import torch
 
         m, n = acc.shape
@@ -379,9 +380,9 @@ class Kernels:
         if not acc.is_contiguous() or scale.numel() != n or row_scale.numel() != m:
             sizes = f"{scale.numel()} and {row_scale.numel()} scales"
             raise ValueError(f"scale_int32: {tuple(acc.shape)} products (contiguous?) by {sizes}")
-        out = torch.empty(m, n, dtype=torch.float32)
+        out = torch.empty(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
         args = (acc.data_ptr(), m, n, scale.data_ptr(), row_scale.data_ptr(), out.data_ptr())
-        self.lib.rl_scale_int32(*args, torch.get_num_threads())
+        self.lib.rl_scale_int32(*args, bf16, torch.get_num_threads())
         return out
 
     def rms_norm(
