@@ -78,3 +78,35 @@ def test_chunked_prefill_attention_is_the_whole_calls(
     whole = grouped_attention(q, k, v, mask, scale)
     assert len(calls) == 1
     assert (got - whole).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(("n", "kv", "pads", "window"), [(4, 1, [0, 2 * QUERY_CHUNK + 5], None), (2, 2, [3, 0], 70)])
+def test_bf16_chunks_take_the_eager_way_where_bf16_is_native(
+    n: int, kv: int, pads: list[int], window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU multiplies bf16 natively a chunk is two matmuls and a softmax (transformers' eager way, 2-3x
+    torch's fused kernel in bf16), unless one of its queries sees no key: that chunk stays fused, its pad slots zero."""
+    T, hd, scale = 4 * QUERY_CHUNK + 9, 16, 0.25
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(len(pads), T, width, hd, generator=g).bfloat16() for width in (n, kv, kv))
+    mask = _mask(pads, T, 0, window)
+    eager: list[int] = []
+    ways = attention._eager
+
+    def counted(*args: object) -> Tensor:
+        eager.append(1)
+        return ways(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "_eager", counted)
+    monkeypatch.setattr(attention, "cpu_has_native_bf16", lambda: True)
+    got = grouped_attention(q, k, v, mask, scale)
+    chunks = -(-T // QUERY_CHUNK)
+    with_pads = sum(1 for t0 in range(0, T, QUERY_CHUNK) if any(pad > t0 for pad in pads))
+    assert len(eager) == chunks - with_pads > 0
+    assert (got.double() - _naive(q, k, v, mask, scale)).abs().max() <= 0.03  # bf16 probabilities and output
+    for b, pad in enumerate(pads):
+        assert torch.count_nonzero(got[b, :pad]) == 0
+    monkeypatch.setattr(attention, "cpu_has_native_bf16", lambda: False)
+    fused = grouped_attention(q, k, v, mask, scale)
+    assert len(eager) == chunks - with_pads  # no more
+    assert (got.double() - fused.double()).abs().max() <= 0.03
