@@ -41,6 +41,19 @@ def _mask(pads: list[int], T: int, prefix: int, window: int | None) -> Tensor:
     return torch.stack(rows)[:, None]
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """A list that grows by one at every call of ``attention.<name>`` (which still runs)."""
+    calls: list[int] = []
+    function = getattr(attention, name)
+
+    def counted(*args: object) -> Tensor:
+        calls.append(1)
+        return function(*args)
+
+    monkeypatch.setattr(attention, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize(
     ("n", "kv", "pads", "prefix", "window"),
     [
@@ -59,14 +72,7 @@ def test_chunked_prefill_attention_is_the_whole_calls(
     k = torch.randn(len(pads), prefix + T, kv, hd, generator=g)
     v = torch.randn(len(pads), prefix + T, kv, hd, generator=g)
     mask = _mask(pads, T, prefix, window)
-    calls: list[int] = []
-    chunked = attention._chunked_attention
-
-    def counted(*args: object) -> Tensor:
-        calls.append(1)
-        return chunked(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(attention, "_chunked_attention", counted)
+    calls = _counted(monkeypatch, "_chunked_attention")
     got = grouped_attention(q, k, v, mask, scale)
     assert calls, "a prefill this long takes the chunks"
     expected = _naive(q, k, v, mask, scale)
@@ -90,14 +96,7 @@ def test_bf16_chunks_take_the_eager_way_where_bf16_is_native(
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(len(pads), T, width, hd, generator=g).bfloat16() for width in (n, kv, kv))
     mask = _mask(pads, T, 0, window)
-    eager: list[int] = []
-    ways = attention._eager
-
-    def counted(*args: object) -> Tensor:
-        eager.append(1)
-        return ways(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(attention, "_eager", counted)
+    eager = _counted(monkeypatch, "_eager")
     monkeypatch.setattr(attention, "cpu_has_native_bf16", lambda: True)
     got = grouped_attention(q, k, v, mask, scale)
     chunks = -(-T // QUERY_CHUNK)
