@@ -95,7 +95,8 @@ def grouped_attention(
     transformers' eager attention (scores scaled after the first matmul, tanh-capped where the family caps,
     softmax in float32, probabilities cast back, masked scores the dtype's minimum so that a fully masked row
     stays finite: 1.5 ms against 2.9 for torch 2.13's CPU flash kernel at batch 32 over 580 keys, bf16), and
-    the rest (a prefill) torch's fused attention, where a fully masked row (a pad slot) comes out zero.
+    the rest (a prefill) torch's fused attention, where a fully masked row (a pad slot) comes out zero, in chunks of
+    query positions (:func:`_chunked_attention`, which takes a bf16 chunk the eager way where bf16 is native).
     """
     B, T, n, hd = q.shape
     kv = k.shape[2]
@@ -144,7 +145,9 @@ def _chunked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
     chunk over the span of keys any of its queries may see (the mask's first to last allowed key): a prefill's
     causal triangle is not computed in full, and a sliding window's far keys are skipped. The values are the unchunked
     call's: a key outside the span is masked for every query of the chunk, and a chunk none of whose queries sees a
-    key (all pad slots) comes out zero, as a fully masked row does."""
+    key (all pad slots) comes out zero, as a fully masked row does. In bf16 on a CPU with native bf16, a chunk every
+    query of which sees a key is transformers' eager attention (:func:`_eager`) instead: the same values up to bf16's
+    rounding of the probabilities, which transformers' own eager attention makes too."""
     B, T, n, hd = q.shape
     kv = k.shape[2]
     group = n // kv
