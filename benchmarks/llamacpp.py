@@ -152,7 +152,7 @@ def runnable_binary(cache: Path, given: Path | None, isa: str) -> Path:
     binary = llama_binary(cache, given, isa)
     if given is not None or isa != "native":
         return binary
-    gguf = _demo_gguf()
+    gguf = demo_gguf()
     smoke = [str(binary), "-m", str(gguf), "-c", "64", "-npp", "16", "-ntg", "2", "-npl", "1", "-t", "1"]
     done = subprocess.run(smoke, capture_output=True, text=True)
     if done.returncode != -4:  # SIGILL
@@ -161,7 +161,8 @@ def runnable_binary(cache: Path, given: Path | None, isa: str) -> Path:
     return llama_binary(cache, None, "native-noamx")
 
 
-def _demo_gguf() -> Path:
+def demo_gguf() -> Path:
+    """The demo's Gemma 3 270M Q4_K_M GGUF, from its package; without it, one line saying how to install it."""
     from robot_llm.llm.store.demo_checkpoint import gemma_gguf
 
     gguf = gemma_gguf()
@@ -393,7 +394,7 @@ def main() -> None:
 
     if peer_isa() == "avx2":  # the children inherit it (see the module's docstring)
         os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    gguf = _demo_gguf()
+    gguf = demo_gguf()
     try:
         binary = runnable_binary(args.cache, args.llama_bin, peer_isa())
     except PeerUnavailable as exc:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llamacpp import DEFAULT_CACHE, _demo_gguf, cpu_features, log, store_for
+from llamacpp import DEFAULT_CACHE, cpu_features, demo_gguf, log, store_for
 
 FEEDS = Path(__file__).resolve().parent.parent / "robot_llm" / "demo_data" / "feeds"
 #: (name, temperature, top-k, top-p, greedy) of the rows compared: the config's default, a top-k one, greedy.
@@ -114,7 +114,7 @@ def main() -> None:
         file, way, threads, sampling = args.child
         print(json.dumps(child(Path(file), way, int(threads), int(sampling), args.reps)))
         return
-    store = store_for(_demo_gguf(), args.cache)
+    store = store_for(demo_gguf(), args.cache)
     logits_file = args.cache / f"sampling-logits-{args.batch}.pt"
     if not logits_file.is_file():
         log(f"the model's logits over the bundled news, {args.batch} rows, into {logits_file} (once)")

@@ -315,7 +315,7 @@ ONE_CALL_ROWS = 32
 class Int8Kernels:
     """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`int8_kernels_for`):
     ``quantize(rows, width, rotation)`` as :func:`quantize_input` computes it; ``matmul(q, codes, out, scale,
-    row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as :func:`int8_gemm`'s epilogue computes it;
+    row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as :func:`int8_gemm` computes it;
     None: torch's serves); ``linear(x, codes, scale, rotation)`` the whole of :func:`int8_dynamic_linear` in one
     call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linear`; None: past :data:`ONE_CALL_ROWS` rows), and
     ``linears`` several matrices' in one call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linears`, with it)."""
@@ -354,18 +354,10 @@ def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = Non
     quantized (:func:`quantize_input`), one int8 x int8 -> int32 GEMM over the stored codes (``ours`` where given,
     as :func:`int8_gemm`), then both scales (the output in ``x``'s dtype); all in one call of ours where it takes
     the call whole (:attr:`Int8Kernels.linear`)."""
-    import torch
-
     if ours is not None and ours.linear is not None:
         return ours.linear(x, w.q, w.scale32(), w.rotation)
-    lib = gemv.kernels()
-    # Where torch multiplies (oneDNN's GEMM: a VNNI build's prefill), our epilogue gives the output in x's dtype in
-    # one pass over the int32 sums (torch's four, on a fresh buffer each, were a fifth of a prefill at 1 thread).
-    epilogue = None
-    if lib is not None and x.dtype in (torch.float32, torch.bfloat16):
-        epilogue = functools.partial(lib.scale_int32, bf16=x.dtype == torch.bfloat16)
-    y = int8_gemm(x, w.q, w.scale32(), w.rotation, epilogue=epilogue, ours=ours)
-    return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+    y = int8_gemm(x, w.q, w.scale32(), w.rotation, ours=ours, dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def int8_dynamic_linears(x: Tensor, ws: list[PackedInt8], ours: Int8Kernels | None = None) -> list[Tensor]:
@@ -384,28 +376,31 @@ def int8_gemm(
     scale: Tensor,
     rotation: int = 0,
     acc: Tensor | None = None,
-    epilogue: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
     ours: Int8Kernels | None = None,
     out: Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """``x [..., K] @ (codes [N, Kp] * scale [N, 1]).T`` in fp32 ``[M, N]``, where ``codes``' input columns were
-    rotated by ``rotation`` (0: none): the rows padded, rotated and quantized to int8 first (:func:`quantize_input`),
-    one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to fp32, then both scales in place (a
-    mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for 32 x 262,144 logits, 1 thread); or
-    ``epilogue(product, scale, row_scale)`` does that last step (our one-pass kernel,
-    :meth:`~robot_llm.llm.store.gemv.Kernels.scale_int32`). ``ours`` (:func:`~robot_llm.llm.store.gemv.
-    int8_kernels_for`) quantize and multiply as the torch ops do (the rotation as its fast transform); where ours
-    multiplies, the scales are applied in the product's own pass (the same values; ``acc`` and ``epilogue`` are not
-    needed), into ``out`` (contiguous fp32 ``[M, N]``) where given."""
+    """``x [..., K] @ (codes [N, Kp] * scale [N, 1]).T`` as ``[M, N]`` in ``dtype`` (fp32 where None), where
+    ``codes``' input columns were rotated by ``rotation`` (0: none): the rows padded, rotated and quantized to int8
+    first (:func:`quantize_input`), one int8 x int8 -> int32 GEMM (into ``acc [M, N]`` when given), converted to
+    fp32, then both scales (a mixed int32 x fp32 multiply is 3-4x slower: 34 against 4.5 ms for 32 x 262,144
+    logits, 1 thread) and the cast, in one pass of ours where it is built (:meth:`~robot_llm.llm.store.gemv.Kernels.
+    scale_int32`: torch's four passes over fresh buffers were a fifth of a VNNI build's prefill, whose products are
+    oneDNN's, at 1 thread), else torch's ops. ``ours`` (:func:`~robot_llm.llm.store.gemv.int8_kernels_for`)
+    quantize and multiply as the torch ops do (the rotation as its fast transform); where ours multiplies, the
+    scales are applied in the product's own pass (the same values; ``acc`` is not needed), into ``out``
+    (contiguous fp32 ``[M, N]``) where given."""
     import torch
 
+    dtype = dtype or torch.float32
     q, row_scale = quantize_input(x, codes.shape[1], rotation, ours)
     if ours is not None and ours.matmul is not None:
-        return ours.matmul(q, codes, out, scale, row_scale)  # the epilogue's values in the product's own pass
+        return ours.matmul(q, codes, out, scale, row_scale).to(dtype)  # the epilogue's values in the product's pass
     product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
-    if epilogue is not None:
-        return epilogue(product, scale, row_scale)
-    return product.float().mul_(scale).mul_(row_scale)
+    lib = gemv.kernels()
+    if lib is not None and dtype in (torch.float32, torch.bfloat16):
+        return lib.scale_int32(product, scale, row_scale, bf16=dtype == torch.bfloat16)
+    return product.float().mul_(scale).mul_(row_scale).to(dtype)
 
 
 def rotated_int8_copy(w: PackedInt4) -> PackedInt8:

@@ -233,12 +233,9 @@ class QuantizedTable:
                 if self._acc is None or self._acc.shape[0] < m:
                     self._acc = torch.empty(m, v, dtype=torch.int32)
                 acc = self._acc[:m]
-            # Our epilogue: fp32 logits in one pass (the forward pass wants fp32), not rounded to x's dtype and back.
-            lib = kernels()
-            epilogue = lib.scale_int32 if lib is not None else None
-            y = int8_gemm(x, self.q, self._scale32, self.rotation, acc, epilogue, ours, out)
-            if lib is None:
-                y = y.to(x.dtype)
+            # fp32 logits in our epilogue's one pass (the forward pass wants fp32), not rounded to x's dtype and back.
+            dtype = torch.float32 if kernels() is not None else x.dtype
+            y = int8_gemm(x, self.q, self._scale32, self.rotation, acc, ours, out, dtype)
             return (y if bias is None else y + bias).reshape(*lead, v)
         if self.rotation:
             x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
