@@ -265,8 +265,10 @@ def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch
             torch.set_num_threads(before)
         want = _attention_in_fp64(q, *exact, mask, hd**-0.5, softcap)
         assert got.shape == (B, 1, n * hd) and got.dtype == dtype
-        # bf16: its one rounding of the output; int8: the codes' products in fp32, then times their scales
-        tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-6 if cache == "float" else 4e-6
+        # bf16: its one rounding of the output; int8: the query and the probabilities as int16 codes (steps of 2^-15
+        # of each head's largest, through a few hundred products: ~2e-4 here, against the cache's own ~4e-3) where
+        # the head size is a whole number of the integer passes, else the codes' products in fp32
+        tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-6 if cache == "float" else 5e-4
         assert (got.double() - want).abs().max() <= tolerance * want.abs().max() + 1e-7, (B, n, kv, hd, S)
         if B > 1:
             assert not got[-1].any()
@@ -294,14 +296,15 @@ def test_grouped_attention_takes_the_kernel_for_decode_steps_only(monkeypatch: p
     grouped_attention(decode[..., :12], k[..., :12], v[..., :12], mask, 0.2)
     assert calls == [1]
     # An int8 cache (LayerKV.update hands it over as stored at a decode step): read in place by the kernel; with
-    # the kernel off, dequantized and attended by torch, to the same numbers within fp32 rounding.
+    # the kernel off, dequantized and attended by torch, to the same numbers within the kernel's int16 codes of the
+    # query and the probabilities (a head size of 32 takes them on an AVX2 build).
     quant = [QuantKV.empty((2, 7, 1, 32), "int8", "cpu") for _ in range(2)]
     for c, x in zip(quant, (k, v), strict=True):
         c.write(0, x)
     out8 = grouped_attention(decode, *quant, mask, 0.2)
     assert calls == [1, 1] and (out8 - out).abs().max() <= 0.05  # int8's own error against the float cache
     monkeypatch.setattr(attention, "kernels", lambda: None)
-    assert (grouped_attention(decode, *quant, mask, 0.2) - out8).abs().max() <= 1e-5
+    assert (grouped_attention(decode, *quant, mask, 0.2) - out8).abs().max() <= 5e-4 * out8.abs().max()
 
 
 def test_the_heads_int8_product_comes_out_in_fp32_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,8 +65,68 @@ static inline void vunpack(const uint16_t *p, vf *lo, vf *hi) {
 #define DOT_SERVES(q_dtype, kv_dtype, hd) 0
 #endif
 
-/* How score_block reads the keys: widened VL at a time, by bf16 dot products (DOT_SERVES), or by vunpack. */
-enum { KEYS_WIDENED, KEYS_DOT, KEYS_PAIRED };
+/* An int8 cache multiplied in integers (KEYS_INT8, weigh_int8): the keys' codes widened to int16 against the query
+ * as int16 codes (one scale a head), the values' codes against the probabilities as int16 codes, pairs of int16
+ * products summed into int32 lanes (vpdpwssd, or vpmaddwd and an add): one instruction for 2 x VL products, where
+ * widening the codes to fp32 took two for VL values before their FMAs, which left an int8 cache slower to attend
+ * than a bf16 one of twice its bytes. IW int16 values a vector. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+typedef __m512i vint;
+#define IW 32
+static inline vint vint_zero(void) { return _mm512_setzero_si512(); }
+static inline vint widen_codes(const void *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vint load_int16(const int16_t *p) { return _mm512_loadu_si512(p); }
+static inline vf int_floats(vint v) { return _mm512_cvtepi32_ps(v); }
+static inline vint bcast_pair(int32_t p) { return _mm512_set1_epi32(p); }
+#if defined(__AVX512VNNI__)
+static inline vint dot16(vint acc, vint a, vint b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#else
+static inline vint dot16(vint acc, vint a, vint b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
+/* The value codes of keys x and y, columns j .. j + 63, as four vectors of (x, y) int16 pairs: vpunpck interleaves
+ * within 128-bit lanes, so w[c] holds columns 32 (c / 2) + 8 (c % 2) + 16 (e / 8) + e % 8 (weighed_column). */
+static inline void value_pairs(const int8_t *x, const int8_t *y, vint w[4]) {
+    __m512i a = _mm512_loadu_si512(x), b = _mm512_loadu_si512(y);
+    __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
+    w[0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo));
+    w[1] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi));
+    w[2] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+    w[3] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+}
+static inline int64_t weighed_column(int64_t j) {
+    int64_t d = j % 64;
+    return j - d + 16 * (2 * (d / 32) + d % 16 / 8) + 8 * (d % 32 / 16) + d % 8;
+}
+#else
+typedef __m256i vint;
+#define IW 16
+static inline vint vint_zero(void) { return _mm256_setzero_si256(); }
+static inline vint widen_codes(const void *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline vint load_int16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vf int_floats(vint v) { return _mm256_cvtepi32_ps(v); }
+static inline vint bcast_pair(int32_t p) { return _mm256_set1_epi32(p); }
+static inline vint dot16(vint acc, vint a, vint b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+/* As the AVX512 body's, columns j .. j + 31: here w[c] holds columns 8c .. 8c + 7, in order. */
+static inline void value_pairs(const int8_t *x, const int8_t *y, vint w[4]) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)x), b = _mm256_loadu_si256((const __m256i *)y);
+    __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b);
+    w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo));
+    w[1] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi));
+    w[2] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1));
+    w[3] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1));
+}
+static inline int64_t weighed_column(int64_t j) { return j; }
+#endif
+/* Columns a pass of weigh_int8 takes: four vectors of IW / 2 int32 sums. */
+#define INT8_COLUMNS (2 * IW)
+/* The int16 codes' bound: a block of KBLK keys' products (at most 32767 x 127 each) stays within int32. */
+#define INT16_LEVELS 32767
+/* Where the integer products serve an int8 cache: whole passes of weigh_int8's columns. */
+#define INT8_SERVES(kv_dtype, hd) ((kv_dtype) == RL_INT8 && (hd) % INT8_COLUMNS == 0)
+
+/* How score_block reads the keys: widened VL at a time, by bf16 dot products (DOT_SERVES), by vunpack, or as int8
+ * codes against int16 ones (INT8_SERVES). */
+enum { KEYS_WIDENED, KEYS_DOT, KEYS_PAIRED, KEYS_INT8 };
 
 /* Where a bf16 cache is widened by vunpack, keys and values (two unpacks for 2 x VL values, against two widenings
  * and two shifts, the shifts on the FMAs' ports: a batch-32 step's 18 layers of 512 keys, 1 thread, AVX2 body,
@@ -102,11 +162,13 @@ static inline float scale_at(const uint16_t *scales, int64_t stride, int32_t s) 
  * own scale from kscales, kstride apart, too); `mode` KEYS_WIDENED: q fp32 [NB, hd]; KEYS_PAIRED: the same with
  * each block of 2 x VL columns in unpacked_column()'s order, as vunpack widens the bf16 keys; KEYS_DOT (DOT_SERVES):
  * the query's own bf16 [NB, hd] multiplied by the bf16 keys as they are, 32 products an instruction (exact
- * products, summed in fp32 as the FMAs do, but in pairs and with subnormals flushed). */
+ * products, summed in fp32 as the FMAs do, but in pairs and with subnormals flushed); KEYS_INT8 (INT8_SERVES): q as
+ * int16 codes [NB, hd] with one scale a head (qscale), against the int8 keys' codes, the sums exact in int32. */
 static inline __attribute__((always_inline)) void score_block(const void *q, int nb, int64_t hd, const char *keys,
                                                               int64_t stride, int dtype, const uint16_t *kscales,
                                                               int64_t kstride, const int32_t *live, int64_t count,
-                                                              float scale, float *scores, int64_t S, int mode) {
+                                                              float scale, const float *qscale, float *scores,
+                                                              int64_t S, int mode) {
     size_t esize = element_size(dtype);
     for (int64_t i = 0; i < count; i += KB) {
         int64_t kn = count - i < KB ? count - i : KB;
@@ -142,6 +204,22 @@ static inline __attribute__((always_inline)) void score_block(const void *q, int
                 for (int c = 0; c < KB; c++) acc[h * KB + c] = vfma(hi_q, hi[c], vfma(lo_q, lo[c], acc[h * KB + c]));
             }
         }
+        if (mode == KEYS_INT8) {
+            vint sums[HB * KB];
+            for (int a = 0; a < HB * KB; a++) sums[a] = vint_zero();
+            for (int64_t j = 0; j < hd; j += IW) {
+                vint kv[KB];
+                for (int c = 0; c < KB; c++) {
+                    if (j % 64 == 0) _mm_prefetch(ahead[c] + j, _MM_HINT_T0);
+                    kv[c] = widen_codes((const int8_t *)key[c] + j);
+                }
+                for (int h = 0; h < nb; h++) {
+                    vint qv = load_int16((const int16_t *)q + h * hd + j);
+                    for (int c = 0; c < KB; c++) sums[h * KB + c] = dot16(sums[h * KB + c], qv, kv[c]);
+                }
+            }
+            for (int a = 0; a < nb * KB; a++) acc[a] = int_floats(sums[a]);
+        }
         for (int64_t j = 0; mode == KEYS_WIDENED && j < hd; j += VL) {
             int64_t n = hd - j < VL ? hd - j : VL;
             for (int c = 0; c < KB; c++) _mm_prefetch(ahead[c] + j * esize, _MM_HINT_T0);
@@ -157,7 +235,9 @@ static inline __attribute__((always_inline)) void score_block(const void *q, int
             _mm_storeu_ps(sums, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
             for (int b = 0; b < 4; b++) {
                 int h = (a + b) / KB, c = (a + b) % KB;
-                if (h < nb && c < kn) scores[h * S + i + c] = sums[b] * scale_at(kscales, kstride, live[i + c]) * scale;
+                if (h < nb && c < kn)
+                    scores[h * S + i + c] = sums[b] * scale_at(kscales, kstride, live[i + c]) * scale *
+                                            (qscale == NULL ? 1.f : qscale[h]);
             }
         }
     }
@@ -212,6 +292,76 @@ static inline __attribute__((always_inline)) void weigh_block(const float *p, in
     }
 }
 
+/* weigh_block's sums over an int8 cache's values (INT8_SERVES) in integers: pc [NB][count rounded up to even] the
+ * probabilities times the values' scales as int16 codes, a pair of keys' codes one int32 (the first key's in the
+ * low half), with one scale a head (pscale); each pair of value rows widened to (x, y) int16 pairs (value_pairs),
+ * their products with the pair's codes summed in int32 over a block of KBLK keys, the block's sums added in fp32
+ * to out (fp32 [NB, hd], columns in weighed_column()'s order) and out times pscale at the end. */
+static inline __attribute__((always_inline)) void weigh_int8(const int32_t *pc, const float *pscale, int nb,
+                                                             int64_t hd, const char *values, int64_t stride,
+                                                             const int32_t *live, int64_t count, float *out,
+                                                             int64_t P) {
+    for (int64_t h = 0; h < nb * hd; h++) out[h] = 0.f;
+    for (int64_t i0 = 0; i0 < count; i0 += KBLK) {
+        int64_t i1 = count - i0 < KBLK ? count : i0 + KBLK;
+        for (int64_t j = 0; j < hd; j += INT8_COLUMNS) {
+            vint acc[HB][4];
+            for (int h = 0; h < nb; h++)
+                for (int c = 0; c < 4; c++) acc[h][c] = vint_zero();
+            for (int64_t i = i0; i < i1; i += 2) {
+                const int8_t *x = (const int8_t *)(values + (size_t)live[i] * stride) + j;
+                /* an odd last key pairs with itself, its partner's code 0 */
+                const int8_t *y = i + 1 < count ? (const int8_t *)(values + (size_t)live[i + 1] * stride) + j : x;
+                if (i + KBLK < count) { /* the same columns of the next block's pair, for its pass */
+                    _mm_prefetch((const char *)(values + (size_t)live[i + KBLK] * stride) + j, _MM_HINT_T0);
+                    if (i + KBLK + 1 < count)
+                        _mm_prefetch((const char *)(values + (size_t)live[i + KBLK + 1] * stride) + j, _MM_HINT_T0);
+                }
+                vint w[4];
+                value_pairs(x, y, w);
+                for (int h = 0; h < nb; h++) {
+                    vint pv = bcast_pair(pc[h * P + i / 2]);
+                    for (int c = 0; c < 4; c++) acc[h][c] = dot16(acc[h][c], w[c], pv);
+                }
+            }
+            for (int h = 0; h < nb; h++)
+                for (int c = 0; c < 4; c++) {
+                    float *to = out + h * hd + j + c * (IW / 2);
+                    vstore(to, vadd(vload(to, RL_FP32, 0, IW / 2), int_floats(acc[h][c])), IW / 2);
+                }
+        }
+    }
+    for (int h = 0; h < nb; h++) {
+        vf times = vset(pscale[h]);
+        for (int64_t j = 0; j < hd; j += VL) vstore(out + h * hd + j, vmul(vload(out + h * hd, RL_FP32, j, VL), times), VL);
+    }
+}
+
+/* Each of `group` heads' codes as int16 within -INT16_LEVELS..INT16_LEVELS times one scale a head, rounded to nearest
+ * even: from x [group, n] (fp32, rows `ld` apart) into codes [group, n] (pairs: [group, P] int32, a pair of
+ * consecutive values an int32, the odd last one paired with 0) and scales [group]. A head holding a NaN or an
+ * infinity gets a NaN scale, so that what it multiplies comes out NaN as it would in floats. */
+static void int16_codes(const float *x, int64_t group, int64_t n, int64_t ld, int pairs, int64_t P, void *codes,
+                        float *scales) {
+    for (int64_t h = 0; h < group; h++) {
+        const float *row = x + h * ld;
+        float most = 0.f;
+        for (int64_t i = 0; i < n; i++) {
+            float a = fabsf(row[i]);
+            most = a > most || a != a ? a : most;  /* a NaN stays */
+            if (most != most) break;
+        }
+        float step = most / INT16_LEVELS, inv = step > 0.f ? 1.f / step : 0.f;
+        scales[h] = isfinite(most) ? step : NAN;
+        int16_t *c16 = (int16_t *)codes + h * (pairs ? 2 * P : n);
+        for (int64_t i = 0; i < n; i++) {
+            float r = isfinite(most) ? nearbyintf(row[i] * inv) : 0.f;
+            c16[i] = (int16_t)(r > INT16_LEVELS ? INT16_LEVELS : r < -INT16_LEVELS ? -INT16_LEVELS : r);
+        }
+        if (pairs && n % 2) c16[n] = 0;
+    }
+}
+
 /* The softmax of each head's scores over its `count` live keys, in place (every key masked: nothing to do); with
  * `stats` (a part of the keys), left unnormalized: each head's largest score and its sum of exponentials go to
  * stats[2h], stats[2h + 1] for merge_parts. */
@@ -255,18 +405,23 @@ static void softmax_rows(float *scores, int64_t nb, int64_t S, int64_t count, fl
     }
 
 static void scores_for(const void *q, int64_t hd, const char *keys, int64_t stride, int dtype, const uint16_t *ks,
-                       int64_t kstride, const int32_t *live, int64_t count, float scale, float *scores, int64_t S,
-                       int64_t nb, int mode) {
-#define SCORE(q, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, mode, n) \
-    score_block(q, n, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, mode)
+                       int64_t kstride, const int32_t *live, int64_t count, float scale, const float *qscale,
+                       float *scores, int64_t S, int64_t nb, int mode) {
+#define SCORE(q, hd, keys, stride, dtype, ks, kstride, live, count, scale, qscale, scores, S, mode, n) \
+    score_block(q, n, hd, keys, stride, dtype, ks, kstride, live, count, scale, qscale, scores, S, mode)
     if (mode == KEYS_DOT) {
-        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, KEYS_DOT)
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, NULL, scores, S, KEYS_DOT)
     } else if (mode == KEYS_PAIRED) {
-        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, KEYS_PAIRED)
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, NULL, scores, S, KEYS_PAIRED)
+    } else if (mode == KEYS_INT8) {
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, qscale, scores, S, KEYS_INT8)
     } else {
-        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, scores, S, KEYS_WIDENED)
+        BY_HEADS(SCORE, nb, q, hd, keys, stride, dtype, ks, kstride, live, count, scale, NULL, scores, S, KEYS_WIDENED)
     }
 }
+
+#define WEIGH_INT8(pc, pscale, hd, values, stride, live, count, out, P, n) \
+    weigh_int8(pc, pscale, n, hd, values, stride, live, count, out, P)
 
 static void weights_for(const float *p, int64_t hd, const char *values, int64_t stride, int dtype,
                         const int32_t *live, int64_t count, float *out, int64_t S, int64_t nb, int pairs) {
@@ -300,12 +455,15 @@ static void merge_parts(const float *acc, const float *stats, int64_t parts, int
     }
 }
 
-/* `group` heads' outputs acc [group, hd] (columns in the weighing's order: unpacked_column where pairs) into out at
- * element `at`, in q's dtype. */
-static void write_heads(void *out, int q_dtype, const float *acc, int64_t at, int64_t group, int64_t hd, int pairs) {
+/* The order of the weighing's output columns: as they are, unpacked_column()'s (vunpack), weighed_column()'s. */
+enum { COLUMNS_IN_ORDER, COLUMNS_UNPACKED, COLUMNS_WEIGHED };
+
+/* `group` heads' outputs acc [group, hd] (columns in `order`) into out at element `at`, in q's dtype. */
+static void write_heads(void *out, int q_dtype, const float *acc, int64_t at, int64_t group, int64_t hd, int order) {
     for (int64_t h = 0; h < group; h++)
         for (int64_t j = 0; j < hd; j++) {
-            float value = acc[h * hd + (pairs ? unpacked_column(j) : j)];
+            int64_t col = order == COLUMNS_UNPACKED ? unpacked_column(j) : order == COLUMNS_WEIGHED ? weighed_column(j) : j;
+            float value = acc[h * hd + col];
             if (q_dtype == RL_BF16)
                 ((uint16_t *)out)[at + h * hd + j] = float_to_bf16(value);
             else
@@ -330,8 +488,10 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
     int64_t parts = B * kv_heads < threads ? threads / (B * kv_heads) : 1;
     int64_t items = B * kv_heads * parts;
     size_t esize = element_size(kv_dtype);
-    int pairs = PAIRS_SERVE(kv_dtype, hd);
-    int mode = DOT_SERVES(q_dtype, kv_dtype, hd) ? KEYS_DOT : pairs ? KEYS_PAIRED : KEYS_WIDENED;
+    int pairs = PAIRS_SERVE(kv_dtype, hd), ints = INT8_SERVES(kv_dtype, hd) && ks != NULL && vs != NULL;
+    int mode = DOT_SERVES(q_dtype, kv_dtype, hd) ? KEYS_DOT : pairs ? KEYS_PAIRED : ints ? KEYS_INT8 : KEYS_WIDENED;
+    int order = pairs ? COLUMNS_UNPACKED : ints ? COLUMNS_WEIGHED : COLUMNS_IN_ORDER;
+    int64_t P = (S + 1) / 2; /* int32 pairs of a head's probability codes (ints) */
     int failed = 0;
     /* With parts: each item's unnormalized outputs [group, hd] and its heads' (largest score, sum) pairs. */
     float *part_acc = parts > 1 ? malloc((size_t)(items * group * hd) * sizeof(float)) : NULL;
@@ -343,8 +503,15 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
          * and the live keys' positions. */
         float *qs = malloc((size_t)(group * (hd + S + hd)) * sizeof(float));
         int32_t *live = malloc((size_t)S * sizeof(int32_t));
-        if (qs == NULL || live == NULL) failed = 1;
-        int ready = qs != NULL && live != NULL && (parts == 1 || (part_acc != NULL && part_stats != NULL));
+        /* ints: the query's int16 codes [group, hd], the probabilities' pairs [group, P], and each one's scales */
+        int32_t *codes = ints ? malloc((size_t)(group * (hd / 2 + P)) * sizeof(int32_t)) : NULL;
+        float *code_scales = ints ? malloc((size_t)(2 * group) * sizeof(float)) : NULL;
+        if (qs == NULL || live == NULL || (ints && (codes == NULL || code_scales == NULL))) failed = 1;
+        int ready = qs != NULL && live != NULL && (parts == 1 || (part_acc != NULL && part_stats != NULL)) &&
+                    (!ints || (codes != NULL && code_scales != NULL));
+        int16_t *q16 = (int16_t *)codes;
+        int32_t *pc = codes == NULL ? NULL : codes + group * hd / 2;
+        float *qscale = code_scales, *pscale = code_scales == NULL ? NULL : code_scales + group;
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             if (!ready) continue;
@@ -365,17 +532,27 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
             const int32_t *mine = live + first;
             count = last - first;
             const uint16_t *qb = (const uint16_t *)q + (b * n_heads + h0) * hd;  /* the bf16 query, where KEYS_DOT */
-            for (int64_t h = 0; h < group; h += HB)
-                scores_for(mode == KEYS_DOT ? (const void *)(qb + h * hd) : qs + h * hd, hd, kb, ss * esize, kv_dtype,
-                           ksb, ts, mine, count, scale, scores + h * S, S, group - h < HB ? group - h : HB, mode);
+            if (ints) int16_codes(qs, group, hd, hd, 0, 0, q16, qscale);
+            for (int64_t h = 0; h < group; h += HB) {
+                const void *qh = mode == KEYS_DOT ? (const void *)(qb + h * hd) : ints ? (const void *)(q16 + h * hd)
+                                                                                     : (const void *)(qs + h * hd);
+                scores_for(qh, hd, kb, ss * esize, kv_dtype, ksb, ts, mine, count, scale, ints ? qscale + h : NULL,
+                           scores + h * S, S, group - h < HB ? group - h : HB, mode);
+            }
             softmax_rows(scores, group, S, count, softcap, parts > 1 ? part_stats + it * group * 2 : NULL);
             if (vsb != NULL) /* an int8 value's scale taken into its probability once, not once per column block */
                 for (int64_t h = 0; h < group; h++)
                     for (int64_t i = 0; i < count; i++) scores[h * S + i] *= scale_at(vsb, ts, mine[i]);
-            for (int64_t h = 0; h < group; h += HB)
-                weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, mine, count, acc + h * hd, S,
-                            group - h < HB ? group - h : HB, pairs);
-            if (parts == 1) write_heads(out, q_dtype, acc, (b * n_heads + h0) * hd, group, hd, pairs);
+            if (ints) int16_codes(scores, group, count, S, 1, P, pc, pscale);
+            for (int64_t h = 0; h < group; h += HB) {
+                int64_t nb = group - h < HB ? group - h : HB;
+                if (ints) {
+                    BY_HEADS(WEIGH_INT8, nb, pc + h * P, pscale + h, hd, vb, ss * esize, mine, count, acc + h * hd, P)
+                } else {
+                    weights_for(scores + h * S, hd, vb, ss * esize, kv_dtype, mine, count, acc + h * hd, S, nb, pairs);
+                }
+            }
+            if (parts == 1) write_heads(out, q_dtype, acc, (b * n_heads + h0) * hd, group, hd, order);
         }
         if (parts > 1) {  /* after the parts' loop and its barrier */
 #pragma omp for schedule(static)
@@ -384,11 +561,13 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
                 merge_parts(part_acc + pair * parts * group * hd, part_stats + pair * parts * group * 2, parts, group,
                             hd, qs);
                 int64_t b = pair / kv_heads, g = pair % kv_heads;
-                write_heads(out, q_dtype, qs, (b * n_heads + g * group) * hd, group, hd, pairs);
+                write_heads(out, q_dtype, qs, (b * n_heads + g * group) * hd, group, hd, order);
             }
         }
         free(live);
         free(qs);
+        free(codes);
+        free(code_scales);
     }
     free(part_acc);
     free(part_stats);
