@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from robot_llm.llm.engine.kv_cache import LayerKV, reads_in_place
+from robot_llm.llm.engine.kv_cache import LayerKV, int8_on_cpu, reads_in_place
+from robot_llm.llm.engine.kvquant import QuantKV
 from robot_llm.llm.families.family import GATE_UP, QKV, Params, StepInfo, int8_activations_form
 from robot_llm.llm.families.gated import ACTIVATIONS
 from robot_llm.llm.families.norm import gain_serves
@@ -52,6 +53,7 @@ class _Layer(ctypes.Structure):
         *[(name, _I64) for name in ("sb", "ss", "sh", "slot", "S", "mb", "ms")],
         ("kv_dtype", _I32), ("pad", _I32),
         ("mask", _PTR), ("cos", _PTR), ("sin", _PTR),
+        ("k_scales", _PTR), ("v_scales", _PTR), *[(name, _I64) for name in ("tb", "ts", "th")],
     ]  # fmt: skip
 
 
@@ -103,6 +105,10 @@ def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec:
     held = _weights(x, p, spec, lib) if _cache_serves(kv, x) else None
     if held is None:
         return None
+    scales = None
+    if isinstance(kc, QuantKV) and isinstance(vc, QuantKV):  # an int8 cache (_cache_serves): its codes and scales
+        scales, kc, vc = (kc.scale, vc.scale), kc.codes, vc.codes
+    assert isinstance(kc, Tensor) and isinstance(vc, Tensor)
     (cos, sin), mask, S, hd = step.rotary[spec.rotary], step.mask_for(spec.window), kv.start + 1, spec.head_dim
     shape = (rows, 1, 1, hd)
     if kc.shape[2] != held.kv_heads or kc.shape[3] != hd or kc.shape[1] < S:
@@ -117,6 +123,9 @@ def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec:
     layer.sb, layer.ss, layer.sh = kc.stride()[:3]
     layer.slot, layer.S, layer.mb, layer.ms = kv.start, S, mask.stride(0), mask.stride(3)
     layer.mask, layer.cos, layer.sin = mask.data_ptr(), cos.data_ptr(), sin.data_ptr()
+    if scales is not None:
+        layer.k_scales, layer.v_scales = scales[0].data_ptr(), scales[1].data_ptr()
+        layer.tb, layer.ts, layer.th = scales[0].stride()[:3]
     if lib.lib.rl_decode_layer(ctypes.byref(layer)):
         raise MemoryError(f"decode_layer: no memory for the buffers of {rows} rows")
     return out
@@ -175,11 +184,20 @@ def _fields(x: Tensor, p: Params, spec: LayerSpec, lib: Kernels) -> _Layer | Non
 
 def _cache_serves(kv: LayerKV, x: Tensor) -> bool:
     """Whether ``layer.c`` writes and reads this layer's cache as the Python path does: plain CPU tensors alike in
-    dtype and strides, their head dimension contiguous, in the compute dtype or bf16 under fp32, no shared prefix."""
+    dtype and strides, their head dimension contiguous, in the compute dtype or bf16 under fp32, or an int8 cache's
+    codes and scales (:func:`~robot_llm.llm.engine.kv_cache.int8_on_cpu`) alike so; no shared prefix."""
     kc, vc = kv.k, kv.v
-    if not isinstance(kc, Tensor) or not isinstance(vc, Tensor) or kv.prefix_k is not None or kv.attend_where_stored:
+    if kv.prefix_k is not None or kv.attend_where_stored:
         return False
-    read = kc.dtype is x.dtype or reads_in_place(kc, x)
+    if isinstance(kc, QuantKV) and isinstance(vc, QuantKV):
+        if not (int8_on_cpu(kc, x) and int8_on_cpu(vc, x)) or kc.scale.stride() != vc.scale.stride():
+            return False
+        kc, vc = kc.codes, vc.codes
+        read = True
+    elif isinstance(kc, Tensor) and isinstance(vc, Tensor):
+        read = kc.dtype is x.dtype or reads_in_place(kc, x)
+    else:
+        return False
     return (
         read and vc.dtype is kc.dtype and kc.is_cpu and vc.is_cpu and kc.stride() == vc.stride() and kc.stride(-1) == 1
     )

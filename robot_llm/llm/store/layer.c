@@ -6,6 +6,7 @@
  * A batch-1 step of Gemma 3 270M spent about 5 ms of its 20-31 in the Python between those calls (some 15 calls a
  * layer, each with its checks, views and a new tensor), whatever the threads: a share of the step that grows as
  * the threads shrink the kernels' own time. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,7 +36,8 @@ typedef struct {
 /* The layer, as decode_layer.py fills it (field for field its ctypes Structure). dtype: the activations' (RL_FP32
  * or RL_BF16); the norms' gains in norm_dtype, a NULL one not applied (q_norm, k_norm: the rotary alone; the post
  * norms: the residual added to the product as it is); gain_rounded and offset as rl_rms_norm takes them. The cache
- * [B, slots, kv_heads, hd] at element strides (sb, ss, sh), in kv_dtype (RL_FP32 or RL_BF16); this step writes slot
+ * [B, slots, kv_heads, hd] at element strides (sb, ss, sh), in kv_dtype (RL_FP32, RL_BF16, or RL_INT8: codes, with
+ * their fp16 scales k_scales, v_scales [B, slots, kv_heads] at element strides tb, ts, th); this step writes slot
  * `slot` and attends slots 0 .. S - 1 where mask [B, S] (byte strides mb, ms) is false. cos, sin: the rotary's
  * factors [B, hd] in dtype, for queries and keys alike. act: rl_gated's kind. */
 typedef struct {
@@ -51,6 +53,8 @@ typedef struct {
     int32_t kv_dtype, pad;
     const uint8_t *mask;
     const void *cos, *sin;
+    uint16_t *k_scales, *v_scales;
+    int64_t tb, ts, th;
 } decode_layer;
 
 /* y = the int8-activation products of x [rows, k] by p's `count` matrices, into outs. */
@@ -66,13 +70,37 @@ static int norm(const decode_layer *L, const void *x, int64_t rows, int64_t n, c
                        rotary ? L->cos : NULL, rotary ? L->sin : NULL, heads, residual, out, L->threads);
 }
 
-/* Each row's kv_heads x hd values of `from` (dtype) into the cache's slot: as they are in the cache's dtype, or fp32
- * rounded to a bf16 cache as torch's copy rounds (the two caches decode_layer.py lets through). */
-static void store(const decode_layer *L, const void *from, void *cache) {
-    size_t esize = L->kv_dtype == RL_BF16 ? 2 : 4;
+/* One head's hd values of `from` (dtype, from element `at`) as an int8 cache's codes and fp16 scale, as
+ * kvquant.QuantKV.write makes them: the scale the largest magnitude / 127 (at least 2^-14) rounded to fp16, each code
+ * the value / that scale rounded to nearest even within -127..127 (a NaN's code 0, as torch's cast makes it). */
+static void quantize_head(const decode_layer *L, const void *from, int64_t at, int8_t *codes, uint16_t *scale) {
+    float most = 0.f;
+    for (int64_t j = 0; j < L->hd; j++) {
+        float a = fabsf(load_float(from, L->dtype, at + j));
+        most = a > most || a != a ? a : most; /* torch's amax keeps a NaN */
+    }
+    float step = most / 127.f;
+    *scale = _cvtss_sh(step < 0x1p-14f ? 0x1p-14f : step, _MM_FROUND_TO_NEAREST_INT);
+    float by = _cvtsh_ss(*scale);
+    for (int64_t j = 0; j < L->hd; j++) {
+        float r = nearbyintf(load_float(from, L->dtype, at + j) / by);
+        codes[j] = r != r ? 0 : (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+    }
+}
+
+/* Each row's kv_heads x hd values of `from` (dtype) into the cache's slot: as they are in the cache's dtype, fp32
+ * rounded to a bf16 cache as torch's copy rounds, or as an int8 cache's codes and scales (quantize_head; `scales`
+ * the cache's own), the caches decode_layer.py lets through. */
+static void store(const decode_layer *L, const void *from, void *cache, uint16_t *scales) {
+    size_t esize = L->kv_dtype == RL_BF16 ? 2 : L->kv_dtype == RL_INT8 ? 1 : 4;
     for (int64_t b = 0; b < L->rows; b++)
         for (int64_t g = 0; g < L->kv_heads; g++) {
             int64_t at = (b * L->kv_heads + g) * L->hd;
+            if (L->kv_dtype == RL_INT8) {
+                int8_t *to = (int8_t *)cache + b * L->sb + L->slot * L->ss + g * L->sh;
+                quantize_head(L, from, at, to, scales + b * L->tb + L->slot * L->ts + g * L->th);
+                continue;
+            }
             char *to = (char *)cache + (size_t)(b * L->sb + L->slot * L->ss + g * L->sh) * esize;
             if (L->kv_dtype == L->dtype)
                 memcpy(to, (const char *)from + (size_t)at * esize, (size_t)L->hd * esize);
@@ -100,11 +128,11 @@ int rl_decode_layer(decode_layer *L) {
     if (!failed) failed = norm(L, buf[Q], m * L->heads, L->hd, L->q_norm, 1, L->heads, NULL, buf[QR]);
     if (!failed) failed = norm(L, buf[K], m * L->kv_heads, L->hd, L->k_norm, 1, L->kv_heads, NULL, buf[KR]);
     if (!failed) {
-        store(L, buf[KR], L->k_cache);
-        store(L, buf[V], L->v_cache);
+        store(L, buf[KR], L->k_cache, L->k_scales);
+        store(L, buf[V], L->v_cache, L->v_scales);
         failed = rl_decode_attention(buf[QR], L->dtype, m, L->heads, L->kv_heads, L->hd, L->k_cache, L->v_cache,
-                                     L->kv_dtype, L->sb, L->ss, L->sh, NULL, NULL, 0, 0, 0, L->mask, L->mb, L->ms,
-                                     L->S, L->scale, L->softcap, buf[ATT], L->threads);
+                                     L->kv_dtype, L->sb, L->ss, L->sh, L->k_scales, L->v_scales, L->tb, L->ts, L->th,
+                                     L->mask, L->mb, L->ms, L->S, L->scale, L->softcap, buf[ATT], L->threads);
     }
     if (!failed) failed = multiply(L, &L->o, 1, buf[ATT], q_n, (void *[]){buf[O]});
     if (!failed) failed = norm(L, buf[O], m, H, L->post_attention_norm, 0, 1, L->x, buf[HID]);
