@@ -36,8 +36,12 @@ FMA, F16C, BMI2, no AVX512), so that both sides of the row are the AVX2 kind.
 ``--weight-only`` adds a third row per configuration: ours with ``ROBOT_LLM_INT8_ACTIVATIONS=0``
 (the fused weight-only kernels and dense GEMMs, no int8 activations), to measure what they bring.
 
+``--int8-kv`` runs both sides with an 8-bit KV cache, half the plan's bytes: ours ``kv_dtype="int8"`` (int8 codes,
+an fp16 scale per position and head), llama.cpp ``-ctk q8_0 -ctv q8_0`` (int8 codes, an fp16 scale per 32 values;
+its quantized V cache needs its flash attention, ``-fa on``).
+
     python benchmarks/llamacpp.py [--threads 1,2] [--batches 1,32] [--prompt 512] [--new 128]
-        [--rounds 1] [--cache DIR] [--llama-bin DIR] [--quick] [--weight-only]
+        [--rounds 1] [--cache DIR] [--llama-bin DIR] [--quick] [--weight-only] [--int8-kv]
 """
 
 from __future__ import annotations
@@ -188,10 +192,15 @@ _PEAK_WRAPPER = (
 )
 
 
-def llama_row(binary: Path, gguf: Path, threads: int, batch: int, prompt: int, new: int) -> dict[str, Any]:
-    """One llama-batched-bench run in its own process: prefill/decode/night tok/s and its peak RSS."""
+def llama_row(
+    binary: Path, gguf: Path, threads: int, batch: int, prompt: int, new: int, *, int8_kv: bool = False
+) -> dict[str, Any]:
+    """One llama-batched-bench run in its own process: prefill/decode/night tok/s and its peak RSS; ``int8_kv``: its
+    KV cache in q8_0."""
     cmd = [str(binary), "-m", str(gguf), "-c", str(batch * (prompt + new)), "-b", "2048", "-ub", "512"]
     cmd += ["-npp", str(prompt), "-ntg", str(new), "-npl", str(batch), "-t", str(threads), "--output-format", "jsonl"]
+    if int8_kv:
+        cmd += ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
     done = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *cmd], capture_output=True, text=True)
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-2:-1] or ["no output"]
@@ -242,8 +251,11 @@ def vm_hwm() -> int:
     return 0
 
 
-def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int) -> dict[str, Any]:
-    """The measurement inside the fresh process: warm-up, then prefill ``batch x prompt`` and decode ``new``."""
+def ours_child(
+    store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int, int8_kv: bool = False
+) -> dict[str, Any]:
+    """The measurement inside the fresh process: warm-up, then prefill ``batch x prompt`` and decode ``new``;
+    ``int8_kv``: an int8 KV cache, else the plan's."""
     import torch
 
     from robot_llm.llm.model import Model, ModelSettings, Policy
@@ -253,7 +265,8 @@ def ours_child(store: Path, threads: int, batch: int, prompt: int, new: int, mic
     from robot_llm.llm.store.reader import read_manifest
 
     dtype = "bf16" if cpu_has_native_bf16() else "fp32"
-    kv_dtype = cpu_kv_dtype(read_manifest(store).config, dtype)  # the plan's KV cache: bf16 under fp32 compute
+    # the plan's KV cache (bf16 under fp32 compute), or int8
+    kv_dtype = "int8" if int8_kv else cpu_kv_dtype(read_manifest(store).config, dtype)
     # Through the door with the policy llama.cpp's row runs under: layers in RAM, these threads and micro-batch.
     policy = Policy(
         device="cpu",
@@ -343,13 +356,22 @@ def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dty
 
 
 def ours_row(
-    store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int, *, int8_activations: bool = True
+    store: Path,
+    threads: int,
+    batch: int,
+    prompt: int,
+    new: int,
+    micro_batch: int,
+    *,
+    int8_activations: bool = True,
+    int8_kv: bool = False,
 ) -> dict[str, Any]:
     """One run of our engine in a fresh process (this script as its own child), as this machine runs it by
     default (``ROBOT_LLM_INT8_ACTIVATIONS`` as this run's environment has it); ``int8_activations=False`` keeps
     the weight-only kernels (``ROBOT_LLM_INT8_ACTIVATIONS=0``) for the side-by-side."""
     cmd = [sys.executable, __file__, "--child", str(store), "--threads", str(threads), "--batches", str(batch)]
     cmd += ["--prompt", str(prompt), "--new", str(new), "--micro-batch", str(micro_batch)]
+    cmd += ["--int8-kv"] if int8_kv else []
     env = dict(os.environ)
     if not int8_activations:
         env["ROBOT_LLM_INT8_ACTIVATIONS"] = "0"
@@ -380,6 +402,7 @@ def main() -> None:
     parser.add_argument(
         "--weight-only", action="store_true", help="also run ours with weight-only kernels (no int8 activations)"
     )
+    parser.add_argument("--int8-kv", action="store_true", help="an 8-bit KV cache on both sides (ours int8, q8_0)")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -387,7 +410,8 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     if args.child is not None:
-        print(json.dumps(ours_child(args.child, threads[0], batches[0], args.prompt, args.new, args.micro_batch)))
+        row = ours_child(args.child, threads[0], batches[0], args.prompt, args.new, args.micro_batch, args.int8_kv)
+        print(json.dumps(row))
         return
 
     from robot_llm.llm.store.quant import int4_kernel_reads_stored_layout
@@ -412,10 +436,13 @@ def main() -> None:
                     load = os.getloadavg()[0]
                     log(f"round {r + 1}: {engine}, {t} threads, batch {b} (load {load:.1f})")
                     if engine == "llama.cpp":
-                        row = llama_row(binary, gguf, t, b, args.prompt, args.new)
+                        row = llama_row(binary, gguf, t, b, args.prompt, args.new, int8_kv=args.int8_kv)
                     else:
                         int8 = engine == "ours"
-                        row = ours_row(store, t, b, args.prompt, args.new, args.micro_batch, int8_activations=int8)
+                        row = ours_row(
+                            store, t, b, args.prompt, args.new, args.micro_batch, int8_activations=int8,
+                            int8_kv=args.int8_kv,
+                        )  # fmt: skip
                     row["load"] = load
                     results.setdefault((t, b), {}).setdefault(engine, []).append(row)
     print(
@@ -424,7 +451,8 @@ def main() -> None:
         f"torch kernels: {features['aten']}, oneDNN: {features['onednn']}, MKL: {features['mkl']}; "
         f"int4 kernel layout: {features['int4_kernel_layout']}"
     )
-    print(f"Gemma 3 270M Q4_K_M, prompt {args.prompt} + {args.new} new tokens, greedy; best of {args.rounds} round(s)")
+    kv = "8-bit KV caches (ours int8, llama.cpp q8_0)" if args.int8_kv else "the plan's KV cache, llama.cpp's f16"
+    print(f"Gemma 3 270M Q4_K_M, prompt {args.prompt} + {args.new} new, greedy, {kv}; best of {args.rounds} round(s)")
     print(
         "| threads | batch | ours | ours prefill / decode / night tok/s | llama.cpp | ratio prefill / decode / night "
         "| peak RSS GiB ours / llama.cpp | load at start |"
