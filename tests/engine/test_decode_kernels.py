@@ -274,6 +274,29 @@ def test_decode_attention_reads_the_cache_in_place_and_matches_fp64(dtype: torch
             assert not got[-1].any()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_int8_caches_integer_products_keep_a_non_finite_query(bad: float) -> None:
+    """The int16 codes of a query holding a NaN or an infinity cannot say so: that head's output comes out NaN, as the
+    float products make it, for the watch to find; the other heads' are as before."""
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(8)
+    B, n, S, hd = 2, 4, 33, 256  # a head size the integer products take on either build
+    quant = [QuantKV.empty((B, S, 1, hd), "int8", "cpu") for _ in range(2)]
+    for c in quant:
+        c.write(0, torch.randn(B, S, 1, hd, generator=g))
+    q = torch.randn(B, 1, n, hd, generator=g)
+    mask = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    args = (quant[0].codes, quant[1].codes, mask, hd**-0.5, None, (quant[0].scale, quant[1].scale))
+    clean = lib.decode_attention(q, *args).view(B, n, hd)
+    q[1, 0, 2, 7] = bad
+    got = lib.decode_attention(q, *args).view(B, n, hd)
+    assert got[1, 2].isnan().all()
+    others = torch.ones(B, n, dtype=torch.bool)
+    others[1, 2] = False
+    assert torch.equal(got[others], clean[others])
+
+
 def test_grouped_attention_takes_the_kernel_for_decode_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
     lib = kernels()
     assert lib is not None

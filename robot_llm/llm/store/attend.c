@@ -20,6 +20,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vectors.h"
 
@@ -337,26 +338,52 @@ static inline __attribute__((always_inline)) void weigh_int8(const int32_t *pc, 
     }
 }
 
+/* VL fp32 lanes (n of them) rounded to nearest even as int16, saturated, stored. */
+static inline void store_int16(int16_t *p, vf v, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
+#else
+    __m256i i = _mm256_cvtps_epi32(v);
+    int16_t lanes[8];
+    _mm_storeu_si128((__m128i *)lanes, _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+    memcpy(p, lanes, (size_t)n * sizeof(int16_t));
+#endif
+}
+
+/* k <= VL fp32 values from row + i, the lanes past k zero (the AVX2 body's vload reads whole vectors). */
+static inline vf load_part(const float *row, int64_t i, int64_t k) {
+    if (k == VL) return vload(row, RL_FP32, i, VL);
+    float part[VL] = {0};
+    memcpy(part, row + i, (size_t)k * sizeof(float));
+    return vload(part, RL_FP32, 0, VL);
+}
+
 /* Each of `group` heads' codes as int16 within -INT16_LEVELS..INT16_LEVELS times one scale a head, rounded to nearest
  * even: from x [group, n] (fp32, rows `ld` apart) into codes [group, n] (pairs: [group, P] int32, a pair of
  * consecutive values an int32, the odd last one paired with 0) and scales [group]. A head holding a NaN or an
- * infinity gets a NaN scale, so that what it multiplies comes out NaN as it would in floats. */
+ * infinity gets a NaN scale (and codes 0), so that what it multiplies comes out NaN as it would in floats. */
 static void int16_codes(const float *x, int64_t group, int64_t n, int64_t ld, int pairs, int64_t P, void *codes,
                         float *scales) {
+    const vi magnitude = vset32(0x7fffffff);
     for (int64_t h = 0; h < group; h++) {
         const float *row = x + h * ld;
-        float most = 0.f;
-        for (int64_t i = 0; i < n; i++) {
-            float a = fabsf(row[i]);
-            most = a > most || a != a ? a : most;  /* a NaN stays */
-            if (most != most) break;
+        vf top = vzero(), bad = vzero(); /* bad: x * 0 summed, NaN where any x is not finite */
+        for (int64_t i = 0; i < n; i += VL) {
+            vf v = load_part(row, i, n - i < VL ? n - i : VL);
+            top = vmax(top, vfloats(vand32(vbits(v), magnitude)));
+            bad = vfma(v, vzero(), bad);
         }
-        float step = most / INT16_LEVELS, inv = step > 0.f ? 1.f / step : 0.f;
-        scales[h] = isfinite(most) ? step : NAN;
+        float most = vhmax(top), step = most / INT16_LEVELS;
+        int finite = isfinite(vhsum(bad));
+        scales[h] = finite ? step : NAN;
+        vf by = vset(finite && step > 0.f ? 1.f / step : 0.f);
         int16_t *c16 = (int16_t *)codes + h * (pairs ? 2 * P : n);
-        for (int64_t i = 0; i < n; i++) {
-            float r = isfinite(most) ? nearbyintf(row[i] * inv) : 0.f;
-            c16[i] = (int16_t)(r > INT16_LEVELS ? INT16_LEVELS : r < -INT16_LEVELS ? -INT16_LEVELS : r);
+        for (int64_t i = 0; i < n; i += VL) {
+            int64_t k = n - i < VL ? n - i : VL;
+            if (finite)
+                store_int16(c16 + i, vmul(load_part(row, i, k), by), k);
+            else
+                memset(c16 + i, 0, (size_t)k * sizeof(int16_t));
         }
         if (pairs && n % 2) c16[n] = 0;
     }
@@ -541,8 +568,10 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
             }
             softmax_rows(scores, group, S, count, softcap, parts > 1 ? part_stats + it * group * 2 : NULL);
             if (vsb != NULL) /* an int8 value's scale taken into its probability once, not once per column block */
-                for (int64_t h = 0; h < group; h++)
-                    for (int64_t i = 0; i < count; i++) scores[h * S + i] *= scale_at(vsb, ts, mine[i]);
+                for (int64_t i = 0; i < count; i++) {
+                    float by = scale_at(vsb, ts, mine[i]);
+                    for (int64_t h = 0; h < group; h++) scores[h * S + i] *= by;
+                }
             if (ints) int16_codes(scores, group, count, S, 1, P, pc, pscale);
             for (int64_t h = 0; h < group; h += HB) {
                 int64_t nb = group - h < HB ? group - h : HB;
