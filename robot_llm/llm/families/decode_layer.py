@@ -88,8 +88,9 @@ def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec:
     """The decoder layer ``spec`` over ``x [B, 1, H]`` in one call of ``layer.c`` (the step's keys and values written
     into ``kv``), or None where a part of it is not one of our kernels' and the family's Python path must run it:
 
-    * a decode step (one position a row) with a cache: plain fp32 or bf16 tensors (not int8 or int4 codes, no shared
-      prefix), in x's dtype or bf16 under fp32 compute (:func:`~robot_llm.llm.engine.kv_cache.reads_in_place`);
+    * a decode step (one position a row) with a cache (:func:`_cache_tensors`): plain fp32 or bf16 tensors in x's dtype
+      or bf16 under fp32 compute (:func:`~robot_llm.llm.engine.kv_cache.reads_in_place`), or an int8 cache's codes and
+      scales; no int4 codes, no shared prefix;
     * x contiguous fp32 or bf16 on the CPU, of at most :data:`~robot_llm.llm.store.int8act.ONE_CALL_ROWS` rows;
     * every matrix multiplied with int8 activations (:func:`~robot_llm.llm.families.family.int8_activations_form`),
       no biases, and each group (q, k, v; gate, up) of one width and rotation;
@@ -98,17 +99,15 @@ def decode_layer(x: Tensor, p: Params, kv: LayerKV | None, step: StepInfo, spec:
     What comes of the weights alone is made once per layer and kept while they live (:func:`_weights`)."""
     if x.shape[1] != 1 or kv is None or step.last_only or not plain_rows(x) or not enabled():
         return None
-    lib, kc, vc, dtype, rows = kernels(), kv.k, kv.v, x.dtype, x.shape[0]
+    lib, dtype, rows = kernels(), x.dtype, x.shape[0]
     ours = int8_kernels_for(rows)
     if lib is None or ours is None or ours.linears is None or not int8_activations_for(rows, dtype):
         return None
-    held = _weights(x, p, spec, lib) if _cache_serves(kv, x) else None
-    if held is None:
+    cache = _cache_tensors(kv, x)
+    held = _weights(x, p, spec, lib) if cache is not None else None
+    if cache is None or held is None:
         return None
-    scales = None
-    if isinstance(kc, QuantKV) and isinstance(vc, QuantKV):  # an int8 cache (_cache_serves): its codes and scales
-        scales, kc, vc = (kc.scale, vc.scale), kc.codes, vc.codes
-    assert isinstance(kc, Tensor) and isinstance(vc, Tensor)
+    kc, vc, scales = cache
     (cos, sin), mask, S, hd = step.rotary[spec.rotary], step.mask_for(spec.window), kv.start + 1, spec.head_dim
     shape = (rows, 1, 1, hd)
     if kc.shape[2] != held.kv_heads or kc.shape[3] != hd or kc.shape[1] < S:
@@ -182,25 +181,25 @@ def _fields(x: Tensor, p: Params, spec: LayerSpec, lib: Kernels) -> _Layer | Non
     )  # fmt: skip
 
 
-def _cache_serves(kv: LayerKV, x: Tensor) -> bool:
-    """Whether ``layer.c`` writes and reads this layer's cache as the Python path does: plain CPU tensors alike in
-    dtype and strides, their head dimension contiguous, in the compute dtype or bf16 under fp32, or an int8 cache's
-    codes and scales (:func:`~robot_llm.llm.engine.kv_cache.int8_on_cpu`) alike so; no shared prefix."""
-    kc, vc = kv.k, kv.v
+def _cache_tensors(kv: LayerKV, x: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None:
+    """This layer's keys and values as ``layer.c`` writes and reads them (with an int8 cache's scales, else None), or
+    None where it cannot as the Python path does: plain CPU tensors alike in dtype and strides, their head dimension
+    contiguous, in the compute dtype or bf16 under fp32, or an int8 cache's codes and scales
+    (:func:`~robot_llm.llm.engine.kv_cache.int8_on_cpu`) alike so; no shared prefix."""
+    k, v = kv.k, kv.v
     if kv.prefix_k is not None or kv.attend_where_stored:
-        return False
-    if isinstance(kc, QuantKV) and isinstance(vc, QuantKV):
-        if not (int8_on_cpu(kc, x) and int8_on_cpu(vc, x)) or kc.scale.stride() != vc.scale.stride():
-            return False
-        kc, vc = kc.codes, vc.codes
-        read = True
-    elif isinstance(kc, Tensor) and isinstance(vc, Tensor):
-        read = kc.dtype is x.dtype or reads_in_place(kc, x)
+        return None
+    scales = None
+    if isinstance(k, QuantKV) and isinstance(v, QuantKV):
+        if not (int8_on_cpu(k, x) and int8_on_cpu(v, x)) or k.scale.stride() != v.scale.stride():
+            return None
+        (kc, vc), scales = (k.codes, v.codes), (k.scale, v.scale)
+    elif isinstance(k, Tensor) and isinstance(v, Tensor) and (k.dtype is x.dtype or reads_in_place(k, x)):
+        kc, vc = k, v
     else:
-        return False
-    return (
-        read and vc.dtype is kc.dtype and kc.is_cpu and vc.is_cpu and kc.stride() == vc.stride() and kc.stride(-1) == 1
-    )
+        return None
+    serves = vc.dtype is kc.dtype and kc.is_cpu and vc.is_cpu and kc.stride() == vc.stride() and kc.stride(-1) == 1
+    return (kc, vc, scales) if serves else None
 
 
 def _products(x: Tensor, p: Params, keys: tuple[str, ...], rows: int, k: int) -> tuple[_Products, list[int]] | None:
