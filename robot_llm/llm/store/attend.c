@@ -236,6 +236,10 @@ static inline __attribute__((always_inline)) void score_block(const void *q, int
                 for (int c = 0; c < KB; c++) acc[h * KB + c] = vfma(qv, kv[c], acc[h * KB + c]);
             }
         }
+        /* Unrolled whole, so that every acc[] index is a constant: gcc 12 otherwise kept the array on the stack and
+         * stored all 16 running sums every step of the products' loop (AVX512 body, fp32 query over a bf16 cache,
+         * batch 32, 576 keys, 1 thread, Ice Lake: 2.70 -> 2.55 ms a layer). */
+#pragma GCC unroll 16
         for (int a = 0; a < nb * KB; a += 4) {
             float sums[4];
             _mm_storeu_ps(sums, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
