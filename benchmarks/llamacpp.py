@@ -343,8 +343,8 @@ def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dty
     shape = (batch, cfg.hidden_size, cfg.intermediate_size)
     dtype = "bf16" if model.dtype == torch.bfloat16 else "fp32"
     # Each probe's best of PROBE_TRIES windows: a roofline is what the machine can do, and on a shared VM one
-    # 0.1 s window can fall in a neighbour's busy moment (the 1-thread int8 probe read 171 G ops/s on an Ice Lake
-    # VM where the step's own head ran at ~240).
+    # 0.1 s window can fall in a neighbour's busy moment (the 1-thread int8 probe read 171 G ops/s in one run on an
+    # Ice Lake VM, 243 as the best of five in the next).
     rate = max(gemm_flops(*shape, dtype, threads=threads) for _ in range(PROBE_TRIES))
     if int8_activations_for(batch, model.dtype):
         rate = max(rate, *(int8_gemm_ops(*shape, threads=threads) for _ in range(PROBE_TRIES)))

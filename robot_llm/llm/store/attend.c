@@ -494,25 +494,17 @@ static void merge_parts(const float *acc, const float *stats, int64_t parts, int
 /* The order of the weighing's output columns: as they are, unpacked_column()'s (vunpack), weighed_column()'s. */
 enum { COLUMNS_IN_ORDER, COLUMNS_UNPACKED, COLUMNS_WEIGHED };
 
-/* out[i] = value in q's dtype (bf16 rounded to nearest even). */
-static inline void put_value(void *out, int q_dtype, int64_t i, float value) {
-    if (q_dtype == RL_BF16)
-        ((uint16_t *)out)[i] = float_to_bf16(value);
-    else
-        ((float *)out)[i] = value;
-}
-
 /* `group` heads' outputs acc [group, hd] (columns in `order`) into out at element `at`, in q's dtype. */
 static void write_heads(void *out, int q_dtype, const float *acc, int64_t at, int64_t group, int64_t hd, int order) {
     if (order == COLUMNS_UNPACKED) { /* whole blocks of 2 x VL (PAIRS_SERVE), each block's order a constant */
         for (int64_t j0 = 0; j0 < group * hd; j0 += 2 * VL)
 #pragma GCC unroll 64
-            for (int64_t e = 0; e < 2 * VL; e++) put_value(out, q_dtype, at + j0 + e, acc[j0 + unpacked_column(e)]);
+            for (int64_t e = 0; e < 2 * VL; e++) store_float(out, q_dtype, at + j0 + e, acc[j0 + unpacked_column(e)]);
         return;
     }
     for (int64_t h = 0; h < group; h++)
         for (int64_t j = 0; j < hd; j++)
-            put_value(out, q_dtype, at + h * hd + j, acc[h * hd + (order == COLUMNS_WEIGHED ? weighed_column(j) : j)]);
+            store_float(out, q_dtype, at + h * hd + j, acc[h * hd + (order == COLUMNS_WEIGHED ? weighed_column(j) : j)]);
 }
 
 /* q [B, n_heads, hd] (q_dtype, contiguous); k, v [B, S, kv_heads, hd] at element strides (sb, ss, sh), the

@@ -29,6 +29,14 @@ static inline float load_float(const void *p, int dtype, int64_t i) {
     return ((const float *)p)[i];
 }
 
+/* p[i] = v in `dtype`, RL_FP32 or RL_BF16 (rounded to nearest even, as torch's cast). */
+static inline void store_float(void *p, int dtype, int64_t i, float v) {
+    if (dtype == RL_BF16)
+        ((uint16_t *)p)[i] = float_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
 /* v rounded to bf16 where the tensor is bf16: what a torch op in that dtype stores. */
 static inline float round_to(float v, int dtype) { return dtype == RL_BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
 

@@ -61,9 +61,6 @@ void rl_gated(const void *gate, const void *up, int64_t n, int kind, int bf16, v
     }
     for (int64_t i = whole; i < n; i++) {
         float y = round_to(activation_one(load_float(gate, dtype, i), kind), dtype) * load_float(up, dtype, i);
-        if (bf16)
-            ((uint16_t *)out)[i] = float_to_bf16(y);
-        else
-            ((float *)out)[i] = y;
+        store_float(out, dtype, i, y);
     }
 }

@@ -102,13 +102,8 @@ static void dequantize_block(const uint8_t *block, const uint16_t *sz, int64_t n
 static void store_rows(const float *acc, int64_t m, int64_t width, void *y, int y_bf16, int64_t ldy, int64_t r0,
                        int64_t nr) {
     for (int64_t i = 0; i < m; i++)
-        for (int64_t r = 0; r < nr; r++) {
-            int64_t at = i * ldy + r0 + r;
-            if (y_bf16)
-                ((uint16_t *)y)[at] = float_to_bf16(acc[i * width + r]);
-            else
-                ((float *)y)[at] = acc[i * width + r];
-        }
+        for (int64_t r = 0; r < nr; r++)
+            store_float(y, y_bf16 ? RL_BF16 : RL_FP32, i * ldy + r0 + r, acc[i * width + r]);
 }
 
 /* y [m, n] (fp32, or bf16 where y_bf16) = stage_rows(x) @ W^T, W the int4 matrix of codes [np, kp / 2] (the stored

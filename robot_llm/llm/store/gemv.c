@@ -83,11 +83,7 @@ int rl_int8_gemv(const void *x, int x_bf16, int64_t m, int64_t kx, int64_t k, in
             for (int64_t i = 0; i < mi; i++)
                 for (int64_t r = 0; r < nr; r++) {
                     float v = hsum(acc[i][r]) * bf16_to_float(scale[r0 + r]);
-                    int64_t at = (i0 + i) * n + r0 + r;
-                    if (y_bf16)
-                        ((uint16_t *)y)[at] = float_to_bf16(v);
-                    else
-                        ((float *)y)[at] = v;
+                    store_float(y, y_bf16 ? RL_BF16 : RL_FP32, (i0 + i) * n + r0 + r, v);
                 }
         }
     }
