@@ -319,7 +319,8 @@ def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dty
     a sliding layer's window at most) over the read rate of a one-row fp32 GEMM over that many bytes, and its FLOPs
     (the matrices' 2 x rows x parameters, attention's 4 x rows x positions x query width) over the GEMM rate
     measured at the step's shape (``batch`` rows of the model's widest matrix; int8 x int8 where this process's
-    calls of many rows take int8 activations), both at ``threads``, each probe's best of :data:`PROBE_TRIES`."""
+    calls of many rows take int8 activations, over packed codes too where the head's are), both at ``threads``, each
+    probe's best of :data:`PROBE_TRIES`."""
     import torch
 
     from robot_llm.llm.plan.rates import gemm_flops, int8_gemm_ops, read_bps
@@ -348,6 +349,8 @@ def roofline(model: Any, batch: int, prompt: int, new: int, threads: int, kv_dty
     rate = max(gemm_flops(*shape, dtype, threads=threads) for _ in range(PROBE_TRIES))
     if int8_activations_for(batch, model.dtype):
         rate = max(rate, *(int8_gemm_ops(*shape, threads=threads) for _ in range(PROBE_TRIES)))
+    if getattr(table, "offset", None) is not None:  # the head's codes packed (vnni.c): that product's rate too
+        rate = max(rate, *(int8_gemm_ops(*shape, threads=threads, packed=True) for _ in range(PROBE_TRIES)))
     # A buffer as large as the step reads: the planner's 64 MiB probe sits in a large L3 (a 480 MB one read
     # at 25.7 GB/s where 256 MiB and more read at 15, 1 thread, Sapphire Rapids VM).
     bandwidth = max(read_bps(int(weights + kv_bytes), threads=threads) for _ in range(PROBE_TRIES))

@@ -42,7 +42,7 @@ def _table(v: int = 1000, k: int = 72, seed: int = 0) -> torch.Tensor:
 
 
 def _dequantized(table: QuantizedTable) -> torch.Tensor:
-    return table.q[:, : table.shape[1]].float() * table.scale.float()[:, None]
+    return table.codes()[:, : table.shape[1]].float() * table.scale.float()[:, None]
 
 
 def test_a_rotated_table_looks_up_the_same_rows_and_computes_the_same_logits() -> None:

@@ -119,21 +119,32 @@ def gemm_flops(
 
 
 def int8_gemm_ops(
-    rows: int, inner: int, outer: int, *, threads: int | None = None, seconds: float = PROBE_SECONDS
+    rows: int,
+    inner: int,
+    outer: int,
+    *,
+    threads: int | None = None,
+    seconds: float = PROBE_SECONDS,
+    packed: bool = False,
 ) -> float:
     """Sustained ops/s of the int8 x int8 -> int32 GEMM that int8 activations meet in a call of ``rows`` rows
     (ours where :func:`~robot_llm.llm.store.int8act.int8_kernels_for` gives one, else ``torch._int_mm``) of
-    ``rows x inner`` codes with an ``outer x inner`` matrix of codes."""
+    ``rows x inner`` codes with an ``outer x inner`` matrix of codes; ``packed``: codes packed in VNNI order, as a
+    VNNI build's head holds them (:func:`~robot_llm.llm.store.int8act.vnni_pack`; ours at every row count)."""
     import torch
 
-    from robot_llm.llm.store.int8act import int8_kernels_for
+    from robot_llm.llm.store.gemv import kernels
+    from robot_llm.llm.store.int8act import int8_kernels_for, vnni_pack
 
     q = torch.ones(rows, inner, dtype=torch.int8)
     w = torch.ones(outer, inner, dtype=torch.int8)
-    ours = int8_kernels_for(rows)
+    ours, lib = int8_kernels_for(rows), kernels()
     matmul = ours.matmul if ours is not None else None
+    w, offset = vnni_pack(w, outer) if packed and lib is not None else (w, None)
 
     def call() -> object:
+        if offset is not None and lib is not None:
+            return lib.int8_mm(q, w, offset=offset)
         return matmul(q, w, None) if matmul is not None else torch._int_mm(q, w.t())
 
     with intra_op_threads(threads):

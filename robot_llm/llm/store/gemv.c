@@ -589,13 +589,21 @@ static int amx_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_
 #endif
 
 /* One matrix of a product of the same activations by several (int8_mm_many, rl_int8_linear): its codes w[:n, :k]
- * (rows ldw apart), its output c [m, n] and its scales (NULL: the int32 sums). */
+ * (rows ldw apart), its output c [m, n] and its scales (NULL: the int32 sums); offset non-NULL: the codes are packed
+ * in VNNI order (vnni.c's rl_vnni_pack, ldw unused) and these are its rows' offsets. */
 typedef struct {
     const int8_t *w;
     int64_t ldw, n;
     void *c;
     const float *scale;
+    const int32_t *offset;
 } matrix;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+int64_t rl_vnni_blocks(int64_t n);
+void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
+                   int64_t b, void *c, const float *scale, const float *row_scale);
+#endif
 /* The most matrices one call multiplies (q, k and v; gate and up). */
 #define MAX_MATRICES 4
 
@@ -622,7 +630,9 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
     /* Up to VNNI_MAX_ROWS rows (a decode step's) the VNNI body is the faster here: it fetches ahead and packs nothing
      * (Sapphire Rapids, 1 thread, the 126 matrices of Gemma 3 270M's layers at 1 / 4 / 6 rows: 9.2 / 10.8 / 12.7 ms
      * against the tiles' 10.9 / 11.2 / 11.0; its head at 1 row 13.4 against 14.0) */
-    if (amx_ready && m > VNNI_MAX_ROWS) {
+    int rowwise = 1; /* none packed (gemv.py packs none where the tiles serve) */
+    for (int j = 0; j < count; j++) rowwise &= mats[j].offset == NULL;
+    if (amx_ready && m > VNNI_MAX_ROWS && rowwise) {
         int failed = 0;
         for (int j = 0; j < count && !failed; j++)
             failed = amx_mm(a, m, k, mats[j].w, mats[j].ldw, mats[j].n, mats[j].c, mats[j].scale, row_scale, threads);
@@ -658,6 +668,19 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
             const int64_t ldw = mats[j].ldw, n = mats[j].n, blocks = (n + NB - 1) / NB;
             void *const c = mats[j].c;
             const float *const scale = mats[j].scale;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            if (mats[j].offset != NULL) {
+                const int64_t packed = rl_vnni_blocks(n);
+#pragma omp for schedule(static) nowait
+                for (int64_t b = 0; b < packed; b++) rl_vnni_block(au, m, k, w, n, mats[j].offset, b, c, scale, row_scale);
+                continue;
+            }
+#else
+            if (mats[j].offset != NULL) { /* packed only where VNNI is built (gemv.py) */
+                failed = 1;
+                continue;
+            }
+#endif
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < blocks; b++) {
                 if (buf == NULL) continue;
@@ -692,10 +715,10 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
     return failed ? -1 : 0;
 }
 
-/* int8_mm_many's product for one matrix. */
+/* int8_mm_many's product for one matrix (offset non-NULL: packed, as matrix says). */
 int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
-               const float *scale, const float *row_scale, int levels, int threads) {
-    const matrix one = {w, ldw, n, c, scale};
+               const float *scale, const float *row_scale, const int32_t *offset, int levels, int threads) {
+    const matrix one = {w, ldw, n, c, scale, offset};
     return int8_mm_many(a, m, k, &one, 1, row_scale, levels, threads);
 }
 
@@ -720,7 +743,7 @@ int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t widt
     for (int64_t j = 0, at = 0; j < count && !failed; at += m * mats[5 * j + 2], j++) {
         const int64_t *arg = mats + 5 * j;
         void *c = y_bf16 ? (void *)(out + at) : (void *)(intptr_t)arg[4];
-        each[j] = (matrix){(const int8_t *)(intptr_t)arg[0], arg[1], arg[2], c, (const float *)(intptr_t)arg[3]};
+        each[j] = (matrix){(const int8_t *)(intptr_t)arg[0], arg[1], arg[2], c, (const float *)(intptr_t)arg[3], NULL};
     }
     /* a row is quantized on one thread: more only wake threads for a few rows' microseconds */
     int quantizers = m < threads ? (int)m : threads;

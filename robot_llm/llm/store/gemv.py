@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gemv.c")
 #: Every file of the shared object: few-row products, many-row ones, norms, attention, gated MLP, layer, sampling.
 SOURCES = tuple(
-    SOURCE.with_name(f) for f in ("gemv.c", "gemm.c", "norm.c", "attend.c", "gated.c", "layer.c", "sample.c")
+    SOURCE.with_name(f) for f in ("gemv.c", "vnni.c", "gemm.c", "norm.c", "attend.c", "gated.c", "layer.c", "sample.c")
 )
 HEADERS = (SOURCE.with_name("floats.h"), SOURCE.with_name("vectors.h"))
 #: The dtype codes of ``floats.h``, by the dtype's name.
@@ -147,7 +147,9 @@ class Kernels:
             "rl_gated": ([_PTR, _PTR, _INT64, _INT, _INT, _PTR, _INT], None),
             "rl_decode_layer": ([_PTR], _INT),  # its one argument: decode_layer.py's Structure
             "rl_sample_rows": ([_PTR, _INT64, _INT64, _PTR, _INT64, *[_PTR] * 5, _INT], _INT),
-            "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _PTR, _PTR, _INT, _INT], _INT),
+            "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, *[_PTR] * 4, _INT, _INT], _INT),
+            "rl_vnni_pack": ([_PTR, *[_INT64] * 3, _PTR, _PTR], _INT),
+            "rl_vnni_rows": ([_PTR, _INT64, _PTR, _INT64, _PTR], None),
             "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _INT, _INT, _INT], _INT),
             **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
         }
@@ -203,14 +205,12 @@ class Kernels:
         to :data:`INT4_GEMV_ROWS` rows its one pass over the codes, each group's sum scaled once)."""
         import torch
 
-        np_, kp = codes.shape[0], 2 * codes.shape[1]
-        groups = scales_and_zeros.shape[0]
-        sz = scales_and_zeros
+        np_, kp, groups, sz = codes.shape[0], 2 * codes.shape[1], scales_and_zeros.shape[0], scales_and_zeros
         aligned = codes.is_contiguous() and np_ % 64 == 0 and kp % groups == 0
         if not aligned or sz.dtype != torch.bfloat16 or not sz.is_contiguous() or sz.shape[1:] != (np_, 2):
             raise ValueError(
                 f"int4_matmul needs contiguous codes of 64-row blocks and bf16 scales and zeros [groups, Np, 2], "
-                f"got codes {tuple(codes.shape)} and {scales_and_zeros.dtype} {tuple(scales_and_zeros.shape)}"
+                f"got codes {tuple(codes.shape)} and {sz.dtype} {tuple(sz.shape)}"
             )
         rows, bf16 = self._rows(x)
         m, kx = rows.shape
@@ -270,19 +270,24 @@ class Kernels:
         out: Tensor | None = None,
         scale: Tensor | None = None,
         row_scale: Tensor | None = None,
+        offset: Tensor | None = None,
     ) -> Tensor:
         """``a int8 [M, Kp] @ codes int8 [N, Kp].T`` as int32 ``[M, N]`` (into ``out`` when given), exactly
         ``torch._int_mm(a, codes.t())`` for activation codes within :attr:`activation_levels` (as quantized here); with
         ``scale fp32 [N]`` and ``row_scale fp32 [M, 1]``, fp32 ``[M, N]`` as ``product.float().mul_(scale)
-        .mul_(row_scale)`` computes it, in the same pass (:meth:`scale_int32`'s values, without the int32 matrix)."""
+        .mul_(row_scale)`` computes it, in the same pass (:meth:`scale_int32`'s values, without the int32 matrix).
+        ``offset int32 [N]``: the codes are packed in VNNI order (``vnni.c``, :meth:`vnni_pack`; a VNNI build)."""
         import torch
 
-        m, k = a.shape
-        n = codes.shape[0]
-        if not a.is_contiguous() or codes.stride(1) != 1 or codes.shape[1] != k or k % 64:
+        (m, k), n = a.shape, codes.shape[0] if offset is None else offset.numel()
+        packed = offset is None or (
+            self.int8_mm_body == "vnni" and offset.dtype == torch.int32 and codes.shape[0] >= -(-n // 16) * 16
+        )
+        if not packed or not a.is_contiguous() or codes.stride(1) != 1 or codes.shape[1] != k or k % 64:
             raise ValueError(
-                f"int8_mm needs contiguous int8 rows and row-contiguous codes of one width, a multiple of 64; got "
-                f"{tuple(a.shape)} and codes {tuple(codes.shape)} strides {codes.stride()}"
+                f"int8_mm needs contiguous int8 rows and row-contiguous codes of one width, a multiple of 64 (packed: "
+                f"a VNNI build's, rows to a multiple of 16); got {tuple(a.shape)} and codes {tuple(codes.shape)} "
+                f"strides {codes.stride()}{'' if offset is None else f', {offset.numel()} {offset.dtype} offsets'}"
             )
         scaled = scale is not None
         if scaled != (row_scale is not None):
@@ -298,8 +303,8 @@ class Kernels:
                 raise ValueError(f"int8_mm: {scale.numel()} and {row_scale.numel()} scales for {(m, n)} products")
         failed = self.lib.rl_int8_mm(
             a.data_ptr(), m, k, codes.data_ptr(), codes.stride(0), n, out.data_ptr(),
-            scale.data_ptr() if scaled else None, row_scale.data_ptr() if scaled else None, self.activation_levels,
-            torch.get_num_threads(),
+            scale.data_ptr() if scaled else None, row_scale.data_ptr() if scaled else None,
+            None if offset is None else offset.data_ptr(), self.activation_levels, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"int8_mm: no memory for the buffers of {m} x {k} activations")
@@ -340,8 +345,7 @@ class Kernels:
         m, k = rows.shape
         if width < k or (rotation and (width % rotation or rotation & (rotation - 1))):
             raise ValueError(f"quantize_rows: {k} columns, rotation {rotation}, do not fit a width of {width}")
-        q = torch.empty(m, width, dtype=torch.int8)
-        scale = torch.empty(m, 1, dtype=torch.float32)
+        q, scale = torch.empty(m, width, dtype=torch.int8), torch.empty(m, 1, dtype=torch.float32)
         args = (rows.data_ptr(), bf16, m, k, width, rotation, self.activation_levels, q.data_ptr(), scale.data_ptr())
         if self.lib.rl_quantize_rows(*args, torch.get_num_threads()):
             raise MemoryError(f"quantize_rows: no memory for a row of {width}")
@@ -354,9 +358,7 @@ class Kernels:
 
         rows, bf16 = self._rows(x)
         idx = torch.empty(rows.shape[0], dtype=torch.int64)
-        self.lib.rl_argmax_rows(
-            rows.data_ptr(), bf16, rows.shape[0], rows.shape[1], idx.data_ptr(), torch.get_num_threads()
-        )
+        self.lib.rl_argmax_rows(rows.data_ptr(), bf16, *rows.shape, idx.data_ptr(), torch.get_num_threads())
         return idx.view(x.shape[:-1])
 
     def gated(self, gate: Tensor, up: Tensor, kind: int) -> Tensor:
@@ -406,8 +408,7 @@ class Kernels:
         out = torch.empty_like(x)
         cos, sin = rotary if rotary is not None else (None, None)
         heads = x.numel() // cos.numel() if cos is not None else 1
-        codes = self.dtype_codes
-        w_dtype = codes[weight.dtype] if weight is not None else 0
+        codes, w_dtype = self.dtype_codes, 0 if weight is None else self.dtype_codes[weight.dtype]
         failed = self.lib.rl_rms_norm(
             x.data_ptr(), codes[x.dtype], x.numel() // n, n,
             None if weight is None else weight.data_ptr(), w_dtype, offset, gain_rounded, eps,

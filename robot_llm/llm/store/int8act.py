@@ -37,6 +37,8 @@ INT8_ACTIVATION_MIN_ROWS = 8
 #: between 128 and 256 rows (Sapphire Rapids, 1 thread, ms at 32 / 256 / 2,048 rows: 2048x640 0.45 / 3.5 / 33
 #: against 1.4 / 3.1 / 16; 640x2048 0.29 / 1.5 / 36 against 0.40 / 1.6 / 13), so a prefill stays bf16.
 INT8_ACTIVATION_MAX_ROWS_AMX = 128
+#: Rows of a group of packed codes (``vnni.c``'s GROUP): packed codes are padded to a multiple of them.
+VNNI_GROUP = 16
 
 
 @functools.cache
@@ -418,3 +420,29 @@ def rotated_int8_copy(w: PackedInt4) -> PackedInt8:
         if dense is not w.buffer:
             w._dense = None  # the int8 copy replaces the fp32 one (the buffer is the layer slot's)
     return w.int8_copy
+
+
+def packs_codes() -> bool:
+    """Whether rotated int8 matrices held in RAM (the int8 head, an int4 layer's int8 copy) are packed in VNNI order
+    (:func:`vnni_pack`) and every call of theirs is our int8 x int8 product over them: where that product's body is
+    AVX512-VNNI (Zen 4, 1 thread, the 262,144 x 640 head at 1 / 8 / 32 / 128 rows 10.8 / 14.7 / 36.6 / 132 ms packed
+    against 11.7 / 18.8 / 50.9 / 198 row-major)."""
+    lib = gemv.kernels()
+    return lib is not None and lib.int8_mm_body == "vnni"
+
+
+def vnni_pack(codes: Tensor, rows: int, into: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The first ``rows`` rows of ``codes int8 [R, Kp]`` (rows contiguous) packed in VNNI order (``vnni.c``) into
+    ``into`` (``codes`` itself: in place, a group at a time; default a new buffer), rows padded with zeros to a
+    multiple of :data:`VNNI_GROUP`; and their offsets, int32 ``[rows]``, which :meth:`~robot_llm.llm.store.gemv.
+    Kernels.int8_mm` takes with them. Needs a build of ours (``MemoryError`` where a group cannot be staged)."""
+    import torch
+
+    lib, (_, kp), padded = gemv.kernels(), codes.shape, -(-rows // VNNI_GROUP) * VNNI_GROUP
+    into = torch.empty(padded, kp, dtype=torch.int8) if into is None else into
+    offset = torch.empty(rows, dtype=torch.int32)
+    if lib is None or codes.stride(1) != 1 or not into.is_contiguous() or into.shape[0] < padded or kp % 4:
+        raise ValueError(f"vnni_pack: {rows} rows of codes {tuple(codes.shape)} into {tuple(into.shape)}, ours built")
+    if lib.lib.rl_vnni_pack(codes.data_ptr(), codes.stride(0), rows, kp, into.data_ptr(), offset.data_ptr()):
+        raise MemoryError(f"vnni_pack: no memory to stage {VNNI_GROUP} rows of {kp} codes")
+    return into, offset

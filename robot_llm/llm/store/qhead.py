@@ -9,7 +9,8 @@ one where it is not built), the codes read as stored, and a token's embedding is
 (:class:`RowSource`), so the float table never exists in memory. A call with more rows (a batched decode
 step, a whole-sequence scoring pass) quantizes its rows to int8 and multiplies int8 by int8 where the CPU can
 (:func:`~robot_llm.llm.store.int8act.int8_activations_on_cpu`), else widens the codes, a block of the
-vocabulary at a time into one reused buffer.
+vocabulary at a time into one reused buffer. Where that int8 product is our AVX512-VNNI body (no AMX tiles), the
+rotated codes are packed in VNNI order (``vnni.c``), which drops the product's horizontal sums.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from torch import Tensor
 from robot_llm.llm.store.diskio import huge_page_buffer
 from robot_llm.llm.store.gemv import gemv_available, kernels, matmul_serves
 from robot_llm.llm.store.int8act import (
+    VNNI_GROUP,
     int8_activations_for,
     int8_gemm,
     int8_kernels_for,
+    packs_codes,
+    quantize_input,
     rotate_weights,
     rotation_block,
+    vnni_pack,
     weight_levels,
 )
 from robot_llm.llm.store.int8act import rotate as rotate_rows
@@ -150,6 +155,9 @@ class QuantizedTable:
     _acc: Tensor | None = field(default=None, repr=False)
     #: The fp32 logits our int8 product wrote, each reused once no tensor views it any more (:meth:`_logits_for`).
     _logits: list[Tensor] = field(default_factory=list, repr=False)
+    #: Set where ``q`` holds the codes packed in VNNI order (:func:`~robot_llm.llm.store.int8act.packs_codes`; its
+    #: rows padded to a multiple of 16): 128 x each row's sum of codes, int32 ``[V]``, which the product takes off.
+    offset: Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def quantize(
@@ -162,7 +170,8 @@ class QuantizedTable:
         v, k = weight.shape
         width = int8_padded_width(k)
         block = rotation_block(width) if rotate else 0
-        q = _aligned_int8(v, width)
+        packs = bool(block) and packs_codes()
+        q = _aligned_int8(-(-v // VNNI_GROUP) * VNNI_GROUP if packs else v, width)
         scale = torch.empty(v, dtype=torch.bfloat16)
         step = QUANTIZE_ROWS // 4 if block else QUANTIZE_ROWS  # a rotation's temporaries are a few more
         for a in range(0, v, step):
@@ -171,14 +180,27 @@ class QuantizedTable:
             if block:
                 rows = rotate_weights(F.pad(rows.float(), (0, width - k)), block)
             q[a : a + count], scale[a : a + count] = quantize_int8(rows, weight_levels() if block else 127)
+        offset = vnni_pack(q, v, into=q)[1] if packs else None
         source = weight if exact_lookups and isinstance(weight, RowSource) else None
         shape = (v, width) if block else (v, k)
-        return cls(q=q, scale=scale, shape=shape, dtype=dtype, source=source, rotation=block, width=k)
+        return cls(q=q, scale=scale, shape=shape, dtype=dtype, source=source, rotation=block, width=k, offset=offset)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (codes and scales)."""
-        return self.q.numel() + 2 * self.scale.numel()
+        """Bytes held (codes, scales and a packed table's offsets)."""
+        return self.q.numel() + 2 * self.scale.numel() + (0 if self.offset is None else 4 * self.offset.numel())
+
+    def codes(self, ids: Tensor | None = None) -> Tensor:
+        """The int8 codes in row order, ``[V, Kp]``, or the rows of ``ids`` (any shape) ``[*ids.shape, Kp]``:
+        unpacked (a copy) where the table is packed."""
+        if self.offset is None:
+            return self.q[: self.shape[0]] if ids is None else F.embedding(ids, self.q)
+        lib, kp = kernels(), self.q.shape[1]
+        wanted = (torch.arange(self.shape[0]) if ids is None else ids).reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(wanted.numel(), kp, dtype=torch.int8)
+        assert lib is not None  # a packed table was packed by it
+        lib.lib.rl_vnni_rows(self.q.data_ptr(), kp, wanted.data_ptr(), wanted.numel(), out.data_ptr())
+        return out if ids is None else out.view(*ids.shape, kp)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """The rows of ``ids`` (any shape): ``[*ids.shape, K]`` in the compute dtype, read exactly from the
@@ -186,7 +208,7 @@ class QuantizedTable:
         if self.source is not None:
             return self.source.rows(ids.cpu()).to(ids.device, self.dtype)
         k = self.shape[1]
-        rows = F.embedding(ids, self.q[:, :k]).float() * self.scale[ids].float()[..., None]
+        rows = self.codes(ids)[..., :k].float() * self.scale[ids].float()[..., None]
         if self.rotation:  # (W H / n) H == W
             rows = rotate_rows(rows, self.rotation)[..., : self.width]
         return rows.to(self.dtype)
@@ -216,6 +238,14 @@ class QuantizedTable:
         v, k = self.shape
         lead = x.shape[:-1]
         m, cpu = x.numel() // x.shape[-1], x.device.type == "cpu"
+        if self.offset is not None:  # packed: our product at every row count, its fp32 logits in its own pass
+            lib = kernels()
+            assert lib is not None and cpu, "a packed table is multiplied on the CPU by the kernels that packed it"
+            if self._scale32 is None:
+                self._scale32 = self.scale.float()
+            q, row_scale = quantize_input(x, k, self.rotation, int8_kernels_for(m))
+            y = lib.int8_mm(q, self.q, self._logits_for(m), self._scale32, row_scale, self.offset)
+            return (y if bias is None else y + bias).reshape(*lead, v)
         quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype) and not _few_rows_read_faster(m)
         few = cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available()
         if few or (cpu and not quantized_rows and matmul_serves("int8", m)):

@@ -1,0 +1,72 @@
+"""int8 codes packed in VNNI order (vnni.c): the product over them is torch's integers, a packed table computes the
+logits and looks up the rows a row-major one does, and its codes unpack to the row-major ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from robot_llm.llm.store import qhead
+from robot_llm.llm.store.gemv import kernels
+from robot_llm.llm.store.int8act import VNNI_GROUP, vnni_pack
+from robot_llm.llm.store.qhead import QuantizedTable
+
+pytestmark = pytest.mark.skipif(
+    (kernels() is None or kernels().int8_mm_body != "vnni"),  # type: ignore[union-attr]
+    reason="packed codes serve our AVX512-VNNI body only (an AMX or AVX2 build reads row-major codes)",
+)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_packed_product_is_torchs_integers_and_its_epilogue(threads: int) -> None:
+    lib = kernels()
+    assert lib is not None
+    g, before = torch.Generator().manual_seed(3), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # outputs fewer than a group, a group, one past it, a short last block (1 or 2 groups of 3), several blocks
+        # split between threads; rows within a tile of 8, one past it, several tiles; widths of 1 to 32 quads of 4
+        for m, n, k in ((1, 5, 64), (8, 16, 640), (9, 17, 128), (3, 47, 192), (33, 97, 64), (70, 1003, 256)):
+            a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+            stored = torch.randint(-128, 128, (n, k + 64), dtype=torch.int8, generator=g)
+            stored[0], stored[-1] = -128, 127  # the extremes meet the activations' offset of 128
+            codes = stored[:, :k]  # a stored matrix's row stride
+            p, offset = vnni_pack(codes, n)
+            assert torch.equal(offset, 128 * codes.long().sum(1).int())
+            want = (a.long() @ codes.long().t()).int()
+            assert torch.equal(lib.int8_mm(a, p, offset=offset), want), (m, n, k)
+            scale, row_scale = torch.rand(n, generator=g), torch.rand(m, 1, generator=g)
+            scaled = lib.int8_mm(a, p, None, scale, row_scale, offset)
+            assert torch.equal(scaled, want.float().mul_(scale).mul_(row_scale)), (m, n, k)
+            ids = torch.tensor([0, n - 1, n // 2, 0])
+            back = torch.empty(4, k, dtype=torch.int8)
+            lib.lib.rl_vnni_rows(p.data_ptr(), k, ids.data_ptr(), 4, back.data_ptr())
+            assert torch.equal(back, codes[ids])
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="multiple of 16"):  # packed codes short of a whole last group
+        lib.int8_mm(a, p[: n // VNNI_GROUP * VNNI_GROUP], offset=offset)
+
+
+def test_a_packed_table_computes_and_looks_up_what_a_row_major_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(1003, 200, generator=torch.Generator().manual_seed(5)) * 0.05  # 1003: a short last group
+    packed = QuantizedTable.quantize(w, torch.float32, rotate=True)
+    monkeypatch.setattr(qhead, "packs_codes", lambda: False)
+    rowwise = QuantizedTable.quantize(w, torch.float32, rotate=True)
+    assert packed.offset is not None and rowwise.offset is None
+    assert packed.q.shape == (1008, 256) and packed.nbytes == rowwise.nbytes + 4 * 1003 + 5 * 256
+    assert torch.equal(packed.codes(), rowwise.q)
+    ids = torch.tensor([[0, 1002], [17, 16]])
+    assert torch.equal(packed.codes(ids), rowwise.q[ids])
+    assert torch.equal(packed.lookup(ids), rowwise.lookup(ids))
+    x = torch.randn(2, 19, 200, generator=torch.Generator().manual_seed(6))
+    for rows in (x[:1, :1], x[:, :4], x):  # a decode row, a few, past our product's 32 rows of row-major codes
+        got = packed.linear(rows)
+        assert got.shape == (*rows.shape[:-1], 1003) and got.dtype == torch.float32
+        assert torch.equal(got, rowwise.linear(rows))
+
+
+def test_the_gemm_probe_measures_the_packed_product() -> None:
+    from robot_llm.llm.plan.rates import int8_gemm_ops
+
+    assert int8_gemm_ops(8, 128, 48, threads=1, seconds=0.02, packed=True) > 0
