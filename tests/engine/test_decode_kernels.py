@@ -35,6 +35,7 @@ from robot_llm.llm.store.int8act import (
     rotate,
     rotate_int8_in_place,
     rotated_int8_copy,
+    vnni_pack,
 )
 from robot_llm.llm.store.qhead import QuantizedTable
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, quantize_int4, quantize_int8
@@ -457,18 +458,18 @@ def test_int8_linear_in_one_call_is_the_chain_of_quantize_product_and_cast(
         codes, row_scale = lib.quantize_rows(x, width, block)
         assert codes.abs().max() == levels
         want = (codes.long() @ q.long().t()).float().mul_(scale.float()).mul_(row_scale).to(dtype)
-        got = lib.int8_linear(x[None], q, scale.float(), block)
+        got = lib.int8_linears(x[None], ((q, scale.float(), None),), block)[0]
         assert got.shape == (1, m, n) and got.dtype == dtype
         assert torch.equal(got[0].isnan(), want.isnan()) and (m == 1 or got[0, -1].isnan().all())
         assert torch.equal(torch.nan_to_num(got[0]), torch.nan_to_num(want)), (m, k, n, block)
     few, many = int8_kernels_for(ONE_CALL_ROWS), int8_kernels_for(ONE_CALL_ROWS + 1)
-    assert few is not None and few.linear == lib.int8_linear
-    assert many is not None and many.linear is None  # past a decode step's rows: quantized once, shared
+    assert few is not None and few.linears == lib.int8_linears
+    assert many is not None and many.linears is None  # past a decode step's rows: quantized once, shared
     packed = PackedInt8(q, scale, (n, width))
-    chained = int8_dynamic_linear(x, packed, dataclasses.replace(few, linear=None))
+    chained = int8_dynamic_linear(x, packed, dataclasses.replace(few, linears=None))
     assert torch.equal(torch.nan_to_num(int8_dynamic_linear(x, packed, few)), torch.nan_to_num(chained))
     with pytest.raises(ValueError, match="int8_linear"):
-        lib.int8_linear(torch.zeros(2, 96), torch.zeros(4, 96, dtype=torch.int8), torch.ones(4), 0)
+        lib.int8_linears(torch.zeros(2, 96), ((torch.zeros(4, 96, dtype=torch.int8), torch.ones(4), None),), 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -485,17 +486,23 @@ def test_int8_linears_in_one_call_are_each_matrix_alone_to_the_bit(dtype: torch.
         (3, 2048, 2048, 0, (640, 64, 1, 200)),
     ):
         wide = [quantize_int8(torch.randn(n, width + 64, generator=g)) for n in sizes]
-        mats = tuple((q[:, :width], scale.float()) for q, scale in wide)  # rows width + 64 apart
+        mats = tuple((q[:, :width], scale.float(), None) for q, scale in wide)  # rows width + 64 apart
         x = (torch.randn(2, m, k, generator=g) * 3).to(dtype)
         got = lib.int8_linears(x, mats, block)
         assert [y.shape for y in got] == [(2, m, n) for n in sizes] and all(y.dtype == dtype for y in got)
-        for (q, scale), y in zip(mats, got, strict=True):
-            assert torch.equal(y, lib.int8_linear(x, q.contiguous(), scale, block)), (m, k, q.shape)
+        for (q, scale, _), y in zip(mats, got, strict=True):
+            assert torch.equal(y, lib.int8_linears(x, ((q.contiguous(), scale, None),), block)[0]), (m, k, q.shape)
+        if lib.int8_mm_body == "vnni":  # every other matrix packed (vnni.c): the same outputs, in the same call
+            mixed = []
+            for i, (q, scale, _) in enumerate(mats):
+                codes, offset = vnni_pack(q, q.shape[0])
+                mixed.append((codes, scale, offset) if i % 2 == 0 else (q, scale, None))
+            assert all(torch.equal(a, b) for a, b in zip(lib.int8_linears(x, tuple(mixed), block), got, strict=True))
     with pytest.raises(ValueError, match="at most 4"):
         lib.int8_linears(x, mats * 2, block)
     other = quantize_int8(torch.randn(8, width + 64, generator=g))
     with pytest.raises(ValueError, match="int8_linear"):
-        lib.int8_linears(x, (mats[0], (other[0], other[1].float())), block)
+        lib.int8_linears(x, (mats[0], (other[0], other[1].float(), None)), block)
 
 
 def test_the_projections_of_one_input_are_one_call_with_linears_values(monkeypatch: pytest.MonkeyPatch) -> None:

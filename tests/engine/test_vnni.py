@@ -70,3 +70,50 @@ def test_the_gemm_probe_measures_the_packed_product() -> None:
     from robot_llm.llm.plan.rates import int8_gemm_ops
 
     assert int8_gemm_ops(8, 128, 48, threads=1, seconds=0.02, packed=True) > 0
+
+
+def test_an_int4_matrixs_int8_copy_is_packed_and_multiplies_as_a_row_major_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from robot_llm.llm.families.family import linear
+    from robot_llm.llm.store import int8act
+    from robot_llm.llm.store.int8act import int8_dynamic_linear, int8_kernels_for, rotated_int8_copy
+    from robot_llm.llm.store.quant import PackedInt4, quantize_int4
+
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(8)) * 0.05  # 200 rows: a short last group
+    packed = rotated_int8_copy(PackedInt4(*quantize_int4(w), (200, 300)))
+    monkeypatch.setattr(int8act, "packs_codes", lambda: False)
+    rowwise = rotated_int8_copy(PackedInt4(*quantize_int4(w), (200, 300)))
+    assert packed.offset is not None and rowwise.offset is None and packed.q.shape == (208, 320)
+    with pytest.raises(AssertionError, match="packed"):
+        packed.dense(torch.float32)
+    x = torch.randn(48, 300, generator=torch.Generator().manual_seed(9))
+    for rows in (1, 8, 33, 48):  # one call of ours up to 32 rows; past them the rows quantized, then the product
+        for dtype in (torch.float32, torch.bfloat16):
+            got = int8_dynamic_linear(x[:rows].to(dtype), packed, int8_kernels_for(rows))
+            assert torch.equal(got, int8_dynamic_linear(x[:rows].to(dtype), rowwise, int8_kernels_for(rows)))
+    int4 = PackedInt4(*quantize_int4(w), (200, 300), int8_copy=packed)
+    assert torch.equal(linear(x, int4), int8_dynamic_linear(x, rowwise, int8_kernels_for(48)))
+
+
+def test_a_ram_homed_int8_matrix_is_rotated_and_packed_in_place_and_multiplies_as_a_row_major_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from robot_llm.llm.families.family import linear
+    from robot_llm.llm.store import int8act
+    from robot_llm.llm.store.int8act import int8_dynamic_linear, int8_kernels_for, rotated_int8_in_place
+    from robot_llm.llm.store.quant import quantize_int8
+
+    q, scale = quantize_int8(torch.randn(96, 320, generator=torch.Generator().manual_seed(10)) * 0.05)
+    held = q.clone()
+    packed = rotated_int8_in_place(held, scale.clone())
+    assert packed is not None and packed.offset is not None and packed.q.data_ptr() == held.data_ptr()
+    odd = rotated_int8_in_place(*quantize_int8(torch.randn(90, 320)))  # 90 rows: not whole groups, left row-major
+    assert odd is not None and odd.offset is None
+    monkeypatch.setattr(int8act, "packs_codes", lambda: False)
+    rowwise = rotated_int8_in_place(q, scale)
+    assert rowwise is not None and rowwise.offset is None and not torch.equal(held, q)  # the same codes, packed
+    x = torch.randn(40, 320, generator=torch.Generator().manual_seed(11))
+    for rows in (1, 32, 40):
+        got = linear(x[:rows], packed)
+        assert torch.equal(got, int8_dynamic_linear(x[:rows], rowwise, int8_kernels_for(rows)))
+    with pytest.raises(ValueError, match="packed int8 codes"):
+        linear(x.half(), packed)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from robot_llm.errors import ModelFault
 from robot_llm.llm.families.family import Params
-from robot_llm.llm.store.int8act import rotate_int8_in_place, rotated_int8_copy
+from robot_llm.llm.store.int8act import rotated_int8_copy, rotated_int8_in_place
 from robot_llm.llm.store.layout import SCALE_SUFFIX, FileLayout, StoreError
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int4_kernel_codes
 
@@ -24,28 +24,29 @@ class LayerReadError(StoreError, ModelFault):
     """A layer file stayed unreadable through every retry: that forward pass fails, the engine stays usable."""
 
 
-#: A RAM-homed layer's one-time work (:func:`prepare_ram_layer`), by key: int4 kernel codes, int8 matrices
-#: rotation blocks, int4 matrices' rotated int8 copies.
-Prepared = tuple[Params, dict[str, int], dict[str, PackedInt8]]
+#: A RAM-homed layer's one-time work (:func:`prepare_ram_layer`), by key: int4 kernel codes, int8 matrices rotated
+#: (and packed) in place, int4 matrices' rotated int8 copies.
+Prepared = tuple[Params, dict[str, PackedInt8], dict[str, PackedInt8]]
 #: A layer nothing was prepared for (a streamed one).
 UNPREPARED: Prepared = ({}, {}, {})
 
 
 def prepare_ram_layer(layout: FileLayout, data: Tensor, *, repack: bool, rotate: bool) -> Prepared:
     """A RAM-homed layer's one-time work: with ``repack``, its int4 codes in this CPU's kernel layout; with
-    ``rotate`` (int8 activations), its int8 matrices rotated in place and its int4 ones' rotated int8 copies
-    (made once here, not every prefill pass: 27 int4 matrices of Gemma 3 270M, 15 MB)."""
+    ``rotate`` (int8 activations), its int8 matrices rotated (and where our VNNI product serves, packed) in place
+    and its int4 ones' rotated int8 copies (made once here, not every prefill pass: 27 int4 matrices of Gemma 3 270M,
+    15 MB)."""
     raw = layout.views(data)
     codes = {k: int4_kernel_codes(t) for k, t in raw.items() if t.dtype == torch.uint8} if repack else {}
     if not rotate:
         return codes, {}, {}
-    blocks = {k: rotate_int8_in_place(t, raw[k + SCALE_SUFFIX]) for k, t in raw.items() if t.dtype == torch.int8}
+    int8 = {k: rotated_int8_in_place(t, raw[k + SCALE_SUFFIX]) for k, t in raw.items() if t.dtype == torch.int8}
     copies = {
         k: rotated_int8_copy(PackedInt4(t, raw[k + SCALE_SUFFIX], tuple(layout.shape(k))[:2]))
         for k, t in raw.items()
         if t.dtype == torch.uint8
     }
-    return codes, blocks, copies
+    return codes, {k: w for k, w in int8.items() if w is not None}, copies
 
 
 #: Elements up to which a tensor converted into a slot's buffer is given its own copy, so that its RAM-homed layer's

@@ -368,9 +368,9 @@ class StreamingModel:
     def _to_compute(self, layout: FileLayout, data: Tensor, buffers: Params, prepared: Prepared = UNPREPARED) -> Params:
         """The layer's weights for compute: views of ``data``, packed matrices (the fused CPU path; int4 ones
         with ``prepared`` kernel codes, repacked for this CPU, where given; where the engine repacks and
-        none are given, a streamed int4 matrix is dequantized here; int8 ones rotated in place by their
-        ``prepared`` block) or conversions into ``buffers``."""
-        (kernel_codes, rotation, copies), raw = prepared, layout.views(data)
+        none are given, a streamed int4 matrix is dequantized here; int8 ones as ``prepared``, rotated in place)
+        or conversions into ``buffers``."""
+        (kernel_codes, rotated, copies), raw = prepared, layout.views(data)
         params: Params = {}
         for key, tensor in raw.items():
             if key.endswith(SCALE_SUFFIX):
@@ -382,8 +382,8 @@ class StreamingModel:
                 packed = PackedInt4(
                     tensor, scales, (shape[0], shape[1]), buffers[key], kernel_codes=codes, int8_copy=copy
                 )
-            elif tensor.dtype == torch.int8 and rotation.get(key):
-                packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], tuple(tensor.shape), rotation=rotation[key])
+            elif tensor.dtype == torch.int8 and key in rotated:
+                packed = rotated[key]  # views of these RAM bytes, prepared once
             elif tensor.dtype == torch.int8:
                 packed = PackedInt8(tensor, raw[key + SCALE_SUFFIX], (shape[0], shape[1]), buffers[key])
             if packed is not None:

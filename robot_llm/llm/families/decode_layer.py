@@ -35,7 +35,7 @@ _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 class _Products(ctypes.Structure):
     """``layer.c``'s ``products``: matrices that meet one input."""
 
-    _fields_ = [("mats", _I64 * 15), ("width", _I64), ("rotation", _I64)]
+    _fields_ = [("mats", _I64 * 18), ("width", _I64), ("rotation", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -213,6 +213,6 @@ def _products(x: Tensor, p: Params, keys: tuple[str, ...], rows: int, k: int) ->
     assert first is not None
     if any(f is None or (f.shape[1], f.rotation) != (first.shape[1], first.rotation) for f in forms):
         return None
-    args = int8_products(k, tuple((f.q, f.scale32()) for f in forms if f is not None), first.rotation)
+    args = int8_products(k, tuple((f.q, f.scale32(), f.offset) for f in forms if f is not None), first.rotation)
     outputs = [f.shape[0] for f in forms if f is not None]
-    return _Products((_I64 * 15)(*args), first.shape[1], first.rotation), outputs
+    return _Products((_I64 * 18)(*args), first.shape[1], first.rotation), outputs

@@ -127,6 +127,8 @@ def linear(x: Tensor, weight: Tensor | PackedInt4 | PackedInt8 | QuantizedTable,
     rows = x.numel() // x.shape[-1]
     kernel = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
     rotated = int8_activations_form(x, weight, rows)
+    if rotated is None and isinstance(weight, PackedInt8) and weight.offset is not None:
+        raise ValueError(f"packed int8 codes (vnni.c) meet {rows} {x.dtype} rows on {x.device}: int8 activations only")
     if rotated is not None:
         y = int8_dynamic_linear(x, rotated, int8_kernels_for(rows))  # it rotates x itself
     elif isinstance(weight, PackedInt4):

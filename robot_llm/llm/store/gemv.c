@@ -600,12 +600,17 @@ typedef struct {
 } matrix;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Activation bytes a packed product takes through every block at once (rows of k codes, at least 8 rows). */
+#ifndef PACKED_CHUNK_BYTES
+#define PACKED_CHUNK_BYTES 262144
+#endif
 int64_t rl_vnni_blocks(int64_t n);
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
                    int64_t b, void *c, const float *scale, const float *row_scale);
 #endif
-/* The most matrices one call multiplies (q, k and v; gate and up). */
+/* The most matrices one call multiplies (q, k and v; gate and up), and the int64 that describe each to it. */
 #define MAX_MATRICES 4
+#define MATRIX_ARGS 6
 
 /* c [m, n] = a [m, k] @ w[:n, :k]^T over int8 codes (a's rows k apart, w's ldw apart; k a multiple of 64) for each of
  * the `count` matrices of mats (at most MAX_MATRICES; their blocks shared among the threads as one matrix's), exactly:
@@ -670,9 +675,16 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
             const float *const scale = mats[j].scale;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
             if (mats[j].offset != NULL) {
-                const int64_t packed = rl_vnni_blocks(n);
+                /* a chunk of rows at a time meets every block: the chunk stays in L2 while the weights stream by (a
+                 * prefill's thousands of rows would otherwise be read again from memory for each block) */
+                const int64_t packed = rl_vnni_blocks(n), chunk = PACKED_CHUNK_BYTES / k < 8 ? 8 : PACKED_CHUNK_BYTES / k;
+                for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+                    const int64_t rows = m - c0 < chunk ? m - c0 : chunk;
+                    void *const cc = (char *)c + c0 * n * 4; /* int32 or fp32 */
+                    const float *const rs = row_scale == NULL ? NULL : row_scale + c0;
 #pragma omp for schedule(static) nowait
-                for (int64_t b = 0; b < packed; b++) rl_vnni_block(au, m, k, w, n, mats[j].offset, b, c, scale, row_scale);
+                    for (int64_t b = 0; b < packed; b++) rl_vnni_block(au + c0 * k, rows, k, w, n, mats[j].offset, b, cc, scale, rs);
+                }
                 continue;
             }
 #else
@@ -723,8 +735,9 @@ int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t l
 }
 
 /* y_j [m, n_j] (fp32, or bf16 where y_bf16) = x [m, k] @ (w_j * scale_j)^T with int8 activations, for each of the
- * `count` matrices of `mats` (at most MAX_MATRICES; five int64 each: the codes' address, their row stride, their
- * rows n_j, the fp32 scales' address, y_j's address), in one call: the rows quantized once as rl_quantize_rows does
+ * `count` matrices of `mats` (at most MAX_MATRICES; MATRIX_ARGS int64 each: the codes' address, their row stride,
+ * their rows n_j, the fp32 scales' address, y_j's address, and where the codes are packed (vnni.c) their offsets'
+ * address, else 0), in one call: the rows quantized once as rl_quantize_rows does
  * (zero-padded to width, rotated by `rotation`), multiplied and scaled as rl_int8_mm does (the matrices' blocks
  * shared among the threads), then rounded to bf16 where y is: int8act.int8_dynamic_linear's values for each matrix.
  * A decode step's ~130 calls of a few rows each spent more in their torch glue (buffers, a cast to the compute
@@ -735,15 +748,16 @@ int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t widt
                    const int64_t *mats, int count, int y_bf16, int threads) {
     matrix each[MAX_MATRICES];
     int64_t outputs = 0;
-    for (int j = 0; j < count; j++) outputs += mats[5 * j + 2];
+    for (int j = 0; j < count; j++) outputs += mats[MATRIX_ARGS * j + 2];
     int8_t *q = malloc((size_t)(m * width));
     float *row_scale = malloc((size_t)m * sizeof(float));
     float *out = y_bf16 ? malloc((size_t)(m * outputs) * sizeof(float)) : NULL; /* the fp32 products to round */
     int failed = count > MAX_MATRICES || q == NULL || row_scale == NULL || (y_bf16 && out == NULL);
-    for (int64_t j = 0, at = 0; j < count && !failed; at += m * mats[5 * j + 2], j++) {
-        const int64_t *arg = mats + 5 * j;
+    for (int64_t j = 0, at = 0; j < count && !failed; at += m * mats[MATRIX_ARGS * j + 2], j++) {
+        const int64_t *arg = mats + MATRIX_ARGS * j;
         void *c = y_bf16 ? (void *)(out + at) : (void *)(intptr_t)arg[4];
-        each[j] = (matrix){(const int8_t *)(intptr_t)arg[0], arg[1], arg[2], c, (const float *)(intptr_t)arg[3], NULL};
+        const int32_t *offset = (const int32_t *)(intptr_t)arg[5];
+        each[j] = (matrix){(const int8_t *)(intptr_t)arg[0], arg[1], arg[2], c, (const float *)(intptr_t)arg[3], offset};
     }
     /* a row is quantized on one thread: more only wake threads for a few rows' microseconds */
     int quantizers = m < threads ? (int)m : threads;
@@ -751,7 +765,7 @@ int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t widt
     if (!failed) failed = int8_mm_many(q, m, width, each, count, row_scale, levels, threads);
     for (int j = 0; !failed && y_bf16 && j < count; j++) {
         const float *from = each[j].c;
-        uint16_t *to = (uint16_t *)(intptr_t)mats[5 * j + 4];
+        uint16_t *to = (uint16_t *)(intptr_t)mats[MATRIX_ARGS * j + 4];
         for (int64_t i = 0; i < m * each[j].n; i++) to[i] = float_to_bf16(from[i]);
     }
     free(out);

@@ -3,14 +3,12 @@ compiler and loaded with :mod:`ctypes`.
 
 A decode step at batch 1 is a pass over every matrix, so it runs at the speed one core reads its codes; torch's
 fused int8 kernel (``_weight_int8pack_mm``) reads Gemma 3 270M's 262,144 x 640 head at 5.9 GB/s on a Sapphire
-Rapids core (28.6 ms, 1 thread; 10-12 ms on a VNNI EPYC). ``gemv.c`` widens the codes to fp32 in registers,
-multiplies fp32 activations (no activation rounding) and reads the codes once for all of a call's rows; it serves
-every call torch's fused int8 kernel would, faster at every row count measured (the head at one row: 16-20 ms).
-Its int8 x int8 product (AMX tiles, AVX512-VNNI or AVX2) serves the calls whose activations are quantized.
-
-It also holds the families' RMSNorm with its rotary or residual add (``norm.c``), the attention of one new position
-(``attend.c``), the int8 head's epilogue, a decode step's layer of them in one call (``layer.c``) and the choice of
-the next tokens (``sample.c``). Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``,
+Rapids core (28.6 ms, 1 thread). ``gemv.c`` widens the codes to fp32 in registers, multiplies fp32 activations and
+reads the codes once for all of a call's rows (the head at one row: 16-20 ms). Its int8 x int8 product (AMX tiles,
+AVX512-VNNI, over packed codes too with ``vnni.c``, or AVX2) serves the calls whose activations are quantized. It
+also holds the RMSNorm with its rotary or residual add (``norm.c``), the attention of one new position
+(``attend.c``), a decode step's layer of them in one call (``layer.c``) and the choice of the next tokens
+(``sample.c``). Without a compiler, on a CPU without AVX2 and FMA, or with ``ROBOT_LLM_GEMV=0``,
 :func:`gemv_available` is False and the callers keep torch's. It is cached under ``~/.cache/robot-llm/kernels``
 (``XDG_CACHE_HOME``), named by a hash of the sources, the flags, the compiler and the CPU's features.
 """
@@ -33,6 +31,9 @@ from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx, cpu_has_native_bf16
 if TYPE_CHECKING:
     from torch import Tensor
 
+    #: A matrix of an int8-activation product: its codes, fp32 scales, and packed codes' offsets (None: row-major).
+    Int8Matrix = tuple[Tensor, Tensor, Tensor | None]
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
@@ -54,26 +55,22 @@ MAX_MATRICES = 4
 #: KL 0.0095 weight-only, 0.0105 at 127 levels, 0.0190 at 63; top-1 agreement 92.0, 92.2, 89.6 %. So 127 by default.
 AVX2_ACTIVATION_LEVELS, LEVELS_ENV = 127, "ROBOT_LLM_ACTIVATION_LEVELS"
 #: Rows of a call (lowest, highest) that ``gemm.c``'s products serve, by the stored dtype, on a CPU without native
-#: bf16 (:func:`matmul_available`). There torch feeds its fused int4 kernel bf16 activations it cannot compute
-#: natively, and past a few rows both dtypes are widened into fp32 every pass; a streamed int4 matrix whose codes
-#: torch's kernel cannot read as stored is served from one row. Measured on an AVX2 EPYC, 1 thread, ms at 8 / 32 /
-#: 128 rows: int4 4096 x 1024 ours 2.3 / 5.1 / 24, torch's fused kernel 3.0 / 10.5 / -, dequantized then fp32
-#: 19 / 25 / 55 (2048 x 640: 0.59 / 1.5 / 7.2, 0.84 / 3.5 / -, 5.2 / 6.3 / 13.5); int8 at 16 / 32 / 64 / 128 rows,
-#: 4096 x 1024 ours 6.6 / 4.8 / 9.3 / 26, gemv.c 6.5 / 6.9 / 14 / 44, widened then fp32 14 / 20 / 34 / 38 (2048
-#: x 640: 1.0 / 1.3 / 3.2 / 5.1, 1.5 / 2.7 / 5.2 / 11, 2.3 / 2.6 / 5.0 / 6.8); the 262,144 x 640 head at 16 / 32 /
-#: 64 rows 153-186 / 260-313 / 365-375, widened in blocks 164-256 / 257-451 / 554-750 (this VM is noisy).
+#: bf16 (:func:`matmul_available`), where torch feeds its fused int4 kernel bf16 activations it cannot compute and
+#: past a few rows widens both dtypes into fp32 every pass; a streamed int4 matrix whose codes torch cannot read as
+#: stored is served from one row. AVX2 EPYC, 1 thread, ms at 8 / 32 / 128 rows: int4 4096 x 1024 ours 2.3 / 5.1 / 24,
+#: torch's fused kernel 3.0 / 10.5 / -, dequantized then fp32 19 / 25 / 55; int8 at 16 / 32 / 64 / 128 rows, 4096 x
+#: 1024 ours 6.6 / 4.8 / 9.3 / 26, gemv.c 6.5 / 6.9 / 14 / 44, widened then fp32 14 / 20 / 34 / 38; the 262,144 x
+#: 640 head at 16 / 32 / 64 rows 153-186 / 260-313 / 365-375, widened in blocks 164-256 / 257-451 / 554-750.
 MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
 #: Rows up to which an int4 product is one pass over the codes (``gemm.c``'s ``rl_int4_gemv``; at most 8), and up
-#: to which that pass also beats torch's fused int4 kernel with its casts where torch can read the codes (AVX2
-#: EPYC, 1 thread, ms at 1 / 2 / 4 / 7 rows: 2048 x 640 0.19 / 0.25 / 0.49 / 0.85 against 0.25 / 0.29 / 0.43 /
-#: 0.73; 4096 x 1024 0.54 / 0.75 / 1.5 / 3.1 against 0.75 / 0.90 / 1.4 / 2.5).
+#: to which that pass also beats torch's fused int4 kernel with its casts where torch can read the codes (AVX2 EPYC,
+#: 1 thread, 4096 x 1024, ms at 1 / 2 / 4 / 7 rows: 0.54 / 0.75 / 1.5 / 3.1 against 0.75 / 0.90 / 1.4 / 2.5).
 INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
-#: Rows up to which an int8 x int8 product is ``gemv.c``'s VNNI body (one pass over the codes; the same integers)
-#: rather than ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly (:func:`our_int8_mm_max_rows`).
-#: Sapphire Rapids, 1 thread, ms at 8 / 16 / 32 rows: 262,144 x 640 ours 18 / 26 / 41, oneDNN (AMX) 32 / 33 / 40.
-#: Zen 4 (no AMX), 1 thread, ms at 8 / 16 / 32 / 64 rows with the scales: 262,144 x 640 14 / 28 / 63 / 146 against
-#: 34 / 40 / 67 / 112; 640 x 2048 0.10 / 0.12 / 0.23 / 0.57 against 0.35 / 0.32 / 0.41 / 0.70. A build with AMX
-#: tiles takes every call (``gemv.c``'s ``amx_mm``; the head at 32 rows 24 ms against oneDNN's 55).
+#: Rows up to which an int8 x int8 product over row-major codes is ``gemv.c``'s VNNI body rather than
+#: ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly (:func:`our_int8_mm_max_rows`). Sapphire Rapids,
+#: 1 thread, ms at 8 / 16 / 32 rows: 262,144 x 640 ours 18 / 26 / 41, oneDNN (AMX) 32 / 33 / 40. Zen 4, ms at 8 / 16 /
+#: 32 / 64 rows: 262,144 x 640 14 / 28 / 63 / 146 against 34 / 40 / 67 / 112. AMX tiles take every call (the head at
+#: 32 rows 24 ms against 55); packed codes (``vnni.c``) are ours at every row count.
 OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -310,23 +307,18 @@ class Kernels:
             raise MemoryError(f"int8_mm: no memory for the buffers of {m} x {k} activations")
         return out
 
-    def int8_linear(self, x: Tensor, codes: Tensor, scale: Tensor, rotation: int = 0) -> Tensor:
-        """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T``: :meth:`int8_linears` of one matrix."""
-        return self.int8_linears(x, ((codes, scale),), rotation)[0]
-
-    def int8_linears(self, x: Tensor, matrices: tuple[tuple[Tensor, Tensor], ...], rotation: int = 0) -> list[Tensor]:
-        """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T`` for each ``(codes, scale)`` of ``matrices`` (at
-        most 4, one width, :func:`int8_products`) with int8 activations in one call: the rows quantized once as
-        :meth:`quantize_rows` (padded, rotated by ``rotation``), multiplied and scaled as :meth:`int8_mm`, each ``[...,
-        N]`` rounded to ``x``'s dtype (fp32 or bf16): :func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`'s values
-        without its torch glue (~130 products a decode step: x as it comes, y made in its final shape), the threads
-        woken once."""
+    def int8_linears(self, x: Tensor, matrices: tuple[Int8Matrix, ...], rotation: int = 0) -> list[Tensor]:
+        """``x [..., K] @ (codes int8 [N, Kp] * scale fp32 [N, 1]).T`` for each ``(codes, scale, offset)`` of
+        ``matrices`` (at most 4, one width, :func:`int8_products`) with int8 activations in one call: the rows quantized
+        once as :meth:`quantize_rows` (padded, rotated by ``rotation``), multiplied and scaled as :meth:`int8_mm`, each
+        rounded to ``x``'s dtype: :func:`~robot_llm.llm.store.int8act.int8_dynamic_linear`'s values without its torch
+        glue (~130 products a decode step), the threads woken once."""
         import torch
 
         rows, bf16 = (x, x.dtype is torch.bfloat16) if plain_rows(x) else self._rows(x)
         k, kp, args = x.shape[-1], matrices[0][0].shape[1], int8_products(x.shape[-1], matrices, rotation)
-        ys = [torch.empty((*x.shape[:-1], codes.shape[0]), dtype=rows.dtype) for codes, _ in matrices]
-        args[4::5] = [y.data_ptr() for y in ys]
+        ys = [torch.empty((*x.shape[:-1], n), dtype=rows.dtype) for n in args[2::6]]
+        args[4::6] = [y.data_ptr() for y in ys]
         m, each = rows.numel() // k, (ctypes.c_int64 * len(args))(*args)
         head = (rows.data_ptr(), bf16, m, k, kp, rotation, self.activation_levels)
         if self.lib.rl_int8_linear(*head, each, len(matrices), bf16, torch.get_num_threads()):
@@ -420,23 +412,31 @@ class Kernels:
         return out
 
 
-def int8_products(k: int, matrices: tuple[tuple[Tensor, Tensor], ...], rotation: int) -> list[int]:
-    """``rl_int8_linear``'s five int64 for each ``(codes, scale)`` of ``matrices`` meeting ``k`` columns (its output's
-    address 0: the caller's); ``ValueError`` past :data:`MAX_MATRICES` or for codes or scales it cannot read."""
+def int8_products(k: int, matrices: tuple[Int8Matrix, ...], rotation: int) -> list[int]:
+    """``rl_int8_linear``'s six int64 for each ``(codes, scale, offset)`` of ``matrices`` meeting ``k`` columns (its
+    output's address 0: the caller's; ``offset`` int32 where the codes are packed, ``vnni.c``, else None);
+    ``ValueError`` past :data:`MAX_MATRICES` or for codes, scales or offsets it cannot read."""
     import torch
 
     if len(matrices) > MAX_MATRICES:
         raise ValueError(f"int8_linears: {len(matrices)} matrices, at most {MAX_MATRICES} in one call")
-    kp, args = matrices[0][0].shape[1], []
+    kp, args, lib = matrices[0][0].shape[1], [], kernels()
     rotates = not rotation or (kp % rotation == 0 and rotation & (rotation - 1) == 0)
-    for codes, scale in matrices:
-        n, aligned = codes.shape[0], codes.stride(1) == 1 and codes.shape[1] == kp and kp % 64 == 0 and kp >= k
-        if not (aligned and rotates and scale.dtype is torch.float32 and scale.numel() == n and scale.is_contiguous()):
+    for codes, scale, offset in matrices:
+        n = codes.shape[0] if offset is None else offset.numel()
+        aligned = codes.stride(1) == 1 and codes.shape[1] == kp and kp % 64 == 0 and kp >= k
+        packed = offset is None or (
+            lib is not None and lib.int8_mm_body == "vnni" and codes.shape[0] >= -(-n // 16) * 16
+        )
+        if not (aligned and rotates and packed and scale.dtype is torch.float32 and scale.numel() == n) or not (
+            scale.is_contiguous() and (offset is None or offset.dtype is torch.int32)
+        ):
             raise ValueError(
                 f"int8_linear: {k} columns, rotation {rotation}, against codes {tuple(codes.shape)} strides "
-                f"{codes.stride()} (a width of 64s) and {scale.dtype} scales {tuple(scale.shape)} (fp32, one a row)"
+                f"{codes.stride()} (a width of 64s; packed: a VNNI build's, rows to 16s) and {scale.dtype} scales "
+                f"{tuple(scale.shape)} (fp32, one a row)"
             )
-        args += [codes.data_ptr(), codes.stride(0), n, scale.data_ptr(), 0]
+        args += [codes.data_ptr(), codes.stride(0), n, scale.data_ptr(), 0, 0 if offset is None else offset.data_ptr()]
     return args
 
 

@@ -3,7 +3,7 @@
 over int8 matrices whose input columns were rotated by Hadamard blocks (so that a row's few heavy channels do
 not take its int8 scale).
 
-:func:`int8_activations_for` says when a call takes this path, :func:`rotate_int8_in_place` and
+:func:`int8_activations_for` says when a call takes this path, :func:`rotated_int8_in_place` and
 :func:`rotated_int8_copy` prepare the weights (once, for the matrices the engine holds in RAM, and the LM
 head, :mod:`robot_llm.llm.store.qhead`), :func:`rotate_input` rotates a call's activations and
 :func:`int8_dynamic_linear` / :func:`int8_gemm` multiply. The weight formats are :mod:`robot_llm.llm.store.quant`.
@@ -23,6 +23,8 @@ from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width,
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
+
+    from robot_llm.llm.store.gemv import Int8Matrix
 
 
 #: Rows of a call from which an int8 matrix (rotated, on the CPU) meets int8 activations where torch's int8 GEMM
@@ -202,6 +204,18 @@ def rotate_int8_in_place(q: Tensor, scale: Tensor, rows: int = 1024) -> int:
     return block
 
 
+def rotated_int8_in_place(q: Tensor, scale: Tensor) -> PackedInt8 | None:
+    """A RAM-homed int8 matrix (``q [N, Kp]``, bf16 ``scale [N]``) rotated in place (:func:`rotate_int8_in_place`)
+    and, where :func:`packs_codes` and its rows fill whole groups of :data:`VNNI_GROUP`, packed in place too, for
+    int8 activations; None where no rotation block fits (nothing changed)."""
+    block = rotate_int8_in_place(q, scale)
+    if not block:
+        return None
+    packs = packs_codes() and q.is_contiguous() and q.shape[0] % VNNI_GROUP == 0
+    offset = vnni_pack(q, q.shape[0], into=q)[1] if packs else None
+    return PackedInt8(q, scale, (q.shape[0], q.shape[1]), rotation=block, offset=offset)
+
+
 def quantize_activations(x: Tensor, width: int, levels: int = 127) -> tuple[Tensor, Tensor]:
     """Rows of ``x [..., K]`` as symmetric int8 codes within ``-levels..levels``, one fp32 scale per row:
     ``(q int8 [M, width], scale [M, 1])``, the columns past ``K`` zero (a stored matrix's padding). The row maxima
@@ -318,14 +332,13 @@ class Int8Kernels:
     """Our kernels for a product with int8 activations (``gemv.c``'s, :func:`int8_kernels_for`):
     ``quantize(rows, width, rotation)`` as :func:`quantize_input` computes it; ``matmul(q, codes, out, scale,
     row_scale)`` as ``torch._int_mm`` (int32; with both scales, fp32 as :func:`int8_gemm` computes it;
-    None: torch's serves); ``linear(x, codes, scale, rotation)`` the whole of :func:`int8_dynamic_linear` in one
-    call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linear`; None: past :data:`ONE_CALL_ROWS` rows), and
-    ``linears`` several matrices' in one call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linears`, with it)."""
+    None: torch's serves); ``linears(x, matrices, rotation)`` the whole of :func:`int8_dynamic_linear` for one or
+    several matrices in one call (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_linears`; None: past
+    :data:`ONE_CALL_ROWS` rows)."""
 
     quantize: Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
-    matmul: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], Tensor] | None = None
-    linear: Callable[[Tensor, Tensor, Tensor, int], Tensor] | None = None
-    linears: Callable[[Tensor, tuple[tuple[Tensor, Tensor], ...], int], list[Tensor]] | None = None
+    matmul: Callable[..., Tensor] | None = None
+    linears: Callable[[Tensor, tuple[Int8Matrix, ...], int], list[Tensor]] | None = None
 
 
 def int8_kernels_for(rows: int) -> Int8Kernels | None:
@@ -346,19 +359,19 @@ def _int8_kernels(with_matmul: bool, one_call: bool) -> Int8Kernels:
     """:func:`int8_kernels_for`'s answers, made once (a decode step asks about 130 times)."""
     lib = gemv.kernels()
     assert lib is not None
-    matmul, linear = lib.int8_mm if with_matmul else None, lib.int8_linear if one_call else None
-    linears = lib.int8_linears if one_call else None
-    return Int8Kernels(quantize=lib.quantize_rows, matmul=matmul, linear=linear, linears=linears)
+    matmul, linears = lib.int8_mm if with_matmul else None, lib.int8_linears if one_call else None
+    return Int8Kernels(quantize=lib.quantize_rows, matmul=matmul, linears=linears)
 
 
 def int8_dynamic_linear(x: Tensor, w: PackedInt8, ours: Int8Kernels | None = None) -> Tensor:
     """``x @ w.T`` with int8 activations: the rows of ``x [..., K]`` (not rotated: a rotated ``w`` rotates them)
     quantized (:func:`quantize_input`), one int8 x int8 -> int32 GEMM over the stored codes (``ours`` where given,
     as :func:`int8_gemm`), then both scales (the output in ``x``'s dtype); all in one call of ours where it takes
-    the call whole (:attr:`Int8Kernels.linear`)."""
-    if ours is not None and ours.linear is not None:
-        return ours.linear(x, w.q, w.scale32(), w.rotation)
-    y = int8_gemm(x, w.q, w.scale32(), w.rotation, ours=ours, dtype=x.dtype)
+    the call whole (:attr:`Int8Kernels.linears`). Packed codes (``w.offset``, :func:`vnni_pack`) are ours at every
+    row count."""
+    if ours is not None and ours.linears is not None:
+        return ours.linears(x, ((w.q, w.scale32(), w.offset),), w.rotation)[0]
+    y = int8_gemm(x, w.q, w.scale32(), w.rotation, ours=ours, dtype=x.dtype, offset=w.offset)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -368,7 +381,7 @@ def int8_dynamic_linears(x: Tensor, ws: list[PackedInt8], ours: Int8Kernels | No
     quantized and the threads woken once: the same values), else a call each (sharing the rows' quantization)."""
     width, block = ws[0].shape[1], ws[0].rotation
     if ours is not None and ours.linears is not None and all((w.shape[1], w.rotation) == (width, block) for w in ws):
-        return ours.linears(x, tuple((w.q, w.scale32()) for w in ws), block)
+        return ours.linears(x, tuple((w.q, w.scale32(), w.offset) for w in ws), block)
     return [int8_dynamic_linear(x, w, ours) for w in ws]
 
 
@@ -381,6 +394,7 @@ def int8_gemm(
     ours: Int8Kernels | None = None,
     out: Tensor | None = None,
     dtype: torch.dtype | None = None,
+    offset: Tensor | None = None,
 ) -> Tensor:
     """``x [..., K] @ (codes [N, Kp] * scale [N, 1]).T`` as ``[M, N]`` in ``dtype`` (fp32 where None), where
     ``codes``' input columns were rotated by ``rotation`` (0: none): the rows padded, rotated and quantized to int8
@@ -391,11 +405,15 @@ def int8_gemm(
     oneDNN's, at 1 thread), else torch's ops. ``ours`` (:func:`~robot_llm.llm.store.gemv.int8_kernels_for`)
     quantize and multiply as the torch ops do (the rotation as its fast transform); where ours multiplies, the
     scales are applied in the product's own pass (the same values; ``acc`` is not needed), into ``out``
-    (contiguous fp32 ``[M, N]``) where given."""
+    (contiguous fp32 ``[M, N]``) where given. ``offset``: the codes are packed (:func:`vnni_pack`), and ours
+    multiplies them at every row count."""
     import torch
 
     dtype = dtype or torch.float32
     q, row_scale = quantize_input(x, codes.shape[1], rotation, ours)
+    lib = gemv.kernels() if offset is not None else None
+    if lib is not None:  # packed: our product, whatever the rows
+        return lib.int8_mm(q, codes, out, scale, row_scale, offset).to(dtype)
     if ours is not None and ours.matmul is not None:
         return ours.matmul(q, codes, out, scale, row_scale).to(dtype)  # the epilogue's values in the product's pass
     product = torch._int_mm(q, codes.t()) if acc is None else torch._int_mm(q, codes.t(), out=acc)
@@ -416,7 +434,8 @@ def rotated_int8_copy(w: PackedInt4) -> PackedInt8:
         width = int8_padded_width(w.shape[1])
         block = rotation_block(width)
         q, scale = quantize_int8(rotate_weights(F.pad(dense, (0, width - w.shape[1])), block), weight_levels())
-        w.int8_copy = PackedInt8(q=q, scale=scale, shape=(w.shape[0], width), rotation=block)
+        q, offset = vnni_pack(q, q.shape[0]) if packs_codes() else (q, None)
+        w.int8_copy = PackedInt8(q=q, scale=scale, shape=(w.shape[0], width), rotation=block, offset=offset)
         if dense is not w.buffer:
             w._dense = None  # the int8 copy replaces the fp32 one (the buffer is the layer slot's)
     return w.int8_copy

@@ -25,11 +25,12 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
                         int threads);
 void rl_gated(const void *gate, const void *up, int64_t n, int kind, int bf16, void *out, int threads);
 
-/* Matrices that meet one input, as rl_int8_linear takes them: five int64 each (the codes' address, their row
- * stride, their rows, the fp32 scales' address, the output's address, which the layer fills in), their padded
- * width and the Hadamard block of their input columns. */
+/* Matrices that meet one input, as rl_int8_linear takes them: six int64 each (the codes' address, their row
+ * stride, their rows, the fp32 scales' address, the output's address, which the layer fills in, and packed codes'
+ * offsets or 0), their padded width and the Hadamard block of their input columns. */
+#define MATRIX_ARGS 6 /* gemv.c's */
 typedef struct {
-    int64_t mats[3 * 5];
+    int64_t mats[3 * MATRIX_ARGS];
     int64_t width, rotation;
 } products;
 
@@ -59,7 +60,7 @@ typedef struct {
 
 /* y = the int8-activation products of x [rows, k] by p's `count` matrices, into outs. */
 static int multiply(const decode_layer *L, products *p, int count, const void *x, int64_t k, void *const *outs) {
-    for (int j = 0; j < count; j++) p->mats[5 * j + 4] = (int64_t)(intptr_t)outs[j];
+    for (int j = 0; j < count; j++) p->mats[MATRIX_ARGS * j + 4] = (int64_t)(intptr_t)outs[j];
     int bf16 = L->dtype == RL_BF16;
     return rl_int8_linear(x, bf16, L->rows, k, p->width, p->rotation, L->levels, p->mats, count, bf16, L->threads);
 }

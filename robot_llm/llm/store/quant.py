@@ -1,33 +1,28 @@
 """Weight-only int4 and int8 of the streamed matrices, stored in the layout of torch's fused CPU kernels.
 
-**int4** (group-wise asymmetric, as gpt-fast/torchao): each row of a ``[N, K]``
-matrix is cut into groups of ``group_size`` consecutive input columns; a group
-keeps a bf16 ``scale`` and ``zero`` and every weight a 4-bit code ``q`` with
-``w = (q - 8) * scale + zero`` (``zero`` is the value code 8 stands for:
-``minimum + 8 * step``). Which ``(step, minimum)`` a group gets is decided by
-:func:`int4_grid` alone (least squares over a few candidate grids). The stored bytes are exactly what
-``torch._weight_int4pack_mm_for_cpu`` reads, so the reader reads straight into
-the kernel's operands and the CPU never dequantises at batch 1:
+**int4** (group-wise asymmetric, as gpt-fast/torchao): each row of a ``[N, K]`` matrix is cut into groups of
+``group_size`` consecutive input columns; a group keeps a bf16 ``scale`` and ``zero`` and every weight a 4-bit code
+``q`` with ``w = (q - 8) * scale + zero`` (``zero`` is the value code 8 stands for: ``minimum + 8 * step``). Which
+``(step, minimum)`` a group gets is decided by :func:`int4_grid` alone (least squares over a few candidate grids).
+The stored bytes are exactly what ``torch._weight_int4pack_mm_for_cpu`` reads, so the reader reads straight into the
+kernel's operands and the CPU never dequantises at batch 1:
 
 * codes ``uint8 [Np, Kp / 2]``: rows in blocks of 64; within a block, for each
   input column ``k``, 32 bytes, byte ``j`` holding row ``j`` in its low nibble
   and row ``j + 32`` in its high one (i.e. ``[Np / 64, Kp, 32]``);
 * ``scales_and_zeros`` ``bf16 [Kp / group, Np, 2]``.
 
-``Np`` is ``N`` rounded up to 64 (padded rows are zero and sliced off the
-output); ``Kp`` is ``K`` rounded up to the group (padded columns repeat the
-row's last weight and meet zeros in the padded input), so any shape works,
-also YaLM's 27308-wide MLP. That is 4.5 bits per weight at group 64, 5 at group 32.
+``Np`` is ``N`` rounded up to 64 (padded rows are zero and sliced off the output); ``Kp`` is ``K`` rounded up to the
+group (padded columns repeat the row's last weight and meet zeros in the padded input), so any shape works, also
+YaLM's 27308-wide MLP. That is 4.5 bits per weight at group 64, 5 at group 32.
 
-**int8** is symmetric per output channel: ``int8 [N, Kp]`` (``K`` zero-padded
-to a multiple of 64) and one bf16 scale per row, what ``torch._weight_int8pack_mm`` reads.
+**int8** is symmetric per output channel: ``int8 [N, Kp]`` (``K`` zero-padded to a multiple of 64) and one bf16
+scale per row, what ``torch._weight_int8pack_mm`` reads.
 
-:func:`int4_linear`/:func:`int8_linear` run the fused kernels (bf16 activations:
-with fp32 ones they are 30-100x slower). :func:`dequantize_int4_into` and
-:func:`dequantize_int8_into` write the weights into a preallocated float buffer
-with plain torch ops (any device: the CUDA path and fp32 compute use them).
-The size arithmetic needs no torch (the planner uses it); torch is imported by
-the functions that touch tensors.
+:func:`int4_linear`/:func:`int8_linear` run the fused kernels (bf16 activations: with fp32 ones they are 30-100x
+slower). :func:`dequantize_int4_into` and :func:`dequantize_int8_into` write the weights into a preallocated float
+buffer with plain torch ops (any device: the CUDA path and fp32 compute use them). The size arithmetic needs no
+torch (the planner uses it); torch is imported by the functions that touch tensors.
 """
 
 from __future__ import annotations
@@ -452,6 +447,9 @@ class PackedInt8:
     #: The Hadamard block its input columns were rotated by (0: not rotated; :mod:`~robot_llm.llm.store.int8act`):
     #: the matrix multiplies rotated activations, and ``shape[1]`` is the padded width.
     rotation: int = 0
+    #: Set where ``q`` holds a rotated copy's codes packed in VNNI order for our int8 x int8 product
+    #: (:func:`~robot_llm.llm.store.int8act.vnni_pack`): its rows' offsets, int32 ``[N]``; only that product reads them.
+    offset: Tensor | None = None
 
     def scale32(self) -> Tensor:
         """The per-row scales as fp32 ``[N]`` (cast once): what int8 activations' products are scaled by."""
@@ -465,6 +463,7 @@ class PackedInt8:
         Every int8 code is exact in bf16, so ``linear(x, widened) * scale`` is the matrix product
         with no rounding of the weights at all.
         """
+        assert self.offset is None, "packed codes (vnni_pack) are read by our int8 product only"
         if self._widened is None or self._widened.dtype != dtype:
             out = _float_buffer(self.buffer, self.shape, dtype, self.q.device)
             self._widened = out.copy_(self.q[:, : self.shape[1]])
@@ -472,6 +471,7 @@ class PackedInt8:
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """The weights as a float ``[N, K]`` tensor of ``dtype`` (dequantised on the first call)."""
+        assert self.offset is None, "packed codes (vnni_pack) are read by our int8 product only"
         if self._dense is None or self._dense.dtype != dtype:
             out = _float_buffer(self.buffer, self.shape, dtype, self.q.device)
             self._dense = dequantize_int8_into(self.q, self.scale, out)
