@@ -5,8 +5,8 @@
  * product. Packed, a 64-byte vector holds 16 weight rows' 4 consecutive codes (rl_vnni_pack), so vpdpbusd of an
  * activation row's 4 codes (broadcast) against it adds into 16 outputs at once, and the sums are the outputs: no
  * reduction. Zen 4 core, 1 thread, ms, row-major (gemv.c's vnni_rows) against packed: the 262,144 x 640 head at 1 /
- * 8 / 32 / 128 rows 11.7 / 18.8 / 50.9 / 198 against 10.8 / 14.7 / 36.6 / 132; 2048 x 640 at 32 rows 0.46 against
- * 0.22, 640 x 2048 0.24 against 0.20.
+ * 8 / 32 / 128 rows 11.7 / 18.8 / 50.9 / 198 against 10.8 / 14.7 / 36.6 / 132 (8.6 and 32.3 at 1 and 32 rows with
+ * the fetch into L2); 2048 x 640 at 32 rows 0.46 against 0.22, 640 x 2048 0.24 against 0.20.
  *
  * VNNI multiplies unsigned by signed bytes, so the activations come offset by 128 (gemv.c's au) and 128 times each
  * weight row's sum, kept beside the packed codes, is taken back off: the same integers as torch._int_mm. */
@@ -56,7 +56,8 @@ void rl_vnni_rows(const int8_t *p, int64_t k, const int64_t *ids, int64_t count,
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* Activation rows a tile takes at once and the groups it meets them with: 24 running sums, 3 weight vectors and a
- * broadcast of the 32 registers. Zen 4, the head at 32 rows, 1 thread: 36.6 ms against 38.8 for 6 x 4. */
+ * broadcast of the 32 registers. Zen 4, 1 thread, 32 rows, ms: the head 32.3 against 32.6 for 6 x 4, 34.4 for 5 x 5,
+ * 35.6 for 4 x 6; 1536 x 640 0.162 against 0.181 (6 x 4), 2048 x 640 0.214 against 0.205. */
 #define ROWS 8
 #define GROUPS 3
 
@@ -74,7 +75,7 @@ static inline __attribute__((always_inline)) void packed_tile(const uint8_t *au,
     for (int64_t q = 0; q < k / QUAD; q++) {
         __m512i wv[GROUPS];
         for (int r = 0; r < GROUPS; r++) {
-            if (ahead) _mm_prefetch((const char *)(gp[r] + ahead + q * 64), _MM_HINT_T0);
+            if (ahead) _mm_prefetch((const char *)(gp[r] + ahead + q * 64), _MM_HINT_T1);
             wv[r] = _mm512_loadu_si512(gp[r] + q * 64);
         }
         for (int i = 0; i < ROWS; i++) {
@@ -109,8 +110,9 @@ int64_t rl_vnni_blocks(int64_t n) { return ((n + GROUP - 1) / GROUP + GROUPS - 1
 
 /* Block b of c [m, n] = a @ w^T over the packed codes p (rl_vnni_pack, k wide) of n rows with their offsets, from au
  * (the activation codes + 128, [m, k]): every row against the block's GROUPS groups, each block's weights fetched
- * while its first rows meet the one before (at 1 row, the head in 10.8 ms against 12.7 fetching 4 KB ahead in each
- * group). scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them. */
+ * into L2 while its first rows meet the one before (Zen 4, 1 thread, the head at 1 / 32 rows: 8.6 / 32.3 ms; into
+ * L1, 10.0 / 36.7, where the two blocks and a batch's activation codes do not fit; 4 KB ahead in each group at 1 row
+ * 12.7). scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them. */
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
                    int64_t b, void *c, const float *scale, const float *row_scale) {
     int64_t groups = (n + GROUP - 1) / GROUP, g0 = b * GROUPS, gstride = k * GROUP;
