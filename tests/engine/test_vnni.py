@@ -59,6 +59,8 @@ def test_a_packed_table_computes_and_looks_up_what_a_row_major_one_does(monkeypa
     ids = torch.tensor([[0, 1002], [17, 16]])
     assert torch.equal(packed.codes(ids), rowwise.q[ids])
     assert torch.equal(packed.lookup(ids), rowwise.lookup(ids))
+    with pytest.raises(IndexError, match="1003-row table"):
+        packed.lookup(torch.tensor([5, 1003]))
     x = torch.randn(2, 19, 200, generator=torch.Generator().manual_seed(6))
     for rows in (x[:1, :1], x[:, :4], x):  # a decode row, a few, past our product's 32 rows of row-major codes
         got = packed.linear(rows)

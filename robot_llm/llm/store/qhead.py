@@ -197,6 +197,8 @@ class QuantizedTable:
             return self.q[: self.shape[0]] if ids is None else F.embedding(ids, self.q)
         lib, kp = kernels(), self.q.shape[1]
         wanted = (torch.arange(self.shape[0]) if ids is None else ids).reshape(-1).to(torch.int64).contiguous()
+        if wanted.numel() and not 0 <= int(wanted.min()) <= int(wanted.max()) < self.shape[0]:
+            raise IndexError(f"rows {int(wanted.min())}..{int(wanted.max())} of a {self.shape[0]}-row table")
         out = torch.empty(wanted.numel(), kp, dtype=torch.int8)
         assert lib is not None  # a packed table was packed by it
         lib.lib.rl_vnni_rows(self.q.data_ptr(), kp, wanted.data_ptr(), wanted.numel(), out.data_ptr())
