@@ -119,3 +119,9 @@ def test_a_ram_homed_int8_matrix_is_rotated_and_packed_in_place_and_multiplies_a
         assert torch.equal(got, int8_dynamic_linear(x[:rows], rowwise, int8_kernels_for(rows)))
     with pytest.raises(ValueError, match="packed int8 codes"):
         linear(x.half(), packed)
+
+
+def test_doctor_says_the_codes_are_packed() -> None:
+    from robot_llm.llm.plan.machine import cpu_kernels_path
+
+    assert "packed in VNNI order (vnni.c)" in cpu_kernels_path()

@@ -223,7 +223,8 @@ def cpu_kernels_path() -> str:
     if built.int8_mm_body == "amx":
         many += f"; int8 x int8 products ours at every size (AMX tiles; VNNI to {built.lib.rl_vnni_max_rows()} rows)"
     elif built.int8_mm_body == "vnni":
-        many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI)"
+        many += f"; int8 x int8 products of up to {our_int8_mm_max_rows()} rows ours (AVX512-VNNI), every one over the"
+        many += " matrices held in RAM and the head, their codes packed in VNNI order (vnni.c)"
     else:
         trick = "offset" if built.activation_levels <= built.narrow_levels else "sign"
         levels = built.activation_levels
