@@ -199,13 +199,14 @@ def cpu_gemm_flops(dtype: str, threads: int) -> float | None:
 
 @functools.cache
 def cpu_int8_gemm_ops(threads: int) -> float | None:
-    """The CPU's int8 GEMM rate at ``threads`` intra-op threads (:data:`CPU_GEMM_SHAPE`); None without torch or
-    where calls do not quantize their activations. Measured once per process per thread count."""
-    from robot_llm.llm.store.int8act import int8_activations_on_cpu
+    """The CPU's int8 GEMM rate at ``threads`` intra-op threads (:data:`CPU_GEMM_SHAPE`), over codes packed in VNNI
+    order where the RAM-homed matrices it times are (:func:`~robot_llm.llm.store.int8act.packs_codes`); None without
+    torch or where calls do not quantize their activations. Measured once per process per thread count."""
+    from robot_llm.llm.store.int8act import int8_activations_on_cpu, packs_codes
 
     if not (_torch_present() and int8_activations_on_cpu()):
         return None
-    return int8_gemm_ops(*CPU_GEMM_SHAPE, threads=threads)
+    return int8_gemm_ops(*CPU_GEMM_SHAPE, threads=threads, packed=packs_codes())
 
 
 @functools.cache
