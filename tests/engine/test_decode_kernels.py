@@ -26,11 +26,12 @@ from robot_llm.llm.families.gemma3 import Gemma3Config
 from robot_llm.llm.families.llama import LlamaConfig
 from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx
 from robot_llm.llm.store import int8act, qhead
-from robot_llm.llm.store.gemv import kernels, our_int8_mm_max_rows
+from robot_llm.llm.store.gemv import kernels
 from robot_llm.llm.store.int8act import (
     ONE_CALL_ROWS,
     int8_dynamic_linear,
     int8_kernels_for,
+    our_int8_mm_max_rows,
     quantize_activations,
     rotate,
     rotate_int8_in_place,

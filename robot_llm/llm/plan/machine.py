@@ -16,8 +16,13 @@ from dataclasses import dataclass
 
 from robot_llm.errors import RobotLLMError
 from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_native_bf16
-from robot_llm.llm.store.gemv import ENV, INT4_FEW_ROWS, MATMUL_ROWS, kernels, matmul_available, our_int8_mm_max_rows
-from robot_llm.llm.store.int8act import int8_activation_max_rows, int8_activation_min_rows, int8_activations_on_cpu
+from robot_llm.llm.store.gemv import ENV, INT4_FEW_ROWS, MATMUL_ROWS, kernels, matmul_available
+from robot_llm.llm.store.int8act import (
+    int8_activation_max_rows,
+    int8_activation_min_rows,
+    int8_activations_on_cpu,
+    our_int8_mm_max_rows,
+)
 from robot_llm.llm.store.quant import FUSED_MAX_ROWS, fused_on_cpu, int4_kernel_reads_stored_layout
 
 GB = 1e9

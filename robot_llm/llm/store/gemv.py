@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_amx, cpu_has_native_bf16
+from robot_llm.llm.plan.cpu import cpu_flags, cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -45,8 +45,9 @@ HEADERS = (SOURCE.with_name("floats.h"), SOURCE.with_name("vectors.h"))
 #: The dtype codes of ``floats.h``, by the dtype's name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}  # int8: a KV cache's codes
 ENV = "ROBOT_LLM_GEMV"
-#: The most matrices one rl_int8_linear call multiplies (gemv.c's MAX_MATRICES: q, k and v; gate and up).
-MAX_MATRICES = 4
+#: The most matrices one rl_int8_linear call multiplies (gemv.c's MAX_MATRICES: q, k and v; gate and up), and the
+#: rows of a group of packed codes (vnni.c's GROUP: packed codes are padded to a multiple of them).
+MAX_MATRICES, VNNI_GROUP = 4, 16
 #: The largest activation code where the AVX2 body multiplies, unless ``ROBOT_LLM_ACTIVATION_LEVELS`` says otherwise
 #: (:func:`activation_levels`). 63 runs its narrow product (Sapphire Rapids as the AVX2 kind, 1 thread, ms at 32 rows:
 #: the 262,144 x 640 head 112-114 -> 92, 2048 x 640 0.74 -> 0.57, 640 x 2048 0.69-0.72 -> 0.50-0.52; the head at 1
@@ -66,12 +67,6 @@ MATMUL_ROWS = {"int4": (8, 128), "int8": (11, 64)}
 #: to which that pass also beats torch's fused int4 kernel with its casts where torch can read the codes (AVX2 EPYC,
 #: 1 thread, 4096 x 1024, ms at 1 / 2 / 4 / 7 rows: 0.54 / 0.75 / 1.5 / 3.1 against 0.75 / 0.90 / 1.4 / 2.5).
 INT4_GEMV_ROWS, INT4_FEW_ROWS = 7, 2
-#: Rows up to which an int8 x int8 product over row-major codes is ``gemv.c``'s VNNI body rather than
-#: ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly (:func:`our_int8_mm_max_rows`). Sapphire Rapids,
-#: 1 thread, ms at 8 / 16 / 32 rows: 262,144 x 640 ours 18 / 26 / 41, oneDNN (AMX) 32 / 33 / 40. Zen 4, ms at 8 / 16 /
-#: 32 / 64 rows: 262,144 x 640 14 / 28 / 63 / 146 against 34 / 40 / 67 / 112. AMX tiles take every call (the head at
-#: 32 rows 24 ms against 55); packed codes (``vnni.c``) are ours at every row count.
-OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
 _INT, _INT64, _FLOAT, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -218,6 +213,17 @@ class Kernels:
             raise MemoryError(f"int4_matmul: no memory to stage {m} x {kp} activations")
         return y.view(*x.shape[:-1], n).to(x.dtype)
 
+    def reads(self, codes: Tensor, offset: Tensor | None) -> bool:
+        """Whether this build's int8 product reads ``codes``: row-major (``offset`` None), or packed in VNNI order with
+        their int32 ``offset`` (:func:`~robot_llm.llm.store.int8act.vnni_pack`), which needs a VNNI build and the
+        rows padded to a multiple of :data:`VNNI_GROUP`."""
+        import torch
+
+        if offset is None:
+            return True
+        rows = -(-offset.numel() // VNNI_GROUP) * VNNI_GROUP
+        return self.int8_mm_body == "vnni" and offset.dtype is torch.int32 and codes.shape[0] >= rows
+
     @staticmethod
     def _rows(x: Tensor) -> tuple[Tensor, bool]:
         """``x`` as contiguous fp32 or bf16 rows ``[M, K]``, and whether they are bf16."""
@@ -273,14 +279,12 @@ class Kernels:
         ``torch._int_mm(a, codes.t())`` for activation codes within :attr:`activation_levels` (as quantized here); with
         ``scale fp32 [N]`` and ``row_scale fp32 [M, 1]``, fp32 ``[M, N]`` as ``product.float().mul_(scale)
         .mul_(row_scale)`` computes it, in the same pass (:meth:`scale_int32`'s values, without the int32 matrix).
-        ``offset int32 [N]``: the codes are packed in VNNI order (``vnni.c``, :meth:`vnni_pack`; a VNNI build)."""
+        ``offset int32 [N]``: the codes are packed in VNNI order (:meth:`reads`)."""
         import torch
 
         (m, k), n = a.shape, codes.shape[0] if offset is None else offset.numel()
-        packed = offset is None or (
-            self.int8_mm_body == "vnni" and offset.dtype == torch.int32 and codes.shape[0] >= -(-n // 16) * 16
-        )
-        if not packed or not a.is_contiguous() or codes.stride(1) != 1 or codes.shape[1] != k or k % 64:
+        aligned = codes.stride(1) == 1 and codes.shape[1] == k and k % 64 == 0 and a.is_contiguous()
+        if not (aligned and self.reads(codes, offset)):
             raise ValueError(
                 f"int8_mm needs contiguous int8 rows and row-contiguous codes of one width, a multiple of 64 (packed: "
                 f"a VNNI build's, rows to a multiple of 16); got {tuple(a.shape)} and codes {tuple(codes.shape)} "
@@ -425,12 +429,8 @@ def int8_products(k: int, matrices: tuple[Int8Matrix, ...], rotation: int) -> li
     for codes, scale, offset in matrices:
         n = codes.shape[0] if offset is None else offset.numel()
         aligned = codes.stride(1) == 1 and codes.shape[1] == kp and kp % 64 == 0 and kp >= k
-        packed = offset is None or (
-            lib is not None and lib.int8_mm_body == "vnni" and codes.shape[0] >= -(-n // 16) * 16
-        )
-        if not (aligned and rotates and packed and scale.dtype is torch.float32 and scale.numel() == n) or not (
-            scale.is_contiguous() and (offset is None or offset.dtype is torch.int32)
-        ):
+        fits = scale.dtype is torch.float32 and scale.numel() == n and scale.is_contiguous()
+        if not (aligned and rotates and fits and (offset is None or (lib is not None and lib.reads(codes, offset)))):
             raise ValueError(
                 f"int8_linear: {k} columns, rotation {rotation}, against codes {tuple(codes.shape)} strides "
                 f"{codes.stride()} (a width of 64s; packed: a VNNI build's, rows to 16s) and {scale.dtype} scales "
@@ -492,9 +492,3 @@ def matmul_serves(dtype: str, rows: int, torch_reads: bool = True) -> bool:
 def gemv_available() -> bool:
     """True when ``gemv.c`` is built and loaded for this process."""
     return kernels() is not None
-
-
-def our_int8_mm_max_rows() -> int:
-    """The most rows of an int8 x int8 product a VNNI build of ours takes (:data:`OUR_INT8_MM_MAX_ROWS`: fewer
-    where oneDNN has AMX tiles and ours has not, e.g. where Linux refused them)."""
-    return OUR_INT8_MM_MAX_ROWS["amx" if cpu_has_amx() else "vnni"]

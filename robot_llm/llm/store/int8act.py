@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from robot_llm.llm.plan.cpu import cpu_has_amx
 from robot_llm.llm.store import gemv
+from robot_llm.llm.store.gemv import VNNI_GROUP
 from robot_llm.llm.store.quant import PackedInt4, PackedInt8, int8_padded_width, quantize_int8
 
 if TYPE_CHECKING:
@@ -39,8 +40,12 @@ INT8_ACTIVATION_MIN_ROWS = 8
 #: between 128 and 256 rows (Sapphire Rapids, 1 thread, ms at 32 / 256 / 2,048 rows: 2048x640 0.45 / 3.5 / 33
 #: against 1.4 / 3.1 / 16; 640x2048 0.29 / 1.5 / 36 against 0.40 / 1.6 / 13), so a prefill stays bf16.
 INT8_ACTIVATION_MAX_ROWS_AMX = 128
-#: Rows of a group of packed codes (``vnni.c``'s GROUP): packed codes are padded to a multiple of them.
-VNNI_GROUP = 16
+#: Rows up to which an int8 x int8 product over row-major codes is ``gemv.c``'s VNNI body rather than
+#: ``torch._int_mm`` (oneDNN), which reads few rows' weights slowly (:func:`our_int8_mm_max_rows`). Sapphire Rapids,
+#: 1 thread, ms at 8 / 16 / 32 rows: 262,144 x 640 ours 18 / 26 / 41, oneDNN (AMX) 32 / 33 / 40. Zen 4, ms at 8 / 16 /
+#: 32 / 64 rows: 262,144 x 640 14 / 28 / 63 / 146 against 34 / 40 / 67 / 112. AMX tiles take every call (the head at
+#: 32 rows 24 ms against 55); packed codes (``vnni.c``) are ours at every row count.
+OUR_INT8_MM_MAX_ROWS = {"amx": 15, "vnni": 32}
 
 
 @functools.cache
@@ -341,16 +346,22 @@ class Int8Kernels:
     linears: Callable[[Tensor, tuple[Int8Matrix, ...], int], list[Tensor]] | None = None
 
 
+def our_int8_mm_max_rows() -> int:
+    """The most rows of an int8 x int8 product a VNNI build of ours takes (:data:`OUR_INT8_MM_MAX_ROWS`: fewer
+    where oneDNN has AMX tiles and ours has not, e.g. where Linux refused them)."""
+    return OUR_INT8_MM_MAX_ROWS["amx" if cpu_has_amx() else "vnni"]
+
+
 def int8_kernels_for(rows: int) -> Int8Kernels | None:
     """Our kernels for a call of ``rows`` rows with int8 activations where built: the rows' quantization
     (:meth:`~robot_llm.llm.store.gemv.Kernels.quantize_rows`) and the int8 x int8 product
     (:meth:`~robot_llm.llm.store.gemv.Kernels.int8_mm`): an AMX or AVX2 build's at every row count, a VNNI build's
-    up to :func:`~robot_llm.llm.store.gemv.our_int8_mm_max_rows` rows (oneDNN's past them), both in one call up to
+    up to :func:`our_int8_mm_max_rows` rows (oneDNN's past them), both in one call up to
     :data:`ONE_CALL_ROWS` rows; None: torch's ops."""
     lib = gemv.kernels()
     if lib is None:
         return None
-    multiplies = lib.int8_mm_body in ("amx", "avx2") or rows <= gemv.our_int8_mm_max_rows()
+    multiplies = lib.int8_mm_body in ("amx", "avx2") or rows <= our_int8_mm_max_rows()
     return _int8_kernels(multiplies, multiplies and rows <= ONE_CALL_ROWS)
 
 

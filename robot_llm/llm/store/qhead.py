@@ -31,7 +31,6 @@ from robot_llm.llm.store.int8act import (
     int8_gemm,
     int8_kernels_for,
     packs_codes,
-    quantize_input,
     rotate_weights,
     rotation_block,
     vnni_pack,
@@ -240,15 +239,10 @@ class QuantizedTable:
         v, k = self.shape
         lead = x.shape[:-1]
         m, cpu = x.numel() // x.shape[-1], x.device.type == "cpu"
-        if self.offset is not None:  # packed: our product at every row count, its fp32 logits in its own pass
-            lib = kernels()
-            assert lib is not None and cpu, "a packed table is multiplied on the CPU by the kernels that packed it"
-            if self._scale32 is None:
-                self._scale32 = self.scale.float()
-            q, row_scale = quantize_input(x, k, self.rotation, int8_kernels_for(m))
-            y = lib.int8_mm(q, self.q, self._logits_for(m), self._scale32, row_scale, self.offset)
-            return (y if bias is None else y + bias).reshape(*lead, v)
-        quantized_rows = cpu and self.rotation and int8_activations_for(m, x.dtype) and not _few_rows_read_faster(m)
+        packed = self.offset is not None  # vnni.c's codes: our int8 product at every row count
+        assert cpu or not packed, "a packed table is multiplied on the CPU by the kernels that packed it"
+        fast = packed or (int8_activations_for(m, x.dtype) and not _few_rows_read_faster(m))
+        quantized_rows = cpu and self.rotation and fast
         few = cpu and not quantized_rows and m <= HEAD_FUSED_ROWS and gemv_available()
         if few or (cpu and not quantized_rows and matmul_serves("int8", m)):
             lib = kernels()
@@ -259,15 +253,15 @@ class QuantizedTable:
             if self._scale32 is None:
                 self._scale32 = self.scale.float()
             ours = int8_kernels_for(m)
-            out = self._logits_for(m) if ours is not None and ours.matmul is not None else None
-            acc = None
-            if ours is None or ours.matmul is None:  # torch's product: its int32 sums into a buffer kept
+            multiplies = ours is not None and (packed or ours.matmul is not None)
+            out, acc = self._logits_for(m) if multiplies else None, None
+            if not multiplies:  # torch's product: its int32 sums into a buffer kept
                 if self._acc is None or self._acc.shape[0] < m:
                     self._acc = torch.empty(m, v, dtype=torch.int32)
                 acc = self._acc[:m]
             # fp32 logits in our epilogue's one pass (the forward pass wants fp32), not rounded to x's dtype and back.
             dtype = torch.float32 if kernels() is not None else x.dtype
-            y = int8_gemm(x, self.q, self._scale32, self.rotation, acc, ours, out, dtype)
+            y = int8_gemm(x, self.q, self._scale32, self.rotation, acc, ours, out, dtype, self.offset)
             return (y if bias is None else y + bias).reshape(*lead, v)
         if self.rotation:
             x = rotate_rows(F.pad(x, (0, k - x.shape[-1])), self.rotation)
