@@ -66,18 +66,22 @@ void rl_vnni_rows(const int8_t *p, int64_t k, const int64_t *ids, int64_t count,
  * computes it); ahead: how far past each group's bytes to fetch meanwhile (the next block's), or 0. */
 static inline __attribute__((always_inline)) void packed_tile(const uint8_t *au, int64_t k, int64_t i0, int mi,
                                                               const int8_t *const *gp, int ng, int64_t ahead,
+                                                              int64_t from, int64_t to, int64_t every,
                                                               const int32_t *offset, void *c, int64_t n, int64_t col0,
                                                               const float *scale, const float *row_scale) {
     __m512i acc[ROWS][GROUPS];
     for (int i = 0; i < ROWS; i++)
         for (int r = 0; r < GROUPS; r++) acc[i][r] = _mm512_setzero_si512();
     const uint8_t *a0 = au + i0 * k;
-    for (int64_t q = 0; q < k / QUAD; q++) {
-        __m512i wv[GROUPS];
-        for (int r = 0; r < GROUPS; r++) {
-            if (ahead) _mm_prefetch((const char *)(gp[r] + ahead + q * 64), _MM_HINT_T1);
-            wv[r] = _mm512_loadu_si512(gp[r] + q * 64);
+    for (int64_t q = 0, due = 0; q < k / QUAD; q++) {
+        if (ahead && every == 1) { /* a constant 1 where one tile takes every row: the plain loop */
+            for (int r = 0; r < GROUPS; r++) _mm_prefetch((const char *)(gp[r] + ahead + q * 64), _MM_HINT_T1);
+        } else if (ahead && q == due && from < to) { /* every `every` steps one line of each group ahead */
+            for (int r = 0; r < GROUPS; r++) _mm_prefetch((const char *)(gp[r] + ahead + from * 64), _MM_HINT_T1);
+            from++, due += every;
         }
+        __m512i wv[GROUPS];
+        for (int r = 0; r < GROUPS; r++) wv[r] = _mm512_loadu_si512(gp[r] + q * 64);
         for (int i = 0; i < ROWS; i++) {
             if (i < mi) {
                 int32_t codes;
@@ -110,9 +114,13 @@ int64_t rl_vnni_blocks(int64_t n) { return ((n + GROUP - 1) / GROUP + GROUPS - 1
 
 /* Block b of c [m, n] = a @ w^T over the packed codes p (rl_vnni_pack, k wide) of n rows with their offsets, from au
  * (the activation codes + 128, [m, k]): every row against the block's GROUPS groups, each block's weights fetched
- * into L2 while its first rows meet the one before (Zen 4, 1 thread, the head at 1 / 32 rows: 8.6 / 32.3 ms; into
- * L1, 10.0 / 36.7, where the two blocks and a batch's activation codes do not fit; 4 KB ahead in each group at 1 row
- * 12.7). scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them. */
+ * into L2 while its rows meet the one before (Zen 4, 1 thread, the head at 1 / 32 rows: 8.6 / 32.3 ms; into L1,
+ * 10.0 / 36.7, where the two blocks and a batch's activation codes do not fit; 4 KB ahead in each group at 1 row
+ * 12.7). The fetches are spread over all the block's tiles, not issued during its first: a burst of them queued
+ * behind the memory and stalled that tile's loads while the later tiles fetched nothing (Emerald Rapids VM, 1
+ * thread, the head at 16 / 32 / 64 rows: 16.1 / 24.2 / 44.2 -> 13.4 / 20.9 / 42.0 ms; 1 row unchanged; 2 threads,
+ * 16 and 64 rows: 8.2 / 23.2 -> 7.0 / 21.0). scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes
+ * them. */
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
                    int64_t b, void *c, const float *scale, const float *row_scale) {
     int64_t groups = (n + GROUP - 1) / GROUP, g0 = b * GROUPS, gstride = k * GROUP;
@@ -120,13 +128,17 @@ void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int
     const int8_t *gp[GROUPS];
     for (int r = 0; r < GROUPS; r++) gp[r] = p + (g0 + (r < ng ? r : ng - 1)) * gstride;
     int64_t ahead = g0 + 2 * GROUPS <= groups ? GROUPS * gstride : 0; /* the next block, where it is whole */
-    for (int64_t i0 = 0; i0 < m; i0 += ROWS) {
+    int64_t lines = k / QUAD, tiles = (m + ROWS - 1) / ROWS; /* a group's 64-byte lines; the tiles that share them */
+    for (int64_t i0 = 0, t = 0; i0 < m; i0 += ROWS, t++) {
         int mi = m - i0 < ROWS ? (int)(m - i0) : ROWS;
+        int64_t from = t * lines / tiles, to = (t + 1) * lines / tiles;
         /* ng a constant at each call: the inlined tile compiled once for whole blocks */
-        if (ng == GROUPS)
-            packed_tile(au, k, i0, mi, gp, GROUPS, i0 == 0 ? ahead : 0, offset, c, n, g0 * GROUP, scale, row_scale);
+        if (ng == GROUPS && tiles == 1)
+            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, 0, lines, 1, offset, c, n, g0 * GROUP, scale, row_scale);
+        else if (ng == GROUPS)
+            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, from, to, tiles, offset, c, n, g0 * GROUP, scale, row_scale);
         else
-            packed_tile(au, k, i0, mi, gp, ng, 0, offset, c, n, g0 * GROUP, scale, row_scale);
+            packed_tile(au, k, i0, mi, gp, ng, 0, 0, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
     }
 }
 #endif
