@@ -60,6 +60,8 @@ void rl_vnni_rows(const int8_t *p, int64_t k, const int64_t *ids, int64_t count,
  * 35.6 for 4 x 6; 1536 x 640 0.162 against 0.181 (6 x 4), 2048 x 640 0.214 against 0.205. */
 #define ROWS 8
 #define GROUPS 3
+/* The first tiles of a block, at most, that share the fetch of the next block's weights (rl_vnni_block). */
+#define FETCHING_TILES 4
 
 /* The sums of rows i0..i0+mi of au (k wide) against the groups gp (ng of them real: a short block repeats its last),
  * their offsets taken off, stored to c [m, n] at column col0 (int32, or with scale fp32 as gemv.c's store_sum
@@ -116,11 +118,12 @@ int64_t rl_vnni_blocks(int64_t n) { return ((n + GROUP - 1) / GROUP + GROUPS - 1
  * (the activation codes + 128, [m, k]): every row against the block's GROUPS groups, each block's weights fetched
  * into L2 while its rows meet the one before (Zen 4, 1 thread, the head at 1 / 32 rows: 8.6 / 32.3 ms; into L1,
  * 10.0 / 36.7, where the two blocks and a batch's activation codes do not fit; 4 KB ahead in each group at 1 row
- * 12.7). The fetches are spread over all the block's tiles, not issued during its first: a burst of them queued
- * behind the memory and stalled that tile's loads while the later tiles fetched nothing (Emerald Rapids VM, 1
- * thread, the head at 16 / 32 / 64 rows: 16.1 / 24.2 / 44.2 -> 13.4 / 20.9 / 42.0 ms; 1 row unchanged; 2 threads,
- * 16 and 64 rows: 8.2 / 23.2 -> 7.0 / 21.0). scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes
- * them. */
+ * 12.7). The fetches are spread over the block's first FETCHING_TILES tiles, not issued during its first alone: a
+ * burst of them queued behind the memory and stalled that tile's loads while the later tiles fetched nothing
+ * (Emerald Rapids VM, 1 thread, the head at 16 / 32 / 64 rows: 16.5 / 24.2-24.7 / 42.6 -> 13.7 / 20.9-21.5 / 39.8 ms;
+ * 2 threads, 32 rows: 12.7 -> 10.8; 1 and 8 rows unchanged). Over every tile of a prefill's hundreds of rows they
+ * cost 5-8 % (2048 x 2048 x 5120, 256 rows of the head): the count of them in the loop of a tile that is bound by its
+ * multiplies. scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them. */
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
                    int64_t b, void *c, const float *scale, const float *row_scale) {
     int64_t groups = (n + GROUP - 1) / GROUP, g0 = b * GROUPS, gstride = k * GROUP;
@@ -129,14 +132,18 @@ void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int
     for (int r = 0; r < GROUPS; r++) gp[r] = p + (g0 + (r < ng ? r : ng - 1)) * gstride;
     int64_t ahead = g0 + 2 * GROUPS <= groups ? GROUPS * gstride : 0; /* the next block, where it is whole */
     int64_t lines = k / QUAD, tiles = (m + ROWS - 1) / ROWS; /* a group's 64-byte lines; the tiles that share them */
+    int64_t fetching = tiles < FETCHING_TILES ? tiles : FETCHING_TILES;
     for (int64_t i0 = 0, t = 0; i0 < m; i0 += ROWS, t++) {
         int mi = m - i0 < ROWS ? (int)(m - i0) : ROWS;
-        int64_t from = t * lines / tiles, to = (t + 1) * lines / tiles;
-        /* ng a constant at each call: the inlined tile compiled once for whole blocks */
+        int64_t from = t * lines / fetching, to = (t + 1) * lines / fetching;
+        /* ng and the fetch's shape constants at each call: the inlined tile compiled once for each, the tiles that
+         * fetch nothing with no count of it in their loop */
         if (ng == GROUPS && tiles == 1)
             packed_tile(au, k, i0, mi, gp, GROUPS, ahead, 0, lines, 1, offset, c, n, g0 * GROUP, scale, row_scale);
+        else if (ng == GROUPS && t < fetching)
+            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, from, to, fetching, offset, c, n, g0 * GROUP, scale, row_scale);
         else if (ng == GROUPS)
-            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, from, to, tiles, offset, c, n, g0 * GROUP, scale, row_scale);
+            packed_tile(au, k, i0, mi, gp, GROUPS, 0, 0, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
         else
             packed_tile(au, k, i0, mi, gp, ng, 0, 0, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
     }
