@@ -65,23 +65,20 @@ void rl_vnni_rows(const int8_t *p, int64_t k, const int64_t *ids, int64_t count,
 
 /* The sums of rows i0..i0+mi of au (k wide) against the groups gp (ng of them real: a short block repeats its last),
  * their offsets taken off, stored to c [m, n] at column col0 (int32, or with scale fp32 as gemv.c's store_sum
- * computes it); ahead: how far past each group's bytes to fetch meanwhile (the next block's), or 0. */
+ * computes it); ahead: how far past each group's bytes to fetch meanwhile (the next block's), or 0: every `every`
+ * steps (a constant at each call) one line of each group, from line `from` on. */
 static inline __attribute__((always_inline)) void packed_tile(const uint8_t *au, int64_t k, int64_t i0, int mi,
                                                               const int8_t *const *gp, int ng, int64_t ahead,
-                                                              int64_t from, int64_t to, int64_t every,
+                                                              int64_t from, int every,
                                                               const int32_t *offset, void *c, int64_t n, int64_t col0,
                                                               const float *scale, const float *row_scale) {
     __m512i acc[ROWS][GROUPS];
     for (int i = 0; i < ROWS; i++)
         for (int r = 0; r < GROUPS; r++) acc[i][r] = _mm512_setzero_si512();
     const uint8_t *a0 = au + i0 * k;
-    for (int64_t q = 0, due = 0; q < k / QUAD; q++) {
-        if (ahead && every == 1) { /* a constant 1 where one tile takes every row: the plain loop */
-            for (int r = 0; r < GROUPS; r++) _mm_prefetch((const char *)(gp[r] + ahead + q * 64), _MM_HINT_T1);
-        } else if (ahead && q == due && from < to) { /* every `every` steps one line of each group ahead */
-            for (int r = 0; r < GROUPS; r++) _mm_prefetch((const char *)(gp[r] + ahead + from * 64), _MM_HINT_T1);
-            from++, due += every;
-        }
+    for (int64_t q = 0; q < k / QUAD; q++) {
+        if (ahead && q % every == 0)
+            for (int r = 0; r < GROUPS; r++) _mm_prefetch((const char *)(gp[r] + ahead + (from + q / every) * 64), _MM_HINT_T1);
         __m512i wv[GROUPS];
         for (int r = 0; r < GROUPS; r++) wv[r] = _mm512_loadu_si512(gp[r] + q * 64);
         for (int i = 0; i < ROWS; i++) {
@@ -118,12 +115,13 @@ int64_t rl_vnni_blocks(int64_t n) { return ((n + GROUP - 1) / GROUP + GROUPS - 1
  * (the activation codes + 128, [m, k]): every row against the block's GROUPS groups, each block's weights fetched
  * into L2 while its rows meet the one before (Zen 4, 1 thread, the head at 1 / 32 rows: 8.6 / 32.3 ms; into L1,
  * 10.0 / 36.7, where the two blocks and a batch's activation codes do not fit; 4 KB ahead in each group at 1 row
- * 12.7). The fetches are spread over the block's first FETCHING_TILES tiles, not issued during its first alone: a
- * burst of them queued behind the memory and stalled that tile's loads while the later tiles fetched nothing
- * (Emerald Rapids VM, 1 thread, the head at 16 / 32 / 64 rows: 16.5 / 24.2-24.7 / 42.6 -> 13.7 / 20.9-21.5 / 39.8 ms;
- * 2 threads, 32 rows: 12.7 -> 10.8; 1 and 8 rows unchanged). Over every tile of a prefill's hundreds of rows they
- * cost 5-8 % (2048 x 2048 x 5120, 256 rows of the head): the count of them in the loop of a tile that is bound by its
- * multiplies. scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them. */
+ * 12.7). The fetches are spread over the block's first tiles (up to FETCHING_TILES) at an even pace, not issued
+ * during its first tile alone: a burst of them queued behind the memory and stalled that tile's loads while the later
+ * tiles fetched nothing (Emerald Rapids VM, 1 thread, the head at 16 / 24 / 32 rows: 16.6 / 21.0 / 25.5 -> 14.0 /
+ * 18.4 / 20.2 ms; 2 threads, 16 / 32 rows: 9.1 / 20.0 -> 7.9 / 16.2; 1 row and prefill shapes unchanged). Spread
+ * over all of a prefill's hundreds of rows, with a count in each tile's loop, they cost 5-8 % of a product bound by
+ * its multiplies (2048 x 2048 x 5120); the pace a constant, shifts and masks, they cost nothing measured. scale NULL:
+ * the int32 sums, else fp32 as gemv.c's store_sum computes them. */
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
                    int64_t b, void *c, const float *scale, const float *row_scale) {
     int64_t groups = (n + GROUP - 1) / GROUP, g0 = b * GROUPS, gstride = k * GROUP;
@@ -131,21 +129,21 @@ void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int
     const int8_t *gp[GROUPS];
     for (int r = 0; r < GROUPS; r++) gp[r] = p + (g0 + (r < ng ? r : ng - 1)) * gstride;
     int64_t ahead = g0 + 2 * GROUPS <= groups ? GROUPS * gstride : 0; /* the next block, where it is whole */
-    int64_t lines = k / QUAD, tiles = (m + ROWS - 1) / ROWS; /* a group's 64-byte lines; the tiles that share them */
-    int64_t fetching = tiles < FETCHING_TILES ? tiles : FETCHING_TILES;
+    /* a group's 64-byte lines (k / QUAD, a multiple of 16: k is of 64) shared by the first 1, 2 or FETCHING_TILES
+     * tiles, each fetching its share at an even pace */
+    int64_t lines = k / QUAD, tiles = (m + ROWS - 1) / ROWS;
     for (int64_t i0 = 0, t = 0; i0 < m; i0 += ROWS, t++) {
         int mi = m - i0 < ROWS ? (int)(m - i0) : ROWS;
-        int64_t from = t * lines / fetching, to = (t + 1) * lines / fetching;
-        /* ng and the fetch's shape constants at each call: the inlined tile compiled once for each, the tiles that
-         * fetch nothing with no count of it in their loop */
+        /* ng and the fetch's pace constants at each call: the inlined tile compiled once for each */
         if (ng == GROUPS && tiles == 1)
-            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, 0, lines, 1, offset, c, n, g0 * GROUP, scale, row_scale);
-        else if (ng == GROUPS && t < fetching)
-            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, from, to, fetching, offset, c, n, g0 * GROUP, scale, row_scale);
-        else if (ng == GROUPS)
-            packed_tile(au, k, i0, mi, gp, GROUPS, 0, 0, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
-        else
-            packed_tile(au, k, i0, mi, gp, ng, 0, 0, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
+            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
+        else if (ng == GROUPS && tiles < FETCHING_TILES && t < 2)
+            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, t * lines / 2, 2, offset, c, n, g0 * GROUP, scale, row_scale);
+        else if (ng == GROUPS && t < FETCHING_TILES && tiles >= FETCHING_TILES)
+            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, t * lines / FETCHING_TILES, FETCHING_TILES, offset, c, n,
+                        g0 * GROUP, scale, row_scale);
+        else /* the tiles after them, and a short last block: nothing to fetch */
+            packed_tile(au, k, i0, mi, gp, ng, 0, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
     }
 }
 #endif
