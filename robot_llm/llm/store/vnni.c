@@ -60,8 +60,10 @@ void rl_vnni_rows(const int8_t *p, int64_t k, const int64_t *ids, int64_t count,
  * 35.6 for 4 x 6; 1536 x 640 0.162 against 0.181 (6 x 4), 2048 x 640 0.214 against 0.205. */
 #define ROWS 8
 #define GROUPS 3
-/* The first tiles of a block, at most, that share the fetch of the next block's weights (rl_vnni_block). */
-#define FETCHING_TILES 4
+/* The first tiles of a block, at most, that share the fetch of the next block's weights (rl_vnni_block): spread over
+ * 4 of a 32-row block's tiles the fetch ended as the block did, and the next block's first loads waited for its last
+ * lines (Zen 4, 1 thread, the head at 16 / 32 rows: 16.9 / 32.4 ms with 4, 15.2 / 30.6 with 2). */
+#define FETCHING_TILES 2
 
 /* The sums of rows i0..i0+mi of au (k wide) against the groups gp (ng of them real: a short block repeats its last),
  * their offsets taken off, stored to c [m, n] at column col0 (int32, or with scale fp32 as gemv.c's store_sum
@@ -76,17 +78,22 @@ static inline __attribute__((always_inline)) void packed_tile(const uint8_t *au,
     for (int i = 0; i < ROWS; i++)
         for (int r = 0; r < GROUPS; r++) acc[i][r] = _mm512_setzero_si512();
     const uint8_t *a0 = au + i0 * k;
-    for (int64_t q = 0; q < k / QUAD; q++) {
-        if (ahead && q % every == 0)
-            for (int r = 0; r < GROUPS; r++) _mm_prefetch((const char *)(gp[r] + ahead + (from + q / every) * 64), _MM_HINT_T1);
-        __m512i wv[GROUPS];
-        for (int r = 0; r < GROUPS; r++) wv[r] = _mm512_loadu_si512(gp[r] + q * 64);
-        for (int i = 0; i < ROWS; i++) {
-            if (i < mi) {
-                int32_t codes;
-                memcpy(&codes, a0 + i * k + q * QUAD, sizeof codes);
-                __m512i av = _mm512_set1_epi32(codes);
-                for (int r = 0; r < GROUPS; r++) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], av, wv[r]);
+    /* `every` steps (k / QUAD is a multiple of 16) after each fetch, not a test of q at every step: the test cost 3-7 %
+     * of products bound by their multiplies (Zen 4, 1 thread: 2048 x 2048 at 512 rows 11.1 -> 10.3 ms, 4096 x 640 at
+     * 32 rows 0.43 -> 0.41) */
+    for (int64_t q0 = 0; q0 < k / QUAD; q0 += every) {
+        if (ahead)
+            for (int r = 0; r < GROUPS; r++) _mm_prefetch((const char *)(gp[r] + ahead + (from + q0 / every) * 64), _MM_HINT_T1);
+        for (int64_t q = q0; q < q0 + every; q++) {
+            __m512i wv[GROUPS];
+            for (int r = 0; r < GROUPS; r++) wv[r] = _mm512_loadu_si512(gp[r] + q * 64);
+            for (int i = 0; i < ROWS; i++) {
+                if (i < mi) {
+                    int32_t codes;
+                    memcpy(&codes, a0 + i * k + q * QUAD, sizeof codes);
+                    __m512i av = _mm512_set1_epi32(codes);
+                    for (int r = 0; r < GROUPS; r++) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], av, wv[r]);
+                }
             }
         }
     }
@@ -118,7 +125,8 @@ int64_t rl_vnni_blocks(int64_t n) { return ((n + GROUP - 1) / GROUP + GROUPS - 1
  * 12.7). The fetches are spread over the block's first tiles (up to FETCHING_TILES) at an even pace, not issued
  * during its first tile alone: a burst of them queued behind the memory and stalled that tile's loads while the later
  * tiles fetched nothing (Emerald Rapids VM, 1 thread, the head at 16 / 24 / 32 rows: 16.6 / 21.0 / 25.5 -> 14.0 /
- * 18.4 / 20.2 ms; 2 threads, 16 / 32 rows: 9.1 / 20.0 -> 7.9 / 16.2; 1 row and prefill shapes unchanged). Spread
+ * 18.4 / 20.2 ms, 4 tiles fetching at 32 rows; 2 threads, 16 / 32 rows: 9.1 / 20.0 -> 7.9 / 16.2; 1 row and
+ * prefill shapes unchanged; FETCHING_TILES went to 2 later, on a Zen 4, not measured again on that Xeon). Spread
  * over all of a prefill's hundreds of rows, with a count in each tile's loop, they cost 5-8 % of a product bound by
  * its multiplies (2048 x 2048 x 5120); the pace a constant, shifts and masks, they cost nothing measured. scale NULL:
  * the int32 sums, else fp32 as gemv.c's store_sum computes them. */
@@ -129,17 +137,15 @@ void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int
     const int8_t *gp[GROUPS];
     for (int r = 0; r < GROUPS; r++) gp[r] = p + (g0 + (r < ng ? r : ng - 1)) * gstride;
     int64_t ahead = g0 + 2 * GROUPS <= groups ? GROUPS * gstride : 0; /* the next block, where it is whole */
-    /* a group's 64-byte lines (k / QUAD, a multiple of 16: k is of 64) shared by the first 1, 2 or FETCHING_TILES
-     * tiles, each fetching its share at an even pace */
+    /* a group's 64-byte lines (k / QUAD, a multiple of 16: k is of 64) shared by the first 1 or FETCHING_TILES tiles,
+     * each fetching its share at an even pace */
     int64_t lines = k / QUAD, tiles = (m + ROWS - 1) / ROWS;
     for (int64_t i0 = 0, t = 0; i0 < m; i0 += ROWS, t++) {
         int mi = m - i0 < ROWS ? (int)(m - i0) : ROWS;
         /* ng and the fetch's pace constants at each call: the inlined tile compiled once for each */
         if (ng == GROUPS && tiles == 1)
             packed_tile(au, k, i0, mi, gp, GROUPS, ahead, 0, 1, offset, c, n, g0 * GROUP, scale, row_scale);
-        else if (ng == GROUPS && tiles < FETCHING_TILES && t < 2)
-            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, t * lines / 2, 2, offset, c, n, g0 * GROUP, scale, row_scale);
-        else if (ng == GROUPS && t < FETCHING_TILES && tiles >= FETCHING_TILES)
+        else if (ng == GROUPS && t < FETCHING_TILES)
             packed_tile(au, k, i0, mi, gp, GROUPS, ahead, t * lines / FETCHING_TILES, FETCHING_TILES, offset, c, n,
                         g0 * GROUP, scale, row_scale);
         else /* the tiles after them, and a short last block: nothing to fetch */
