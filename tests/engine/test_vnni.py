@@ -48,6 +48,34 @@ def test_the_packed_product_is_torchs_integers_and_its_epilogue(threads: int) ->
         lib.int8_mm(a, p[: n // VNNI_GROUP * VNNI_GROUP], offset=offset)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_output_streamed_past_the_caches_holds_the_same_values(threads: int) -> None:
+    """An fp32 output larger than the CPU's largest cache is stored past it; every output streamed here (the bound set
+    to 0 bytes) gives the same values, whole aligned groups streamed and the rest (a short last group, rows of an odd
+    width) stored as before."""
+    lib = kernels()
+    assert lib is not None
+    g, before = torch.Generator().manual_seed(4), torch.get_num_threads()
+    bound = lib.lib.rl_vnni_stream_bytes(-1)
+    assert bound >= 2**20  # the largest cache Linux tells of, or 32 MB
+    torch.set_num_threads(threads)
+    try:
+        for m, n, k in ((1, 16, 64), (8, 48, 640), (33, 1003, 128), (32, 4096, 64)):
+            a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+            codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+            p, offset = vnni_pack(codes, n)
+            scale, row_scale = torch.rand(n, generator=g), torch.rand(m, 1, generator=g)
+            want = (a.long() @ codes.long().t()).int().float().mul_(scale).mul_(row_scale)
+            lib.lib.rl_vnni_stream_bytes(0)
+            streamed = lib.int8_mm(a, p, None, scale, row_scale, offset)
+            lib.lib.rl_vnni_stream_bytes(bound)
+            assert torch.equal(streamed, want), (m, n, k)
+            assert torch.equal(lib.int8_mm(a, p, None, scale, row_scale, offset), want), (m, n, k)
+    finally:
+        lib.lib.rl_vnni_stream_bytes(bound)
+        torch.set_num_threads(before)
+
+
 def test_a_packed_table_computes_and_looks_up_what_a_row_major_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(1003, 200, generator=torch.Generator().manual_seed(5)) * 0.05  # 1003: a short last group
     packed = QuantizedTable.quantize(w, torch.float32, rotate=True)

@@ -142,6 +142,7 @@ class Kernels:
             "rl_int8_mm": ([_PTR, _INT64, _INT64, _PTR, _INT64, _INT64, *[_PTR] * 4, _INT, _INT], _INT),
             "rl_vnni_pack": ([_PTR, *[_INT64] * 3, _PTR, _PTR], _INT),
             "rl_vnni_rows": ([_PTR, _INT64, _PTR, _INT64, _PTR], None),
+            "rl_vnni_stream_bytes": ([_INT64], _INT64),
             "rl_int8_linear": ([_PTR, _INT, *[_INT64] * 4, _INT, _PTR, _INT, _INT, _INT], _INT),
             **{name: ([], _INT) for name in ("rl_int8_mm_body", "rl_amx_init", "rl_narrow_levels", "rl_vnni_max_rows")},
         }
