@@ -55,17 +55,6 @@ void rl_vnni_rows(const int8_t *p, int64_t k, const int64_t *ids, int64_t count,
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* Activation rows a tile takes at once and the groups it meets them with: 24 running sums, 3 weight vectors and a
- * broadcast of the 32 registers. Zen 4, 1 thread, 32 rows, ms: the head 32.3 against 32.6 for 6 x 4, 34.4 for 5 x 5,
- * 35.6 for 4 x 6; 1536 x 640 0.162 against 0.181 (6 x 4), 2048 x 640 0.214 against 0.205. */
-#define ROWS 8
-#define GROUPS 3
-/* The first tiles of a block, at most, that share the fetch of the next block's weights (rl_vnni_block): spread over
- * 4 of a 32-row block's tiles the fetch ended as the block did, and the next block's first loads waited for its last
- * lines (Zen 4, 1 thread, the head at 16 / 32 rows: 16.9 / 32.4 ms with 4, 15.2 / 30.6 with 2). */
-#define FETCHING_TILES 2
-
 /* The bytes of this CPU's largest cache, as Linux tells them (sysconf's answer was ten times a Zen 4 VM's 32 MB L3);
  * 32 MB where it does not. An fp32 output of half of it or more (a batch's logits) is stored past the caches
  * (stream): beside the weights and the KV cache passing through, it does not stay in them until it is read, and a
@@ -94,6 +83,17 @@ int64_t rl_vnni_stream_bytes(int64_t bytes) {
     if (bytes >= 0) largest_cache = bytes;
     return before;
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Activation rows a tile takes at once and the groups it meets them with: 24 running sums, 3 weight vectors and a
+ * broadcast of the 32 registers. Zen 4, 1 thread, 32 rows, ms: the head 32.3 against 32.6 for 6 x 4, 34.4 for 5 x 5,
+ * 35.6 for 4 x 6; 1536 x 640 0.162 against 0.181 (6 x 4), 2048 x 640 0.214 against 0.205. */
+#define ROWS 8
+#define GROUPS 3
+/* The first tiles of a block, at most, that share the fetch of the next block's weights (rl_vnni_block): spread over
+ * 4 of a 32-row block's tiles the fetch ended as the block did, and the next block's first loads waited for its last
+ * lines (Zen 4, 1 thread, the head at 16 / 32 rows: 16.9 / 32.4 ms with 4, 15.2 / 30.6 with 2). */
+#define FETCHING_TILES 2
 
 /* The sums of rows i0..i0+mi of au (k wide) against the groups gp (ng of them real: a short block repeats its last),
  * their offsets taken off, stored to c [m, n] at column col0 (int32, or with scale fp32 as gemv.c's store_sum
