@@ -50,9 +50,9 @@ def test_the_packed_product_is_torchs_integers_and_its_epilogue(threads: int) ->
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_an_output_streamed_past_the_caches_holds_the_same_values(threads: int) -> None:
-    """An fp32 output larger than the CPU's largest cache is stored past it; every output streamed here (the bound set
-    to 0 bytes) gives the same values, whole aligned groups streamed and the rest (a short last group, rows of an odd
-    width) stored as before."""
+    """An fp32 output of half the CPU's largest cache or more is stored past it; every output streamed here (the
+    bound set to 0 bytes) gives the same values, whole aligned groups streamed and the rest (a short last group, rows
+    of an odd width) stored as before."""
     lib = kernels()
     assert lib is not None
     g, before = torch.Generator().manual_seed(4), torch.get_num_threads()

@@ -55,12 +55,12 @@ void rl_vnni_rows(const int8_t *p, int64_t k, const int64_t *ids, int64_t count,
     }
 }
 
-/* The bytes of this CPU's largest cache, as Linux tells them (sysconf's answer was ten times a Zen 4 VM's 32 MB L3);
- * 32 MB where it does not. An fp32 output of half of it or more (a batch's logits) is stored past the caches
- * (stream): beside the weights and the KV cache passing through, it does not stay in them until it is read, and a
- * plain store reads each line from memory before it writes it (Zen 4, 1 thread, the 262,144 x 640 head's logits at
- * 32 rows, 32 MiB: 33.6 -> 28.5 ms; a batch-32 decode step 79.4 -> 75.3 ms, 46.8 -> 44.5 at 2 threads; at 16 rows,
- * 16 MiB, the step unchanged, 38.5 -> 38.6). */
+/* The bytes of this CPU's largest cache of level 3 or more, as Linux tells them (sysconf's answer was ten times a
+ * Zen 4 VM's 32 MB L3); 32 MB where it does not. An fp32 output of half of it or more (a batch's logits) is stored past
+ * the caches (stream): beside the weights and the KV cache passing through, it does not stay in them until it is
+ * read, and a plain store reads each line from memory before it writes it (Zen 4, 1 thread, the 262,144 x 640 head's
+ * logits at 32 rows, 32 MiB: 33.6 -> 28.5 ms; a batch-32 decode step 79.4 -> 75.3 ms, 46.8 -> 44.5 at 2 threads; at
+ * 16 rows, 16 MiB, the step unchanged, 38.5 -> 38.6). */
 static int64_t largest_cache = 32 << 20;
 /* One number from /sys/devices/system/cpu/cpu0/cache/index<i>/<name>, or 0. */
 static long cache_fact(int i, const char *name) {
@@ -72,12 +72,13 @@ static long cache_fact(int i, const char *name) {
     if (f != NULL) fclose(f);
     return value;
 }
-/* The largest cache of level 3 or more (a VM that tells of its L1 and L2 alone keeps the 32 MB). */
+/* largest_cache from /sys (a VM that tells of its L1 and L2 alone keeps the 32 MB). */
 static void __attribute__((constructor)) find_largest_cache(void) {
     int64_t most = 0;
-    for (int i = 0; i < 8; i++)
-        if (cache_fact(i, "level") >= 3 && (int64_t)cache_fact(i, "size") * 1024 > most)
-            most = (int64_t)cache_fact(i, "size") * 1024; /* "32768K": the number is in KB */
+    for (int i = 0; i < 8; i++) {
+        int64_t bytes = (int64_t)cache_fact(i, "size") * 1024; /* "32768K": the number is in KB */
+        if (cache_fact(i, "level") >= 3 && bytes > most) most = bytes;
+    }
     if (most > 0) largest_cache = most;
 }
 
@@ -167,8 +168,8 @@ int64_t rl_vnni_blocks(int64_t n) { return ((n + GROUP - 1) / GROUP + GROUPS - 1
  * 18.4 / 20.2 ms, 4 tiles fetching at 32 rows; 2 threads, 16 / 32 rows: 9.1 / 20.0 -> 7.9 / 16.2; 1 row and
  * prefill shapes unchanged; FETCHING_TILES went to 2 later, on a Zen 4, not measured again on that Xeon). Spread
  * over all of a prefill's hundreds of rows, with a count in each tile's loop, they cost 5-8 % of a product bound by
- * its multiplies (2048 x 2048 x 5120); the pace a constant, shifts and masks, they cost nothing measured. scale NULL:
- * the int32 sums, else fp32 as gemv.c's store_sum computes them. */
+ * its multiplies (2048 x 2048 x 5120); the pace a constant at each call (packed_tile's loop), they cost nothing
+ * measured. scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them. */
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
                    int64_t b, void *c, const float *scale, const float *row_scale) {
     int64_t groups = (n + GROUP - 1) / GROUP, g0 = b * GROUPS, gstride = k * GROUP;
