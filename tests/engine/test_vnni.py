@@ -76,6 +76,35 @@ def test_an_output_streamed_past_the_caches_holds_the_same_values(threads: int) 
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_packed_products_bf16_outputs_are_torchs_rounding_of_its_fp32_ones(threads: int) -> None:
+    """Under bf16 compute the packed product rounds its outputs as it stores them: each is torch's rounding of the
+    fp32 value (to nearest even; subnormals kept, where vcvtneps2bf16 would flush them; infinities; a row with a NaN
+    NaN throughout), whatever the rows, the outputs (a short last group and block) and the threads."""
+    lib = kernels()
+    assert lib is not None
+    g, before = torch.Generator().manual_seed(5), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m, k, n in ((1, 640, 1024), (3, 128, 67), (32, 640, 1003)):
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+            # scales from subnormal outputs (1e-41 times sums of thousands) to overflowing ones
+            scale = torch.rand(n, generator=g) * torch.tensor([1e-41, 1e-3, 1.0, 1e35]).repeat(n)[:n]
+            x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+            x[-1, 1] = float("nan") if m > 1 else x[-1, 1]
+            codes, row_scale = lib.quantize_rows(x, k)
+            want = (codes.long() @ q.long().t()).float().mul_(scale).mul_(row_scale).bfloat16()
+            packed, offset = vnni_pack(q, n)
+            got = lib.int8_linears(x, ((packed, scale, offset),))[0]
+            assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), want.isnan()), (m, k, n)
+            assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), (m, k, n)
+            tiny = want[:1].float().abs()
+            assert bool(((tiny > 0) & (tiny < torch.finfo(torch.float32).tiny)).any())  # subnormals met
+            assert bool(want[:1].isinf().any()) and (m == 1 or bool(want[-1].isnan().all()))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_packed_table_computes_and_looks_up_what_a_row_major_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(1003, 200, generator=torch.Generator().manual_seed(5)) * 0.05  # 1003: a short last group
     packed = QuantizedTable.quantize(w, torch.float32, rotate=True)

@@ -590,13 +590,16 @@ static int amx_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_
 
 /* One matrix of a product of the same activations by several (int8_mm_many, rl_int8_linear): its codes w[:n, :k]
  * (rows ldw apart), its output c [m, n] and its scales (NULL: the int32 sums); offset non-NULL: the codes are packed
- * in VNNI order (vnni.c's rl_vnni_pack, ldw unused) and these are its rows' offsets. */
+ * in VNNI order (vnni.c's rl_vnni_pack, ldw unused) and these are its rows' offsets; bf16 non-NULL (with scale): the
+ * fp32 values rounded to bf16 into bf16 [m, n] as each block is done, by the thread that computed it (c scratch, which
+ * packed codes' products do not touch: they round in registers). */
 typedef struct {
     const int8_t *w;
     int64_t ldw, n;
     void *c;
     const float *scale;
     const int32_t *offset;
+    uint16_t *bf16;
 } matrix;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -606,7 +609,7 @@ typedef struct {
 #endif
 int64_t rl_vnni_blocks(int64_t n);
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
-                   int64_t b, void *c, const float *scale, const float *row_scale);
+                   int64_t b, void *c, const float *scale, const float *row_scale, uint16_t *bf16);
 #endif
 /* The most matrices one call multiplies (q, k and v; gate and up), and the int64 that describe each to it. */
 #define MAX_MATRICES 4
@@ -639,8 +642,10 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
     for (int j = 0; j < count; j++) rowwise &= mats[j].offset == NULL;
     if (amx_ready && m > VNNI_MAX_ROWS && rowwise) {
         int failed = 0;
-        for (int j = 0; j < count && !failed; j++)
+        for (int j = 0; j < count && !failed; j++) {
             failed = amx_mm(a, m, k, mats[j].w, mats[j].ldw, mats[j].n, mats[j].c, mats[j].scale, row_scale, threads);
+            if (!failed && mats[j].bf16 != NULL) round_columns(mats[j].c, mats[j].bf16, m, mats[j].n, 0, mats[j].n);
+        }
         return failed;
     }
 #endif
@@ -682,8 +687,10 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
                     const int64_t rows = m - c0 < chunk ? m - c0 : chunk;
                     void *const cc = (char *)c + c0 * n * 4; /* int32 or fp32 */
                     const float *const rs = row_scale == NULL ? NULL : row_scale + c0;
+                    uint16_t *const bf16 = mats[j].bf16 == NULL ? NULL : mats[j].bf16 + c0 * n;
 #pragma omp for schedule(static) nowait
-                    for (int64_t b = 0; b < packed; b++) rl_vnni_block(au + c0 * k, rows, k, w, n, mats[j].offset, b, cc, scale, rs);
+                    for (int64_t b = 0; b < packed; b++)
+                        rl_vnni_block(au + c0 * k, rows, k, w, n, mats[j].offset, b, cc, scale, rs, bf16);
                 }
                 continue;
             }
@@ -715,6 +722,7 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
                     }
                 }
                 flush_block(c, buf, m, n, b0, nb, scale, row_scale);
+                if (mats[j].bf16 != NULL) round_columns(c, mats[j].bf16, m, n, b0, b0 + nb);
             }
         }
         free(buf);
@@ -730,7 +738,7 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
 /* int8_mm_many's product for one matrix (offset non-NULL: packed, as matrix says). */
 int rl_int8_mm(const int8_t *a, int64_t m, int64_t k, const int8_t *w, int64_t ldw, int64_t n, void *c,
                const float *scale, const float *row_scale, const int32_t *offset, int levels, int threads) {
-    const matrix one = {w, ldw, n, c, scale, offset};
+    const matrix one = {w, ldw, n, c, scale, offset, NULL};
     return int8_mm_many(a, m, k, &one, 1, row_scale, levels, threads);
 }
 
@@ -751,23 +759,19 @@ int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t widt
     for (int j = 0; j < count; j++) outputs += mats[MATRIX_ARGS * j + 2];
     int8_t *q = malloc((size_t)(m * width));
     float *row_scale = malloc((size_t)m * sizeof(float));
-    float *out = y_bf16 ? malloc((size_t)(m * outputs) * sizeof(float)) : NULL; /* the fp32 products to round */
+    float *out = y_bf16 ? malloc((size_t)(m * outputs) * sizeof(float)) : NULL; /* scratch: unpacked codes' fp32 products */
     int failed = count > MAX_MATRICES || q == NULL || row_scale == NULL || (y_bf16 && out == NULL);
     for (int64_t j = 0, at = 0; j < count && !failed; at += m * mats[MATRIX_ARGS * j + 2], j++) {
         const int64_t *arg = mats + MATRIX_ARGS * j;
         void *c = y_bf16 ? (void *)(out + at) : (void *)(intptr_t)arg[4];
         const int32_t *offset = (const int32_t *)(intptr_t)arg[5];
-        each[j] = (matrix){(const int8_t *)(intptr_t)arg[0], arg[1], arg[2], c, (const float *)(intptr_t)arg[3], offset};
+        uint16_t *bf16 = y_bf16 ? (uint16_t *)(intptr_t)arg[4] : NULL;
+        each[j] = (matrix){(const int8_t *)(intptr_t)arg[0], arg[1], arg[2], c, (const float *)(intptr_t)arg[3], offset, bf16};
     }
     /* a row is quantized on one thread: more only wake threads for a few rows' microseconds */
     int quantizers = m < threads ? (int)m : threads;
     if (!failed) failed = rl_quantize_rows(x, x_bf16, m, k, width, rotation, levels, q, row_scale, quantizers);
     if (!failed) failed = int8_mm_many(q, m, width, each, count, row_scale, levels, threads);
-    for (int j = 0; !failed && y_bf16 && j < count; j++) {
-        const float *from = each[j].c;
-        uint16_t *to = (uint16_t *)(intptr_t)mats[MATRIX_ARGS * j + 4];
-        for (int64_t i = 0; i < m * each[j].n; i++) to[i] = float_to_bf16(from[i]);
-    }
     free(out);
     free(row_scale);
     free(q);

@@ -101,16 +101,32 @@ int64_t rl_vnni_stream_bytes(int64_t bytes) {
  * lines (Zen 4, 1 thread, the head at 16 / 32 rows: 16.9 / 32.4 ms with 4, 15.2 / 30.6 with 2). */
 #define FETCHING_TILES 2
 
+/* 16 fp32 values rounded to bf16 as float_to_bf16 rounds each (to nearest even, a NaN to 0x7fc0): a product's
+ * outputs in a bf16 compute dtype, rounded as they are stored (rl_int8_linear rounded whole fp32 outputs after the
+ * product, on one thread: 1.6 % of a batch-32 decode step's samples at 2 threads, the other thread waiting). Not
+ * vcvtneps2bf16, which flushes subnormals to zero where torch's rounding keeps them. */
+static inline __m256i bf16_of(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 /* The sums of rows i0..i0+mi of au (k wide) against the groups gp (ng of them real: a short block repeats its last),
  * their offsets taken off, stored to c [m, n] at column col0 (int32, or with scale fp32 as gemv.c's store_sum
- * computes it, streamed past the caches where `stream` and a whole group's 64 bytes are aligned); ahead: how far past
- * each group's bytes to fetch meanwhile (the next block's), or 0: every `every` steps (a constant at each call) one
- * line of each group, from line `from` on. */
+ * computes it, streamed past the caches where `stream` and a whole group's 64 bytes are aligned; where bf16 is not
+ * NULL, those values rounded to bf16 into bf16 [m, n] instead); ahead: how far past each group's bytes to fetch
+ * meanwhile (the next block's), or 0: every `every` steps (a constant at each call) one line of each group, from
+ * line `from` on. */
 static inline __attribute__((always_inline)) void packed_tile(const uint8_t *au, int64_t k, int64_t i0, int mi,
                                                               const int8_t *const *gp, int ng, int64_t ahead,
                                                               int64_t from, int every, int stream,
                                                               const int32_t *offset, void *c, int64_t n, int64_t col0,
-                                                              const float *scale, const float *row_scale) {
+                                                              const float *scale, const float *row_scale,
+                                                              uint16_t *bf16) {
     __m512i acc[ROWS][GROUPS];
     for (int i = 0; i < ROWS; i++)
         for (int r = 0; r < GROUPS; r++) acc[i][r] = _mm512_setzero_si512();
@@ -147,6 +163,10 @@ static inline __attribute__((always_inline)) void packed_tile(const uint8_t *au,
                 continue;
             }
             __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), by_col), _mm512_set1_ps(row_scale[i0 + i]));
+            if (bf16 != NULL) {
+                _mm256_mask_storeu_epi16(bf16 + at, real, bf16_of(v));
+                continue;
+            }
             if (stream && real == 0xFFFF && ((uintptr_t)((float *)c + at) & 63) == 0)
                 _mm512_stream_ps((float *)c + at, v);
             else
@@ -169,9 +189,10 @@ int64_t rl_vnni_blocks(int64_t n) { return ((n + GROUP - 1) / GROUP + GROUPS - 1
  * prefill shapes unchanged; FETCHING_TILES went to 2 later, on a Zen 4, not measured again on that Xeon). Spread
  * over all of a prefill's hundreds of rows, with a count in each tile's loop, they cost 5-8 % of a product bound by
  * its multiplies (2048 x 2048 x 5120); the pace a constant at each call (packed_tile's loop), they cost nothing
- * measured. scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them. */
+ * measured. scale NULL: the int32 sums, else fp32 as gemv.c's store_sum computes them; bf16 non-NULL (with scale):
+ * those rounded to bf16 into bf16 [m, n] instead, c untouched. */
 void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int64_t n, const int32_t *offset,
-                   int64_t b, void *c, const float *scale, const float *row_scale) {
+                   int64_t b, void *c, const float *scale, const float *row_scale, uint16_t *bf16) {
     int64_t groups = (n + GROUP - 1) / GROUP, g0 = b * GROUPS, gstride = k * GROUP;
     int ng = groups - g0 < GROUPS ? (int)(groups - g0) : GROUPS;
     const int8_t *gp[GROUPS];
@@ -185,12 +206,12 @@ void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int
         int mi = m - i0 < ROWS ? (int)(m - i0) : ROWS;
         /* ng and the fetch's pace constants at each call: the inlined tile compiled once for each */
         if (ng == GROUPS && tiles == 1)
-            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, 0, 1, stream, offset, c, n, g0 * GROUP, scale, row_scale);
+            packed_tile(au, k, i0, mi, gp, GROUPS, ahead, 0, 1, stream, offset, c, n, g0 * GROUP, scale, row_scale, bf16);
         else if (ng == GROUPS && t < FETCHING_TILES)
             packed_tile(au, k, i0, mi, gp, GROUPS, ahead, t * lines / FETCHING_TILES, FETCHING_TILES, stream, offset, c, n,
-                        g0 * GROUP, scale, row_scale);
+                        g0 * GROUP, scale, row_scale, bf16);
         else /* the tiles after them, and a short last block: nothing to fetch */
-            packed_tile(au, k, i0, mi, gp, ng, 0, 0, 1, stream, offset, c, n, g0 * GROUP, scale, row_scale);
+            packed_tile(au, k, i0, mi, gp, ng, 0, 0, 1, stream, offset, c, n, g0 * GROUP, scale, row_scale, bf16);
     }
     if (stream) _mm_sfence(); /* the streamed stores ordered before whatever reads the output next */
 }
