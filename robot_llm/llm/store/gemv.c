@@ -328,9 +328,10 @@ static void flush_block(void *c, const int32_t *buf, int64_t m, int64_t n, int64
 
 /* The sums of MT2 activation rows ar against RT weight rows wr over k columns, into out [MT2, RT]
  * (rows ldo apart); prefetch: fetch the weights PREFETCH bytes past the tile's first row meanwhile, the two lines a
- * step consumes where the rows are contiguous (with a longer row stride it fetches less far ahead). Fetching only
- * the next tile's rows (2.5 KB ahead at k = 640) read Gemma 3 270M's head at one row at 9.5 GB/s on a Zen 4 core
- * (17.7 ms, against 7.1 for the exact few-row kernel, which reads 4 KB ahead).
+ * step consumes where the rows are contiguous (with a longer row stride it fetches less far ahead), into L1, or into
+ * L2 where `far` (a constant at each call: FAR_ROWS rows or more). Fetching only the next tile's rows (2.5 KB ahead
+ * at k = 640) read Gemma 3 270M's head at one row at 9.5 GB/s on a Zen 4 core (17.7 ms, against 7.1 for the exact
+ * few-row kernel, which reads 4 KB ahead).
  *
  * vpmaddubsw multiplies unsigned by signed bytes and sums each pair into a saturating int16. narrow (activation codes
  * within -NARROW_LEVELS..NARROW_LEVELS): the weights offset to unsigned (w + 128, one xor a vector, shared by the
@@ -340,15 +341,18 @@ static void flush_block(void *c, const int32_t *buf, int64_t m, int64_t n, int64
  * at most 2 x 128 x 127 = 32,512. The multiplies' two ports bound both: 26 of their ops a step of the tile against
  * 16 narrow (Gemma 3 270M's head at 32 rows, 1 thread, Sapphire Rapids as the AVX2 kind: 112-114 against 92 ms). */
 static inline __attribute__((always_inline)) void avx2_tile(const int8_t *const *ar, const int8_t *const *wr,
-                                                            int64_t k, int prefetch, int narrow, int32_t *out,
-                                                            int64_t ldo) {
+                                                            int64_t k, int prefetch, int far, int narrow,
+                                                            int32_t *out, int64_t ldo) {
     const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
     __m256i acc[MT2][RT];
     for (int i = 0; i < MT2; i++)
         for (int r = 0; r < RT; r++) acc[i][r] = _mm256_setzero_si256();
     for (int64_t j = 0; j < k; j += 32) {
         __m256i wu[RT]; /* w + 128 (narrow) or |w| */
-        if (prefetch) {
+        if (prefetch && far) {
+            _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT, _MM_HINT_T1);
+            _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT + 64, _MM_HINT_T1);
+        } else if (prefetch) {
             _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT, _MM_HINT_T0);
             _mm_prefetch((const char *)wr[0] + PREFETCH + j * RT + 64, _MM_HINT_T0);
         }
@@ -413,10 +417,17 @@ static inline void vnni_rows(const uint8_t *au, int64_t k, int64_t c0, int64_t c
     }
 }
 #else
+/* Rows from which the AVX2 tile fetches the next weights into L2, not L1: with a batch's rows the lines fetched 4 KB
+ * ahead wait in L1 through every pair of rows of a tile and its successor, while the rows' codes pass through it too
+ * (Zen 4, 1 thread, Gemma 3 270M's 262,144 x 640 head, ms, into L1 / L2: 32 rows 94.8 / 89.2, 16 rows 47.7 / 45.3, 8
+ * rows 23.5 / 22.4; 4 rows 11.8 / 14.5, 2 rows 7.0 / 10.4, 1 row 6.6 / 10.2: a few rows use them within a pass). */
+#define FAR_ROWS 8
+
 /* Activation rows c0..c1 of a (k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time; asum: each
  * row's sum of codes where they are narrow (avx2_tile), else NULL. */
 static inline void avx2_rows(const int8_t *a, int64_t k, int64_t c0, int64_t c1, const int8_t *const *wr,
                              const int32_t *asum, int32_t *out) {
+    int far = c1 - c0 >= FAR_ROWS;
     for (int64_t i0 = c0; i0 < c1; i0 += MT2) {
         /* A last single row runs as a pair with itself, both sums stored in its place (ldo 0): the one-row tile read
          * Gemma 3 270M's head at half the rate (a decode row on a Zen 4 core: 12.2-12.9 ms against 6.0-6.8 for two
@@ -424,12 +435,16 @@ static inline void avx2_rows(const int8_t *a, int64_t k, int64_t c0, int64_t c1,
         int pair = c1 - i0 >= 2;
         const int8_t *ar[MT2] = {a + i0 * k, a + (pair ? i0 + 1 : i0) * k};
         int32_t *o = out + i0 * NB; /* the weights fetched on rows 0-1 */
-        /* narrow as a constant at each call: the inlined tile is compiled once per product, no branch in its loop */
-        if (asum == NULL) {
-            avx2_tile(ar, wr, k, i0 == 0, 0, o, pair ? NB : 0);
-            continue;
-        }
-        avx2_tile(ar, wr, k, i0 == 0, 1, o, pair ? NB : 0);
+        /* narrow and far as constants at each call: the inlined tile is compiled once for each, no test in its loop */
+        if (asum == NULL && far)
+            avx2_tile(ar, wr, k, i0 == 0, 1, 0, o, pair ? NB : 0);
+        else if (asum == NULL)
+            avx2_tile(ar, wr, k, i0 == 0, 0, 0, o, pair ? NB : 0);
+        else if (far)
+            avx2_tile(ar, wr, k, i0 == 0, 1, 1, o, pair ? NB : 0);
+        else
+            avx2_tile(ar, wr, k, i0 == 0, 0, 1, o, pair ? NB : 0);
+        if (asum == NULL) continue;
         for (int i = 0; i < 1 + pair; i++)
             for (int r = 0; r < RT; r++) o[i * NB + r] -= 128 * asum[i0 + i];
     }
