@@ -774,7 +774,8 @@ int rl_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t widt
     for (int j = 0; j < count; j++) outputs += mats[MATRIX_ARGS * j + 2];
     int8_t *q = malloc((size_t)(m * width));
     float *row_scale = malloc((size_t)m * sizeof(float));
-    float *out = y_bf16 ? malloc((size_t)(m * outputs) * sizeof(float)) : NULL; /* scratch: unpacked codes' fp32 products */
+    /* scratch: the fp32 products of row-major codes (packed ones round theirs in registers) */
+    float *out = y_bf16 ? malloc((size_t)(m * outputs) * sizeof(float)) : NULL;
     int failed = count > MAX_MATRICES || q == NULL || row_scale == NULL || (y_bf16 && out == NULL);
     for (int64_t j = 0, at = 0; j < count && !failed; at += m * mats[MATRIX_ARGS * j + 2], j++) {
         const int64_t *arg = mats + MATRIX_ARGS * j;
