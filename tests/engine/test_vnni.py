@@ -91,7 +91,8 @@ def test_a_packed_products_bf16_outputs_are_torchs_rounding_of_its_fp32_ones(thr
             # scales from subnormal outputs (1e-41 times sums of thousands) to overflowing ones
             scale = torch.rand(n, generator=g) * torch.tensor([1e-41, 1e-3, 1.0, 1e35]).repeat(n)[:n]
             x = (torch.randn(m, k, generator=g) * 3).bfloat16()
-            x[-1, 1] = float("nan") if m > 1 else x[-1, 1]
+            if m > 1:
+                x[-1, 1] = float("nan")  # its row's outputs all NaN
             codes, row_scale = lib.quantize_rows(x, k)
             want = (codes.long() @ q.long().t()).float().mul_(scale).mul_(row_scale).bfloat16()
             packed, offset = vnni_pack(q, n)

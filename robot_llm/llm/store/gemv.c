@@ -420,7 +420,8 @@ static inline void vnni_rows(const uint8_t *au, int64_t k, int64_t c0, int64_t c
 /* Rows from which the AVX2 tile fetches the next weights into L2, not L1: with a batch's rows the lines fetched 4 KB
  * ahead wait in L1 through every pair of rows of a tile and its successor, while the rows' codes pass through it too
  * (Zen 4, 1 thread, Gemma 3 270M's 262,144 x 640 head, ms, into L1 / L2: 32 rows 94.8 / 89.2, 16 rows 47.7 / 45.3, 8
- * rows 23.5 / 22.4; 4 rows 11.8 / 14.5, 2 rows 7.0 / 10.4, 1 row 6.6 / 10.2: a few rows use them within a pass). */
+ * rows 23.5 / 22.4; 4 rows 11.8 / 14.5, 2 rows 7.0 / 10.4, 1 row 6.6 / 10.2: a few rows use them within a pass;
+ * a prefill's 512 rows by 2048 x 640, 640 x 2048 and 1024 x 640 unchanged, 1 and 2 threads). */
 #define FAR_ROWS 8
 
 /* Activation rows c0..c1 of a (k wide) against the RT weight rows wr into out [rows, NB], MT2 at a time; asum: each

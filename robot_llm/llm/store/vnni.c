@@ -201,7 +201,7 @@ void rl_vnni_block(const uint8_t *au, int64_t m, int64_t k, const int8_t *p, int
     /* a group's 64-byte lines (k / QUAD, a multiple of 16: k is of 64) shared by the first 1 or FETCHING_TILES tiles,
      * each fetching its share at an even pace */
     int64_t lines = k / QUAD, tiles = (m + ROWS - 1) / ROWS;
-    int stream = scale != NULL && 2 * m * n * (int64_t)sizeof(float) >= largest_cache;
+    int stream = scale != NULL && bf16 == NULL && 2 * m * n * (int64_t)sizeof(float) >= largest_cache;
     for (int64_t i0 = 0, t = 0; i0 < m; i0 += ROWS, t++) {
         int mi = m - i0 < ROWS ? (int)(m - i0) : ROWS;
         /* ng and the fetch's pace constants at each call: the inlined tile compiled once for each */
