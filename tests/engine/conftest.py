@@ -45,12 +45,16 @@ def weight_only(monkeypatch: pytest.MonkeyPatch):
 
 
 def _kernels_cached_in(root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    from robot_llm.llm.store import gemv
+    from robot_llm.llm.store import gemv, int8act
 
+    # int8act's answers hold the kernels' bound methods: cleared with them, so that no later test compares a
+    # method of this test's build with one of the build after it
     monkeypatch.setenv("XDG_CACHE_HOME", str(root))
     gemv.kernels.cache_clear()
+    int8act._int8_kernels.cache_clear()
     yield root / "robot-llm" / "kernels"
     gemv.kernels.cache_clear()
+    int8act._int8_kernels.cache_clear()
 
 
 @pytest.fixture(scope="session")
