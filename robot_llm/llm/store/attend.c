@@ -548,7 +548,8 @@ int rl_decode_attention(const void *q, int q_dtype, int64_t B, int64_t n_heads, 
         int16_t *q16 = (int16_t *)codes;
         int32_t *pc = codes == NULL ? NULL : codes + group * hd / 2;
         float *qscale = code_scales, *pscale = code_scales == NULL ? NULL : code_scales + group;
-#pragma omp for schedule(static)
+        /* items as threads come free: a night's rows differ in live keys, and a thread can fall behind */
+#pragma omp for schedule(dynamic)
         for (int64_t it = 0; it < items; it++) {
             if (!ready) continue;
             int64_t pair = it / parts, part = it % parts, b = pair / kv_heads, g = pair % kv_heads, h0 = g * group;
