@@ -689,11 +689,12 @@ static int int8_mm_many(const int8_t *a, int64_t m, int64_t k, const matrix *mat
         /* Each matrix's blocks split among the threads as one matrix's, no barrier between the matrices: a thread goes
          * on to its share of the next. Shares that shrink as the blocks run out (guided), taken as a thread comes free:
          * with fixed halves a thread that fell behind (its core lent to the host, an interrupt) held the other idle at
-         * the end (2 threads, a batch-32 step: one thread waiting in 12 % of the AVX2 kind's samples, mostly at the
-         * head's end, 5.6 % of a Zen 4's); the first shares stay long and whole, so the next block's fetch still serves
-         * the thread that fetched it (shares of a 64th of the blocks, or one, cost a batch-1 step 8 %). The matrix's
-         * fields as locals, as one matrix's arguments were (read from the array in the loop, a 2048 x 640 matrix at 1
-         * row took 10-20 % longer). */
+         * the end (2 threads, a batch-32 step while the host was busy: one thread waiting in 12 % of the AVX2 kind's
+         * samples, mostly at the head's end, 5.6 % of a Zen 4's; the step 0.95-0.98 of its time then, the same on a
+         * quiet host); the first shares stay long and whole, so the next block's fetch still serves the thread that
+         * fetched it (shares of a 64th of the blocks, or one, cost a batch-1 step 8 %). The matrix's fields as locals,
+         * as one matrix's arguments were (read from the array in the loop, a 2048 x 640 matrix at 1 row took 10-20 %
+         * longer). */
         for (int j = 0; j < count; j++) {
             const int8_t *const w = mats[j].w;
             const int64_t ldw = mats[j].ldw, n = mats[j].n, blocks = (n + NB - 1) / NB;
