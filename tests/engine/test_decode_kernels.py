@@ -410,6 +410,41 @@ def test_our_int8_product_is_the_exact_integers_where_it_serves(levels: int, mon
     assert torch.equal(ours, exact)
 
 
+def test_shares_of_blocks_and_items_taken_as_threads_come_free_give_the_same_bits() -> None:
+    """A product's blocks and the attention's (row, KV head) items go to whichever thread comes free, in shares that
+    differ from call to call: the outputs are the same bits at 1 to 4 threads (more than this machine's cores, so
+    that threads fall behind), row-major and packed codes alike, and rows attending different numbers of keys."""
+    lib = kernels()
+    assert lib is not None
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 32, 64 * 37 + 5, 192  # many blocks, a short last one
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale, row_scale = torch.rand(n, generator=g), torch.rand(m, 1, generator=g)
+    want = (a.long() @ codes.long().t()).int()
+    packed = vnni_pack(codes, n) if lib.int8_mm_body == "vnni" else None
+    B, heads, hd, S = 9, 4, 64, 70
+    q = torch.randn(B, 1, heads, hd, generator=g).bfloat16()
+    keys, values = (torch.randn(B, S, 1, hd, generator=g).bfloat16() for _ in range(2))
+    mask = torch.arange(S)[None, :] >= torch.randint(1, S + 1, (B, 1), generator=g)  # each row its own live keys
+    mask = mask[:, None, None, :]
+    before, seen = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            product = lib.int8_mm(a, codes, None, scale, row_scale)
+            assert torch.equal(lib.int8_mm(a, codes), want), threads
+            if packed is not None:
+                assert torch.equal(lib.int8_mm(a, packed[0], offset=packed[1]), want), threads
+                assert torch.equal(lib.int8_mm(a, packed[0], None, scale, row_scale, packed[1]), product), threads
+            seen.append((product, lib.decode_attention(q, keys, values, mask, hd**-0.5)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(seen[0][0], want.float().mul_(scale).mul_(row_scale))
+    for product, attended in seen[1:]:
+        assert torch.equal(product, seen[0][0]) and torch.equal(attended, seen[0][1])
+
+
 @pytest.mark.parametrize("levels", [127, 63], ids=["wide", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_our_activation_quantization_is_torchs_to_the_bit(
