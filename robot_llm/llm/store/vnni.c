@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "floats.h"
+#include "vectors.h"
 
 /* Weight rows a packed group holds (a vector's int32 lanes) and the input codes each holds of a row. */
 #define GROUP 16
@@ -101,20 +101,6 @@ int64_t rl_vnni_stream_bytes(int64_t bytes) {
  * lines (Zen 4, 1 thread, the head at 16 / 32 rows: 16.9 / 32.4 ms with 4, 15.2 / 30.6 with 2). */
 #define FETCHING_TILES 2
 
-/* 16 fp32 values rounded to bf16 as float_to_bf16 rounds each (to nearest even, a NaN to 0x7fc0), each in the low
- * half of its 32-bit lane (stored narrowed by AVX512F's vpmovdw; a 256-bit masked store would need VL): a product's
- * outputs in a bf16 compute dtype, rounded as they are stored (rl_int8_linear rounded whole fp32 outputs after the
- * product, on one thread: 1.6 % of a batch-32 decode step's samples at 2 threads, the other thread waiting). Not
- * vcvtneps2bf16, which flushes subnormals to zero where torch's rounding keeps them. */
-static inline __m512i bf16_of(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-}
-
 /* The sums of rows i0..i0+mi of au (k wide) against the groups gp (ng of them real: a short block repeats its last),
  * their offsets taken off, stored to c [m, n] at column col0 (int32, or with scale fp32 as gemv.c's store_sum
  * computes it, streamed past the caches where `stream` and a whole group's 64 bytes are aligned; where bf16 is not
@@ -163,8 +149,8 @@ static inline __attribute__((always_inline)) void packed_tile(const uint8_t *au,
                 continue;
             }
             __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), by_col), _mm512_set1_ps(row_scale[i0 + i]));
-            if (bf16 != NULL) {
-                _mm512_mask_cvtepi32_storeu_epi16(bf16 + at, real, bf16_of(v));
+            if (bf16 != NULL) { /* rounded as torch rounds (vbf16_upper; not vcvtneps2bf16, which flushes subnormals) */
+                _mm512_mask_cvtepi32_storeu_epi16(bf16 + at, real, vshr32(vbf16_upper(v), 16));
                 continue;
             }
             if (stream && real == 0xFFFF && ((uintptr_t)((float *)c + at) & 63) == 0)
