@@ -253,23 +253,17 @@ def vm_hwm() -> int:
     return 0
 
 
-def ours_child(
-    store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int, int8_kv: bool = False
-) -> dict[str, Any]:
-    """The measurement inside the fresh process: warm-up, then prefill ``batch x prompt`` and decode ``new``;
-    ``int8_kv``: an int8 KV cache, else the plan's."""
-    import torch
-
+def open_ours(store: Path, threads: int, micro_batch: int, int8_kv: bool = False) -> tuple[Any, str, str]:
+    """Our engine on ``store`` through the door, under the policy llama.cpp's row runs under (layers in RAM, these
+    threads and micro-batch, the plan's compute dtype), with the plan's KV cache (bf16 under fp32 compute) or, with
+    ``int8_kv``, an int8 one: the opened model, its compute dtype and its KV cache's dtype."""
     from robot_llm.llm.model import Model, ModelSettings, Policy
     from robot_llm.llm.plan.cpu import cpu_has_native_bf16
     from robot_llm.llm.plan.planner import cpu_kv_dtype
-    from robot_llm.llm.sampling import greedy_tokens
     from robot_llm.llm.store.reader import read_manifest
 
     dtype = "bf16" if cpu_has_native_bf16() else "fp32"
-    # the plan's KV cache (bf16 under fp32 compute), or int8
     kv_dtype = "int8" if int8_kv else cpu_kv_dtype(read_manifest(store).config, dtype)
-    # Through the door with the policy llama.cpp's row runs under: layers in RAM, these threads and micro-batch.
     policy = Policy(
         device="cpu",
         compute_dtype=dtype,
@@ -278,7 +272,19 @@ def ours_child(
         threads=threads,
         micro_batch=micro_batch,
     )
-    opened = Model.open(ModelSettings(vocab=store, store=store, device="cpu"), policy)
+    return Model.open(ModelSettings(vocab=store, store=store, device="cpu"), policy), dtype, kv_dtype
+
+
+def ours_child(
+    store: Path, threads: int, batch: int, prompt: int, new: int, micro_batch: int, int8_kv: bool = False
+) -> dict[str, Any]:
+    """The measurement inside the fresh process: warm-up, then prefill ``batch x prompt`` and decode ``new``;
+    ``int8_kv``: an int8 KV cache, else the plan's (:func:`open_ours`)."""
+    import torch
+
+    from robot_llm.llm.sampling import greedy_tokens
+
+    opened, dtype, kv_dtype = open_ours(store, threads, micro_batch, int8_kv)
     model = opened.engine
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
