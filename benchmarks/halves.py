@@ -10,8 +10,8 @@ script measures whether that pays.
 Configurations, each in a fresh process after an untimed warm-up, interleaved over ``--rounds``:
 
 * ``one``: ``B`` rows stepped together at ``T`` threads (the engine as it runs a night);
-* ``halves``: two ``B / 2``-row batches, each with its own cache, stepped by its own Python thread at ``T / 2``
-  kernel threads, free-running (each half takes its next step as soon as its last is done, so their phases drift
+* ``halves``: two ``B / 2``-row batches, each with its own engine and cache, stepped by its own Python thread at
+  ``T / 2`` kernel threads, free-running (each half takes its next step as soon as its last is done, so their phases drift
   apart);
 * ``locked``: the same two halves, both waiting for the slower one at every step (what the generation loop, which
   chooses every row's token together, would run).
@@ -47,10 +47,13 @@ def child(store: Path, config: str, threads: int, batch: int, prompt: int, new: 
 
     from robot_llm.llm.sampling import greedy_tokens
 
-    opened, dtype, _ = llamacpp.open_ours(store, threads, micro_batch=4)
-    model = opened.engine
-    ids = torch.randint(100, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
     parts = [range(batch)] if config == "one" else [range(batch // 2), range(batch // 2, batch)]
+    # An engine for each half: one engine's layers stream through one set of slots, for one step at a time (two
+    # halves stepping one engine at once took each other's layers now and then, and chose other tokens).
+    engines = [llamacpp.open_ours(store, threads, micro_batch=4) for _ in parts]
+    opened, dtype = [e[0] for e in engines], engines[0][1]
+    vocab = opened[0].engine.config.vocab_size
+    ids = torch.randint(100, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
     each = threads if config == "one" else threads // 2
     # The whole batch steps in this thread, as a night's does, with no other thread that has run a parallel region:
     # libgomp's idle threads spin only while it manages no more threads than there are CPUs, and otherwise sleep
@@ -64,19 +67,22 @@ def child(store: Path, config: str, threads: int, batch: int, prompt: int, new: 
         return [fn(item) for item in items] if pool is None else list(pool.map(fn, items))
 
     def steps(state: list[Any], n: int) -> None:
-        cache, token, chosen = state
+        model, cache, token, chosen = state
         for _ in range(n):
             token = greedy_tokens(model.forward(token, cache, last_only=True)[:, -1])[:, None]
             chosen.append(token)
-        state[1] = token
+        state[2] = token
 
-    def prefilled(rows: range, rows_ids: Any) -> list[Any]:
-        cache = model.new_cache(len(rows), prompt + new + 4)
-        return [cache, greedy_tokens(model.forward(rows_ids, cache, last_only=True)[:, -1])[:, None], []]
+    def prefilled(model: Any, rows_ids: Any) -> list[Any]:
+        cache = model.new_cache(rows_ids.shape[0], rows_ids.shape[1] + new + 4)
+        return [model, cache, greedy_tokens(model.forward(rows_ids, cache, last_only=True)[:, -1])[:, None], []]
 
-    warm = [prefilled(range(2), ids[:2, :16])]
-    each_state(lambda s: steps(s, 2), warm)  # untimed: first calls, allocator, kernel dispatch, pool threads
-    states = each_state(lambda rows: prefilled(rows, ids[rows.start : rows.stop]), parts)
+    def warmed(model: Any) -> None:  # untimed: first calls, allocator, kernel dispatch, pool threads
+        steps(prefilled(model, ids[:2, :16]), 2)
+
+    each_state(warmed, [o.engine for o in opened])
+    halves = list(zip(opened, parts, strict=True))
+    states = each_state(lambda half: prefilled(half[0].engine, ids[half[1].start : half[1].stop]), halves)
     started = time.perf_counter()
     if config == "locked":
         for _ in range(new):
@@ -84,8 +90,9 @@ def child(store: Path, config: str, threads: int, batch: int, prompt: int, new: 
     else:
         each_state(lambda s: steps(s, new), states)
     seconds = time.perf_counter() - started
-    tokens = torch.cat([torch.cat(s[2], dim=1) for s in states]).tolist()
-    opened.close()
+    tokens = torch.cat([torch.cat(s[3], dim=1) for s in states]).tolist()
+    for o in opened:
+        o.close()
     return {"config": config, "step_s": seconds / new, "tokens": tokens, "peak_rss": llamacpp.vm_hwm(), "dtype": dtype}
 
 
