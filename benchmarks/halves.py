@@ -11,8 +11,8 @@ Configurations, each in a fresh process after an untimed warm-up, interleaved ov
 
 * ``one``: ``B`` rows stepped together at ``T`` threads (the engine as it runs a night);
 * ``halves``: two ``B / 2``-row batches, each with its own engine and cache, stepped by its own Python thread at
-  ``T / 2`` kernel threads, free-running (each half takes its next step as soon as its last is done, so their phases drift
-  apart);
+  ``T / 2`` kernel threads, free-running (each half takes its next step as soon as its last is done, so their phases
+  drift apart);
 * ``locked``: the same two halves, both waiting for the slower one at every step (what the generation loop, which
   chooses every row's token together, would run).
 
