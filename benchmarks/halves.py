@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,58 +40,70 @@ import llamacpp
 CONFIGS = ("one", "halves", "locked")
 
 
+@dataclass
+class Rows:
+    """Rows stepped together: their engine, cache, last tokens and every token chosen since the prefill."""
+
+    model: Any
+    cache: Any
+    token: Any
+    chosen: list[Any] = field(default_factory=list)
+
+    def step(self, n: int) -> None:
+        from robot_llm.llm.sampling import greedy_tokens
+
+        for _ in range(n):
+            self.token = greedy_tokens(self.model.forward(self.token, self.cache, last_only=True)[:, -1])[:, None]
+            self.chosen.append(self.token)
+
+
+def prefilled(model: Any, ids: Any, new: int) -> Rows:
+    """``ids``' rows prefilled on ``model``, with room for ``new`` steps."""
+    from robot_llm.llm.sampling import greedy_tokens
+
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + new + 4)
+    return Rows(model, cache, greedy_tokens(model.forward(ids, cache, last_only=True)[:, -1])[:, None])
+
+
 def child(store: Path, config: str, threads: int, batch: int, prompt: int, new: int) -> dict[str, Any]:
     """One configuration's measurement inside its fresh process."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
-    from robot_llm.llm.sampling import greedy_tokens
-
     parts = [range(batch)] if config == "one" else [range(batch // 2), range(batch // 2, batch)]
     # An engine for each half: one engine's layers stream through one set of slots, for one step at a time (two
     # halves stepping one engine at once took each other's layers now and then, and chose other tokens).
     engines = [llamacpp.open_ours(store, threads, micro_batch=4) for _ in parts]
     opened, dtype = [e[0] for e in engines], engines[0][1]
-    vocab = opened[0].engine.config.vocab_size
-    ids = torch.randint(100, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
-    each = threads if config == "one" else threads // 2
+    ids = torch.randint(
+        100, opened[0].engine.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)
+    )
     # The whole batch steps in this thread, as a night's does, with no other thread that has run a parallel region:
     # libgomp's idle threads spin only while it manages no more threads than there are CPUs, and otherwise sleep
     # between regions, to be woken at every one (a pool thread's team beside this one's made the step 52-70 ms
     # where alone it took 45).
-    pool = (
-        None if config == "one" else ThreadPoolExecutor(len(parts), initializer=torch.set_num_threads, initargs=(each,))
-    )
+    pool = None
+    if config != "one":
+        pool = ThreadPoolExecutor(len(parts), initializer=torch.set_num_threads, initargs=(threads // 2,))
 
-    def each_state(fn: Any, items: list[Any]) -> list[Any]:
+    def each(fn: Any, items: list[Any]) -> list[Any]:
         return [fn(item) for item in items] if pool is None else list(pool.map(fn, items))
 
-    def steps(state: list[Any], n: int) -> None:
-        model, cache, token, chosen = state
-        for _ in range(n):
-            token = greedy_tokens(model.forward(token, cache, last_only=True)[:, -1])[:, None]
-            chosen.append(token)
-        state[2] = token
-
-    def prefilled(model: Any, rows_ids: Any) -> list[Any]:
-        cache = model.new_cache(rows_ids.shape[0], rows_ids.shape[1] + new + 4)
-        return [model, cache, greedy_tokens(model.forward(rows_ids, cache, last_only=True)[:, -1])[:, None], []]
-
-    def warmed(model: Any) -> None:  # untimed: first calls, allocator, kernel dispatch, pool threads
-        steps(prefilled(model, ids[:2, :16]), 2)
-
-    each_state(warmed, [o.engine for o in opened])
-    halves = list(zip(opened, parts, strict=True))
-    states = each_state(lambda half: prefilled(half[0].engine, ids[half[1].start : half[1].stop]), halves)
+    # untimed: first calls, allocator, kernel dispatch, pool threads
+    each(lambda o: prefilled(o.engine, ids[:2, :16], 2).step(2), opened)
+    rows = each(
+        lambda half: prefilled(half[0].engine, ids[half[1].start : half[1].stop], new),
+        list(zip(opened, parts, strict=True)),
+    )
     started = time.perf_counter()
     if config == "locked":
         for _ in range(new):
-            each_state(lambda s: steps(s, 1), states)
+            each(lambda r: r.step(1), rows)
     else:
-        each_state(lambda s: steps(s, new), states)
+        each(lambda r: r.step(new), rows)
     seconds = time.perf_counter() - started
-    tokens = torch.cat([torch.cat(s[3], dim=1) for s in states]).tolist()
+    tokens = torch.cat([torch.cat(r.chosen, dim=1) for r in rows]).tolist()
     for o in opened:
         o.close()
     return {"config": config, "step_s": seconds / new, "tokens": tokens, "peak_rss": llamacpp.vm_hwm(), "dtype": dtype}
